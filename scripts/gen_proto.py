@@ -1,0 +1,36 @@
+"""Regenerate the committed gRPC stubs from ``proto/recover.proto``.
+
+Usage: ``python scripts/gen_proto.py [OUT_ROOT]``. OUT_ROOT defaults to the
+repository root; the test suite passes a temporary directory and compares.
+The ``-I<virtual path>=proto`` form makes protoc emit absolute imports
+(``from taskd_core.rpc._gen import recover_pb2``) with no rewriting step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+GEN_PACKAGE = "taskd_core/rpc/_gen"
+
+
+def generate(out_root: Path) -> None:
+    (out_root / GEN_PACKAGE).mkdir(parents=True, exist_ok=True)
+    args = [
+        "protoc",
+        f"-I{GEN_PACKAGE}={ROOT / 'proto'}",
+        f"-I{Path(protoc.__file__).parent / '_proto'}",
+        f"--python_out={out_root}",
+        f"--pyi_out={out_root}",
+        f"--grpc_python_out={out_root}",
+        f"{GEN_PACKAGE}/recover.proto",
+    ]
+    if protoc.main(args) != 0:
+        raise SystemExit(f"protoc failed: {' '.join(args)}")
+
+
+if __name__ == "__main__":
+    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)

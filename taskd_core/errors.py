@@ -1,0 +1,91 @@
+"""The one error hierarchy of TaskD.
+
+Every error carries the context that produced it as attributes and a message
+that says what to do about it. The controller maps these to wire codes in one
+place (:mod:`taskd_core.controller.service`); the CLI maps them to exit codes.
+"""
+
+from __future__ import annotations
+
+
+class TaskdError(Exception):
+    """Root of every error TaskD raises on purpose."""
+
+
+class ConfigError(TaskdError):
+    """A setting, policy file or command-line value that cannot be used."""
+
+
+class ProtocolError(TaskdError):
+    """A request or signal whose fields break the wire protocol's rules."""
+
+    def __init__(self, message: str, *, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ControllerUnavailableError(TaskdError):
+    """The controller could not be reached before the deadline."""
+
+    def __init__(self, address: str, waited: float, cause: BaseException | None = None) -> None:
+        super().__init__(
+            f"controller at {address} did not answer within {waited:.1f}s"
+            f"{f' ({cause})' if cause else ''}; check that it runs and that the address is right"
+        )
+        self.address = address
+        self.waited = waited
+
+
+class RecoveryDisabledError(TaskdError):
+    """The controller answered 403: process recovery is off for this job."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(
+            f"process recovery is disabled for job {job_id!r} (Init answered 403); "
+            "enable it in the controller's job policy"
+        )
+        self.job_id = job_id
+
+
+class PluginError(TaskdError):
+    """Base of errors about framework adapters."""
+
+    def __init__(self, message: str, *, plugin: str) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+
+
+class AdapterNotFoundError(PluginError):
+    """No adapter is installed under the requested framework name."""
+
+    def __init__(self, plugin: str, installed: list[str]) -> None:
+        have = ", ".join(sorted(installed)) or "none"
+        super().__init__(
+            f"no TaskD adapter named {plugin!r} is installed (installed: {have}); "
+            f"install the distribution that provides entry point {plugin!r} in group 'taskd'",
+            plugin=plugin,
+        )
+        self.installed = installed
+
+
+class PluginLoadError(PluginError):
+    """An adapter's entry point exists but could not be loaded or validated."""
+
+    def __init__(self, plugin: str, distribution: str, cause: BaseException) -> None:
+        super().__init__(
+            f"TaskD adapter {plugin!r} from distribution {distribution} failed to load: "
+            f"{type(cause).__name__}: {cause}; reinstall or fix that distribution",
+            plugin=plugin,
+        )
+        self.distribution = distribution
+        self.cause = cause
+
+
+class WorkerControlError(PluginError):
+    """An adapter hook failed to stop, start or inspect workers."""
+
+    def __init__(self, plugin: str, operation: str, reason: str, ranks: tuple[int, ...] = ()) -> None:
+        where = f" for local ranks {list(ranks)}" if ranks else ""
+        super().__init__(f"adapter {plugin!r} could not {operation}{where}: {reason}", plugin=plugin)
+        self.operation = operation
+        self.ranks = ranks

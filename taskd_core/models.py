@@ -1,0 +1,178 @@
+"""Values shared by the controller, the client, the agent and the plugins.
+
+Everything here is a frozen dataclass or a ``str``/``int`` enum, so values log
+and serialise cleanly; protobuf messages never leave :mod:`taskd_core.rpc`.
+The string values are the reference protocol's wire strings, spaces and case
+included.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Code(enum.IntEnum):
+    """Return codes carried in ``Status.code`` (the reference's values)."""
+
+    OK = 0
+    #: client -> controller, downgrade: "please make isolateRankIds exit".
+    EXIT_ISOLATE_RANKS = 201
+    #: a report or fault for a job that was never registered.
+    UNREGISTERED = 400
+    #: a report that does not belong to the cycle step in flight (stale, stray, out of order).
+    ORDER_MIX = 401
+    JOB_NOT_EXIST = 402
+    #: ``Init`` for a job whose policy turns process recovery off.
+    RECOVERY_OFF = 403
+    #: client -> controller in ``ReportStopComplete``: training was not running yet.
+    PROCESS_NOT_READY = 404
+    RECOVERABLE_RETRY_ERROR = 405
+    UNRECOVERABLE_RETRY_ERROR = 406
+    DUMP_ERROR = 407
+    #: ``Register`` before ``Init``.
+    UNINIT = 408
+    #: a request field that cannot be right (empty job id, rank "abc", fault type "7", ...).
+    INVALID_PARAM = 409
+    #: client -> controller: generic failure of the requested action.
+    CLIENT_ERROR = 499
+    OUT_OF_MAX_JOBS = 500
+    SERVER_INNER_ERROR = 599
+
+
+class FaultType(str, enum.Enum):
+    """Kind of a rank's fault, as the reference encodes it (decimal strings)."""
+
+    ON_CHIP_MEMORY = "0"
+    NORMAL = "1"
+    NETWORK = "2"
+
+    @property
+    def retryable(self) -> bool:
+        return self is not FaultType.NORMAL
+
+
+class Strategy(str, enum.Enum):
+    """Recovery strategies, in the order the controller tries them (the ladder)."""
+
+    RETRY = "retry"
+    RECOVER_IN_PLACE = "recover-in-place"
+    RECOVER = "recover"
+    DUMP = "dump"
+    EXIT = "exit"
+
+
+#: The strategy ladder: the controller picks the first allowed, reported rung
+#: and moves down on failure.
+LADDER: tuple[Strategy, ...] = tuple(Strategy)
+
+
+class SignalType(str, enum.Enum):
+    """``ProcessManageSignal.signalType`` values the controller sends."""
+
+    KEEP_ALIVE = "keep-alive"
+    STOP_TRAIN = "stopTrain"
+    GLOBAL_FAULT = "globalFault"
+    CHANGE_STRATEGY = "changeStrategy"
+    KILL_MASTER = "killMaster"
+
+
+class Action(str, enum.Enum):
+    """``ProcessManageSignal.actions`` values the agent acts on."""
+
+    STOP_TRAIN = "stop_train"
+    ON_GLOBAL_RANK = "on_global_rank"
+    CHANGE_STRATEGY = "change_strategy"
+    FAULT_NODES_EXIT = "fault_nodes_exit"
+    FAULT_NODES_RESTART = "fault_nodes_restart"
+
+
+#: ``extraParams`` marking a ``recover`` that restarts only the faulty ranks.
+EXTRA_RECOVER_IN_PLACE = "recover-in-place"
+#: ``extraParams`` of the ``exit`` that follows a dump.
+EXTRA_DUMP_EXIT = "dump_exit"
+
+
+@dataclass(frozen=True, slots=True)
+class FaultRank:
+    """One faulty process: its global rank and the kind of fault."""
+
+    rank: int
+    fault_type: FaultType = FaultType.NORMAL
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """A ``ProcessManageSignal`` as the client and agent see it."""
+
+    signal_type: str
+    job_id: str = ""
+    uuid: str = ""
+    actions: tuple[str, ...] = ()
+    fault_ranks: tuple[FaultRank, ...] = ()
+    change_strategy: str = ""
+    timeout: int = 0
+    node_rank_ids: tuple[str, ...] = ()
+    extra_params: str = ""
+    #: job-wide sequence number; 0 for keep-alive and for legacy controllers.
+    seq: int = 0
+    cycle: int = 0
+
+    @property
+    def strategy(self) -> Strategy | None:
+        """The strategy this signal asks for, with recover-in-place decoded."""
+        if self.change_strategy == Strategy.RECOVER and self.extra_params == EXTRA_RECOVER_IN_PLACE:
+            return Strategy.RECOVER_IN_PLACE
+        try:
+            return Strategy(self.change_strategy)
+        except ValueError:
+            return None
+
+
+class WorkerState(str, enum.Enum):
+    """What a monitor hook says about one local worker."""
+
+    RUNNING = "running"
+    #: exited; ``WorkerStatus.exit_code`` says how (negative: killed by that signal).
+    EXITED = "exited"
+    NOT_STARTED = "not-started"
+    #: the pid vanished without an exit code the adapter could read.
+    GONE = "gone"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """One local worker as the adapter's monitor hook reports it."""
+
+    local_rank: int
+    global_rank: int
+    state: WorkerState
+    pid: int | None = None
+    exit_code: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.state is WorkerState.GONE or (
+            self.state is WorkerState.EXITED and self.exit_code != 0
+        )
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state is WorkerState.EXITED and self.exit_code == 0
+
+
+@dataclass(frozen=True, slots=True)
+class JobPolicy:
+    """How the controller recovers one job."""
+
+    strategies: tuple[Strategy, ...] = (Strategy.RECOVER_IN_PLACE, Strategy.RECOVER, Strategy.DUMP, Strategy.EXIT)
+    recovery_enabled: bool = True
+    #: deadline of each wait for the agents' reports (the reference waits 15 min).
+    report_timeout: float = 900.0
+    #: window that collects faults arriving together before the cycle starts.
+    flush_seconds: float = 1.0
+    #: recovery cycles allowed for the job before it is given up.
+    max_cycles: int = 3
+    #: agents the job should have; 0 means whoever registered.
+    expected_agents: int = 0
+    extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
