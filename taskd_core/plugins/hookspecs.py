@@ -1,0 +1,96 @@
+"""Hook specifications: the plugin author's reference.
+
+A framework adapter implements these five hooks for the workers of *one node*
+and nothing else. When to call them — which controller action stops which
+ranks, when to restart, when to report — is decided once, in the core
+(:mod:`taskd_core.agent.dispatcher`), never in an adapter.
+
+Ranks passed to and returned from these hooks are **local** ranks
+(``0 .. local_world_size - 1``); :class:`~taskd_core.models.WorkerStatus`
+carries the matching global rank. Every hook is ``firstresult``: the agent
+loads exactly one adapter per run, and a hook answers by returning a value
+other than ``None``. Raise any exception to report failure; the core wraps it
+in :class:`~taskd_core.errors.WorkerControlError` naming your adapter.
+
+Hooks are called from the agent's control thread, one at a time; they may
+block, but must honour the ``timeout`` they are given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from taskd_core.models import WorkerStatus
+from taskd_core.plugins._markers import hookspec
+
+# --- what the adapter can do -------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def taskd_strategies() -> Sequence[str] | None:
+    """Recovery strategies this adapter can carry out for its job.
+
+    Called when the controller asks the job for its strategies (``on_global_rank``).
+    Return values of :class:`~taskd_core.models.Strategy`: ``"recover"``
+    (restart every local worker), ``"recover-in-place"`` (restart only the
+    faulty ranks while the others keep running: claim it only when healthy
+    workers survive a peer's restart), ``"dump"`` (workers can save on the
+    dump signal) and ``"exit"``. ``"retry"`` needs in-process step retry,
+    which only a framework runtime can do.
+
+    :returns: the strategies; stops at the first non-None result.
+    """
+
+
+# --- worker control ------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def taskd_stop_workers(local_ranks: Sequence[int] | None, timeout: float) -> bool | None:
+    """Stop the given local workers, or every local worker when ``local_ranks`` is None.
+
+    Return only when the processes are really gone (reaped or vanished), or
+    raise. Escalate on your own: ask nicely first (SIGTERM), then force
+    (SIGKILL) once ``timeout`` seconds have passed since the call started.
+
+    :param local_ranks: local ranks to stop; ``None`` means all.
+    :param timeout: seconds before polite stopping turns into killing.
+    :returns: ``True`` when done.
+    """
+
+
+@hookspec(firstresult=True)
+def taskd_restart_all() -> bool | None:
+    """Start every local worker afresh (stopping leftovers first).
+
+    Also used for the job's first start. Workers must see a restart counter
+    that grows with every call (``TASKD_RESTART_COUNT``), so training code
+    can tell a restart from a first start.
+
+    :returns: ``True`` once the workers have been started.
+    """
+
+
+@hookspec(firstresult=True)
+def taskd_restart_list(local_ranks: Sequence[int]) -> bool | None:
+    """Start only the given local workers, with the same rank and environment as before.
+
+    The other workers keep running untouched. The given workers have already
+    been stopped by :func:`taskd_stop_workers`.
+
+    :param local_ranks: local ranks to start again.
+    :returns: ``True`` once they have been started.
+    """
+
+
+@hookspec(firstresult=True)
+def taskd_monitor() -> Mapping[int, WorkerStatus] | None:
+    """Status of every local worker, keyed by local rank.
+
+    Must be cheap: the agent calls it whenever a worker's pid becomes
+    readable through ``pidfd`` (i.e. the moment a worker dies) and after
+    every action. Report workers that were never started as
+    ``WorkerState.NOT_STARTED``.
+
+    :returns: ``{local_rank: WorkerStatus}``.
+    """

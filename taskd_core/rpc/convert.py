@@ -1,0 +1,90 @@
+"""Conversion between protobuf messages and :mod:`taskd_core.models` values.
+
+Parsing is strict: rank ids must be non-negative decimal strings and fault
+types one of "0", "1", "2"; anything else raises
+:class:`~taskd_core.errors.ProtocolError` naming the field, which the service
+answers with ``Code.INVALID_PARAM`` and the client logs and skips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from taskd_core.errors import ProtocolError
+from taskd_core.models import FaultRank, FaultType, Signal
+from taskd_core.rpc._gen import recover_pb2 as pb
+
+#: Largest rank id accepted; keeps int() of a hostile string cheap and bounded.
+MAX_RANK = 10_000_000
+
+
+def parse_rank(text: str, *, field: str = "rankId") -> int:
+    if not text or len(text) > 8 or not text.isdigit() or not text.isascii():
+        raise ProtocolError(f"{field} must be a non-negative decimal string, got {text[:32]!r}", field=field)
+    rank = int(text)
+    if rank > MAX_RANK:
+        raise ProtocolError(f"{field} {rank} is larger than {MAX_RANK}", field=field)
+    return rank
+
+
+def parse_fault_type(text: str) -> FaultType:
+    try:
+        return FaultType(text)
+    except ValueError:
+        raise ProtocolError(
+            f"faultType must be one of '0', '1', '2', got {text[:32]!r}", field="faultType"
+        ) from None
+
+
+def fault_ranks_from_pb(items: Iterable[pb.FaultRank]) -> tuple[FaultRank, ...]:
+    return tuple(FaultRank(parse_rank(i.rankId), parse_fault_type(i.faultType)) for i in items)
+
+
+def fault_ranks_to_pb(faults: Iterable[FaultRank]) -> list[pb.FaultRank]:
+    return [pb.FaultRank(rankId=str(f.rank), faultType=f.fault_type.value) for f in faults]
+
+
+def fault_dict_to_pb(fault_ranks: Mapping[int, int] | None) -> list[pb.FaultRank]:
+    """The seed API's ``{global_rank: fault_type}`` dict as wire messages."""
+    out = []
+    for rank, kind in (fault_ranks or {}).items():
+        out.append(pb.FaultRank(rankId=str(int(rank)), faultType=parse_fault_type(str(int(kind))).value))
+    return out
+
+
+def fault_dict(faults: Iterable[FaultRank]) -> dict[int, int]:
+    """Wire fault ranks as the seed API's dict."""
+    return {f.rank: int(f.fault_type.value) for f in faults}
+
+
+def signal_from_pb(msg: pb.ProcessManageSignal) -> Signal:
+    # Fields 8/9 and the extensions read as defaults from an older controller.
+    return Signal(
+        signal_type=msg.signalType,
+        job_id=msg.jobId,
+        uuid=msg.uuid,
+        actions=tuple(msg.actions),
+        fault_ranks=fault_ranks_from_pb(msg.faultRanks),
+        change_strategy=msg.changeStrategy,
+        timeout=msg.timeout,
+        node_rank_ids=tuple(msg.nodeRankIds),
+        extra_params=msg.extraParams,
+        seq=msg.signalSeq,
+        cycle=msg.cycle,
+    )
+
+
+def signal_to_pb(signal: Signal) -> pb.ProcessManageSignal:
+    return pb.ProcessManageSignal(
+        uuid=signal.uuid,
+        jobId=signal.job_id,
+        signalType=signal.signal_type,
+        actions=list(signal.actions),
+        faultRanks=fault_ranks_to_pb(signal.fault_ranks),
+        changeStrategy=signal.change_strategy,
+        timeout=signal.timeout,
+        nodeRankIds=list(signal.node_rank_ids),
+        extraParams=signal.extra_params,
+        signalSeq=signal.seq,
+        cycle=signal.cycle,
+    )
