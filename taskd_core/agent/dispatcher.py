@@ -1,0 +1,190 @@
+"""The one mapping from controller actions to adapter hooks.
+
+============================  ==================================================
+signal / action               what the node does, then reports
+============================  ==================================================
+``stop_train``                stop the faulty ranks of this node
+                              → ``ReportStopComplete``
+``on_global_rank``            → ``ReportRecoverStrategy`` with the adapter's strategies
+``change_strategy`` recover   stop all, restart all → ``ReportRecoverStatus``
+recover + recover-in-place    restart only this node's faulty ranks → ``ReportRecoverStatus``
+``change_strategy`` dump      dump signal to every worker, wait the grace period,
+                              stop all → ``ReportRecoverStatus``
+``change_strategy`` exit      stop all (the controller does not wait for a report)
+``killMaster``                stop all; the job is given up
+============================  ==================================================
+
+``stop_train`` stops only the faulty ranks because the strategy is not known
+yet: with ``recover-in-place`` the healthy workers must keep running.
+``fault_nodes_exit`` / ``fault_nodes_restart`` only describe the decision that
+``change_strategy`` carries, so they need no action of their own.
+Adapters never see any of this; they only implement the hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal as signals
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from taskd_core.agent.pidwatch import wait_gone
+from taskd_core.errors import WorkerControlError
+from taskd_core.models import Action, Code, Signal, SignalType, Strategy, WorkerState, WorkerStatus
+from taskd_core.plugins.registry import Adapter
+from taskd_core.rpc.convert import fault_dict
+
+logger = logging.getLogger(__name__)
+
+
+class Reporter(Protocol):
+    """The reports an action is answered with (implemented by ``DLRecoverManager``)."""
+
+    def report_stop_complete(self, code: int, msg: str, fault_ranks: Mapping[int, int]) -> int: ...
+
+    def report_recover_strategy(self, fault_ranks: Mapping[int, int], strategy_list: Iterable[str]) -> int: ...
+
+    def report_recover_status(self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchConfig:
+    """How actions are carried out on this node."""
+
+    #: seconds between SIGTERM and SIGKILL when stopping workers.
+    stop_timeout: float = 30.0
+    #: signal that asks a worker to save its state and exit (``dump``).
+    dump_signal: signals.Signals = signals.SIGUSR1
+    #: seconds workers get to save before they are stopped.
+    dump_grace: float = 30.0
+
+
+class ActionDispatcher:
+    """Carries out signals on one node's workers through its adapter.
+
+    :param on_stopping: told which workers are about to be stopped on
+        purpose, so the agent does not report their deaths as faults.
+    :param lock: serialises hook calls with the agent's own monitoring.
+    """
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        reporter: Reporter,
+        config: DispatchConfig = DispatchConfig(),
+        *,
+        on_stopping: Callable[[Iterable[WorkerStatus]], None] | None = None,
+        lock: threading.RLock | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.reporter = reporter
+        self.config = config
+        self._on_stopping = on_stopping or (lambda statuses: None)
+        self._lock = lock or threading.RLock()
+        self.given_up = threading.Event()
+
+    def handle(self, signal: Signal) -> None:
+        with self._lock:
+            if signal.signal_type == SignalType.KILL_MASTER:
+                logger.warning("controller gave the job up (killMaster): stopping every worker")
+                self._stop_quietly(None)
+                self.given_up.set()
+                return
+            # Order kept, duplicates dropped (the reference's set() lost the order).
+            for action in dict.fromkeys(signal.actions):
+                if action == Action.STOP_TRAIN:
+                    self._stop_train(signal)
+                elif action == Action.ON_GLOBAL_RANK:
+                    self._on_global_rank(signal)
+                elif action == Action.CHANGE_STRATEGY:
+                    self._change_strategy(signal)
+                else:
+                    logger.debug("action %r needs no work of its own on this node", action)
+
+    # --- rank bookkeeping -------------------------------------------------------
+
+    def _local_faulty(self, signal: Signal, statuses: Mapping[int, WorkerStatus]) -> list[int]:
+        faulty = {f.rank for f in signal.fault_ranks}
+        return sorted(s.local_rank for s in statuses.values() if s.global_rank in faulty)
+
+    def stop(self, local_ranks: Sequence[int] | None) -> None:
+        """Stop workers on purpose (all when ``local_ranks`` is None)."""
+        statuses = self.adapter.monitor()
+        chosen = statuses.values() if local_ranks is None else [statuses[r] for r in local_ranks if r in statuses]
+        self._on_stopping(chosen)
+        self.adapter.stop(local_ranks, self.config.stop_timeout)
+
+    def _stop_quietly(self, local_ranks: Sequence[int] | None) -> None:
+        try:
+            self.stop(local_ranks)
+        except WorkerControlError:
+            logger.exception("stopping workers failed")
+
+    # --- actions ---------------------------------------------------------------------
+
+    def _stop_train(self, signal: Signal) -> None:
+        faults = fault_dict(signal.fault_ranks)
+        try:
+            local = self._local_faulty(signal, self.adapter.monitor())
+            if local:
+                self.stop(local)
+            self.reporter.report_stop_complete(Code.OK, f"stopped local ranks {local}", faults)
+        except WorkerControlError as exc:
+            self.reporter.report_stop_complete(Code.CLIENT_ERROR, str(exc), faults)
+
+    def _on_global_rank(self, signal: Signal) -> None:
+        try:
+            strategies = [s.value for s in self.adapter.strategies()]
+        except WorkerControlError:
+            logger.exception("adapter could not declare its strategies; offering exit only")
+            strategies = [Strategy.EXIT.value]
+        self.reporter.report_recover_strategy(fault_dict(signal.fault_ranks), strategies)
+
+    def _change_strategy(self, signal: Signal) -> None:
+        strategy = signal.strategy
+        faults = fault_dict(signal.fault_ranks)
+        if strategy is Strategy.EXIT:
+            self._stop_quietly(None)
+            return
+        try:
+            if strategy is Strategy.RECOVER:
+                self.stop(None)
+                self.adapter.restart_all()
+                code, msg = Code.OK, "restarted every local worker"
+            elif strategy is Strategy.RECOVER_IN_PLACE:
+                local = self._local_faulty(signal, self.adapter.monitor())
+                if local:
+                    self.stop(local)
+                    self.adapter.restart_list(local)
+                code, msg = Code.OK, f"restarted local ranks {local}"
+            elif strategy is Strategy.DUMP:
+                code, msg = self._dump()
+            else:
+                code, msg = Code.UNRECOVERABLE_RETRY_ERROR, f"strategy {signal.change_strategy!r} is not supported here"
+        except WorkerControlError as exc:
+            logger.error("%s failed: %s", signal.change_strategy, exc)
+            code, msg = Code.CLIENT_ERROR, str(exc)
+        # Reported as the controller named it: recover-in-place travels as "recover".
+        self.reporter.report_recover_status(code, msg, faults, signal.change_strategy)
+
+    def _dump(self) -> tuple[Code, str]:
+        statuses = self.adapter.monitor()
+        running = [s for s in statuses.values() if s.state is WorkerState.RUNNING and s.pid]
+        pids = {s.local_rank: s.pid for s in running if s.pid is not None}
+        self._on_stopping(running)
+        for worker in running:
+            logger.info("asking rank %s (pid %s) to save: %s", worker.global_rank, worker.pid, self.config.dump_signal.name)
+            try:
+                os.kill(pids[worker.local_rank], self.config.dump_signal)
+            except ProcessLookupError:
+                logger.info("rank %s (pid %s) already gone", worker.global_rank, worker.pid)
+        late = wait_gone(pids.values(), self.config.dump_grace)
+        self.stop(None)
+        after = self.adapter.monitor()
+        saved = [s.global_rank for s in after.values() if s.local_rank in pids and s.succeeded]
+        if late or len(saved) != len(running):
+            return Code.DUMP_ERROR, f"saved ranks {sorted(saved)}; {len(late)} worker(s) did not finish within {self.config.dump_grace}s"
+        return Code.OK, f"saved ranks {sorted(saved)}"

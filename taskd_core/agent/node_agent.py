@@ -1,0 +1,206 @@
+"""The node agent: one per node, inside the launcher process.
+
+It starts the node's workers through the adapter, learns of a worker's death
+the moment it happens (pidfds, no polling interval), reports it to the
+controller with the worker's *global* rank, and lets the controller's
+signals drive the :class:`~taskd_core.agent.dispatcher.ActionDispatcher`.
+It returns an :class:`AgentOutcome`; the launcher turns it into an exit code.
+
+Threads: :meth:`NodeAgent.run` is the supervision loop; the client's signal
+stream runs in a second thread. Both call hooks under one lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import signal as signals
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from taskd_core.agent.dispatcher import ActionDispatcher, DispatchConfig
+from taskd_core.agent.pidwatch import PidWatch
+from taskd_core.client.manager import DLRecoverManager
+from taskd_core.errors import TaskdError
+from taskd_core.models import Code, FaultType, Signal, WorkerState, WorkerStatus
+from taskd_core.plugins.registry import Adapter
+from taskd_core.rpc import recover_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+#: Upper bound on one wait for a worker event: the loop also re-checks
+#: flags set by the signal thread, and a pid started by a hook after the
+#: last monitor call becomes watched within this bound.
+_WAIT_CAP = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Where the agent reports and how it treats its workers."""
+
+    job_id: str
+    controller: str
+    node_rank: int = 0
+    #: identity among the job's agents; defaults to ``node-<node_rank>``.
+    agent_id: str | None = None
+    role: str = "taskd agent"
+    stop_timeout: float = 30.0
+    dump_signal: signals.Signals = signals.SIGUSR1
+    dump_grace: float = 30.0
+    #: how long to keep trying to reach the controller before giving up.
+    connect_timeout: float = 60.0
+    #: how long a report keeps retrying while the controller is unreachable.
+    report_deadline: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.job_id:
+            raise TaskdError("the agent needs a job id")
+        if self.node_rank < 0:
+            raise TaskdError(f"node rank must be >= 0, got {self.node_rank}")
+
+
+class Outcome(str, enum.Enum):
+    SUCCEEDED = "succeeded"
+    GIVEN_UP = "given-up"
+    INTERRUPTED = "interrupted"
+    #: recovery was impossible here (controller unreachable, recovery off and a worker failed).
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentOutcome:
+    """How the agent's run ended, and the exit code a launcher should use."""
+
+    kind: Outcome
+    exit_code: int
+    reason: str = ""
+
+
+class NodeAgent:
+    """Supervises one node's workers for the controller at ``config.controller``."""
+
+    def __init__(self, config: AgentConfig, adapter: Adapter) -> None:
+        self.config = config
+        self.adapter = adapter
+        self._lock = threading.RLock()
+        self._watch = PidWatch()
+        self._shutdown_signal: int | None = None
+        #: (local rank, pid) of workers whose end is not a fault: stopped on purpose or already reported.
+        self._settled: set[tuple[int, int | None]] = set()
+        agent_id = config.agent_id or f"node-{config.node_rank}"
+        self.client = DLRecoverManager(
+            pb.ClientInfo(jobId=config.job_id, role=config.role),
+            config.controller,
+            agent_id=agent_id,
+            node_rank=config.node_rank,
+            handler=self._handle_signal,
+            connect_deadline=config.connect_timeout,
+            report_deadline=config.report_deadline,
+        )
+        self.dispatcher = ActionDispatcher(
+            adapter,
+            self.client,
+            DispatchConfig(config.stop_timeout, config.dump_signal, config.dump_grace),
+            on_stopping=self._settle,
+            lock=self._lock,
+        )
+
+    # --- control from other threads --------------------------------------------------
+
+    def shutdown(self, signum: int = signals.SIGTERM) -> None:
+        """Stop every worker and end :meth:`run` (safe from a signal handler)."""
+        self._shutdown_signal = signum
+        self._watch.wake()
+
+    def _handle_signal(self, signal: Signal) -> None:
+        self.dispatcher.handle(signal)
+        self._watch.wake()
+
+    def _settle(self, statuses: Iterable[WorkerStatus]) -> None:
+        self._settled.update((s.local_rank, s.pid) for s in statuses)
+
+    # --- the supervision loop -------------------------------------------------------------
+
+    def run(self) -> AgentOutcome:
+        """Run the node's workers to the end; never raises for worker failures."""
+        subscriber: threading.Thread | None = None
+        try:
+            recovery = self.client.init_clusterd()
+            if recovery:
+                status = self.client.register()
+                if status.code != Code.OK:
+                    raise TaskdError(f"controller refused to register job {self.config.job_id}: {status.info}")
+            with self._lock:
+                self.adapter.restart_all()
+                self.client.rank_ids = tuple(sorted(s.global_rank for s in self.adapter.monitor().values()))
+            if recovery:
+                subscriber = threading.Thread(
+                    target=self._subscribe, name=f"taskd-signals-{self.config.job_id}", daemon=True
+                )
+                subscriber.start()
+            else:
+                logger.warning("process recovery is off for job %s: a failed worker ends the job", self.config.job_id)
+            outcome = self._supervise(recovery)
+        except TaskdError as exc:
+            logger.error("agent of job %s failed: %s", self.config.job_id, exc)
+            self._stop_all()
+            outcome = AgentOutcome(Outcome.FAILED, 1, str(exc))
+        finally:
+            self.client.close()
+            if subscriber is not None:
+                subscriber.join(timeout=10.0)
+            self._watch.close()
+        logger.info("agent of job %s ends: %s (exit %s) %s", self.config.job_id, outcome.kind.value, outcome.exit_code, outcome.reason)
+        return outcome
+
+    def _subscribe(self) -> None:
+        try:
+            self.client.start_subscribe()
+        except TaskdError as exc:
+            logger.error("lost the controller for good: %s", exc)
+            self.dispatcher.given_up.set()
+            self._watch.wake()
+
+    def _stop_all(self) -> None:
+        with self._lock:
+            try:
+                self.dispatcher.stop(None)
+            except TaskdError:
+                logger.exception("stopping workers failed")
+
+    def _supervise(self, recovery: bool) -> AgentOutcome:
+        while True:
+            if self._shutdown_signal is not None:
+                signum = self._shutdown_signal
+                self._stop_all()
+                self._final_report(128 + signum, f"agent interrupted by signal {signum}")
+                return AgentOutcome(Outcome.INTERRUPTED, 128 + signum, f"signal {signum}")
+            if self.dispatcher.given_up.is_set():
+                self._final_report(1, "job given up by the controller")
+                return AgentOutcome(Outcome.GIVEN_UP, 1, "the controller gave the job up")
+            with self._lock:
+                statuses = self.adapter.monitor()
+            failed = [s for s in statuses.values() if s.failed and (s.local_rank, s.pid) not in self._settled]
+            if failed:
+                self._settle(failed)
+                for s in failed:
+                    logger.warning("rank %s (local %s, pid %s) failed with exit code %s", s.global_rank, s.local_rank, s.pid, s.exit_code)
+                if not recovery:
+                    self._stop_all()
+                    return AgentOutcome(Outcome.FAILED, 1, f"ranks {[s.global_rank for s in failed]} failed")
+                self.client.report_process_fault({s.global_rank: int(FaultType.NORMAL.value) for s in failed})
+                continue
+            if statuses and all(s.succeeded for s in statuses.values()):
+                self._final_report(0, "every worker exited 0")
+                return AgentOutcome(Outcome.SUCCEEDED, 0)
+            running = [s.pid for s in statuses.values() if s.state is WorkerState.RUNNING and s.pid]
+            if self._watch.watch(running):
+                continue
+            self._watch.wait(_WAIT_CAP)
+
+    def _final_report(self, code: int, msg: str) -> None:
+        try:
+            self.client.report_agent_exit(code, msg)
+        except Exception:  # the outcome stands even if the controller cannot hear it
+            logger.exception("could not tell the controller that this agent ends")

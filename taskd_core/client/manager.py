@@ -1,0 +1,351 @@
+"""``DLRecoverManager``: the client of the recovery controller (seed API).
+
+It speaks the ClusterD ``Recover`` protocol, so it works against TaskD's
+controller and a real ClusterD alike; TaskD's extension fields (agent id,
+node rank, signal sequence numbers) are simply ignored by the latter.
+
+Threads: :meth:`start_subscribe` blocks the calling thread, reading the
+signal stream and handing each signal, one at a time, to a handler (the
+core's action dispatcher for the plugin named ``frame``). A health-check
+thread runs beside it while subscribed. Reports may be sent from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from taskd_core.client.backoff import Backoff
+from taskd_core.errors import ControllerUnavailableError, ProtocolError, TaskdError
+from taskd_core.models import Code, Signal, SignalType
+from taskd_core.rpc import recover_pb2 as pb
+from taskd_core.rpc import recover_pb2_grpc as pb_grpc
+from taskd_core.rpc.convert import fault_dict_to_pb, signal_from_pb
+
+logger = logging.getLogger(__name__)
+
+SignalHandler = Callable[[Signal], None]
+
+#: The real clients ping every 3 s; the controller is configured to allow it.
+_CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 3000),
+    ("grpc.keepalive_timeout_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+# The seed's module-level report functions have no manager argument, so the
+# open managers are tracked here; close() removes a manager again.
+_active_lock = threading.Lock()
+_active: list[DLRecoverManager] = []
+
+
+def active_manager() -> DLRecoverManager:
+    """The most recently created, not yet closed manager (what the seed's module functions use)."""
+    with _active_lock:
+        if not _active:
+            raise TaskdError("no DLRecoverManager is open; create one before calling the report_* functions")
+        return _active[-1]
+
+
+class DLRecoverManager:
+    """Client of one job's recovery controller.
+
+    :param info: ``info.jobId`` is the job, ``info.role`` this client's role.
+    :param server_addr: ``HOST:PORT`` of the controller.
+    :param agent_id: TaskD extension: distinguishes the agents of a job with
+        several nodes; empty for a single legacy-style client.
+    :param handler: what to do with each signal; by default the core's
+        action dispatcher for the adapter named in :meth:`start_subscribe`.
+    :param connect_deadline: seconds :meth:`init_clusterd` keeps retrying.
+    :param report_deadline: seconds a report keeps retrying while the
+        controller is unreachable (for example while it restarts).
+    """
+
+    def __init__(
+        self,
+        info: pb.ClientInfo,
+        server_addr: str,
+        *,
+        agent_id: str = "",
+        node_rank: int = 0,
+        rank_ids: Sequence[int] = (),
+        handler: SignalHandler | None = None,
+        connect_deadline: float = 300.0,
+        report_deadline: float = 60.0,
+        rpc_timeout: float = 10.0,
+        health_interval: float = 1.0,
+        backoff: Backoff = Backoff(),
+    ) -> None:
+        if not info.jobId:
+            raise TaskdError("DLRecoverManager needs info.jobId: the job to recover")
+        self.job_id = info.jobId
+        self.role = info.role or "taskd agent"
+        self.server_addr = server_addr
+        self.agent_id = agent_id
+        self.node_rank = node_rank
+        self.rank_ids = tuple(rank_ids)
+        self._handler = handler
+        self._connect_deadline = connect_deadline
+        self._report_deadline = report_deadline
+        self._rpc_timeout = rpc_timeout
+        self._health_interval = health_interval
+        self._backoff = backoff
+        self._closed = threading.Event()
+        self._killed = threading.Event()
+        self._health_stop = threading.Event()
+        self._stream: Any = None
+        self._stream_lock = threading.Lock()
+        self._last_seq = 0
+        #: uuid of the cycle whose signal is being handled; reports carry it.
+        self.cycle_uuid = ""
+        self._channel = grpc.insecure_channel(server_addr, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.RecoverStub(self._channel)
+        with _active_lock:
+            _active.append(self)
+
+    # --- identity -----------------------------------------------------------
+
+    def client_info(self) -> pb.ClientInfo:
+        return pb.ClientInfo(
+            jobId=self.job_id,
+            role=self.role,
+            agentId=self.agent_id,
+            nodeRank=self.node_rank,
+            rankIds=[str(r) for r in self.rank_ids],
+        )
+
+    @property
+    def killed(self) -> bool:
+        """The controller sent ``killMaster``: the job was given up."""
+        return self._killed.is_set()
+
+    # --- set-up ---------------------------------------------------------------
+
+    def init_clusterd(self) -> bool:
+        """Initialise the job on the controller; False when it answers 403 (recovery off).
+
+        Retries other codes and connection errors with capped exponential
+        backoff and jitter; raises :class:`ControllerUnavailableError` at the deadline.
+        """
+        deadline = time.monotonic() + self._connect_deadline
+        attempt = 0
+        last: BaseException | None = None
+        while True:
+            try:
+                status = self._stub.Init(self.client_info(), timeout=self._rpc_timeout)
+                if status.code == Code.OK:
+                    return True
+                if status.code == Code.RECOVERY_OFF:
+                    logger.warning("controller %s: recovery is off for job %s: %s", self.server_addr, self.job_id, status.info)
+                    return False
+                logger.warning("Init of job %s answered %s (%s); retrying", self.job_id, status.code, status.info)
+            except grpc.RpcError as exc:
+                last = exc
+                logger.debug("Init of job %s failed: %s", self.job_id, exc)
+            if not self._backoff.wait(attempt, deadline, self._closed):
+                raise ControllerUnavailableError(self.server_addr, self._connect_deadline, last)
+            attempt += 1
+
+    def register(self, request: pb.ClientInfo | None = None) -> pb.Status:
+        """Register this client for its job; ``Status.code`` 0 is success."""
+        info = self.client_info()
+        if request is not None:
+            info.jobId = request.jobId or info.jobId
+            info.role = request.role or info.role
+        status: pb.Status = self._stub.Register(info, timeout=self._rpc_timeout)
+        return status
+
+    # --- the signal stream ------------------------------------------------------
+
+    def start_subscribe(self, frame: str = "pytorch") -> None:
+        """Follow the controller's signals and act on them until ``killMaster`` or :meth:`close`.
+
+        A lost stream is re-established (Init, Register, Subscribe again);
+        a signal already executed (same sequence number) is not executed twice.
+        """
+        handler = self._handler or self._default_handler(frame)
+        self._health_stop.clear()
+        health = threading.Thread(target=self._health_loop, name=f"taskd-health-{self.job_id}", daemon=True)
+        health.start()
+        try:
+            self._subscribe_loop(handler)
+        finally:
+            self._health_stop.set()
+            health.join(timeout=self._rpc_timeout + self._health_interval)
+
+    def _default_handler(self, frame: str) -> SignalHandler:
+        # Imported here: the dispatcher depends on the plugin layer, which a
+        # plain reporting client does not need.
+        from taskd_core.agent.dispatcher import ActionDispatcher
+        from taskd_core.plugins import load_adapter
+
+        return ActionDispatcher(load_adapter(frame), reporter=self).handle
+
+    def _subscribe_loop(self, handler: SignalHandler) -> None:
+        attempt = 0
+        while not self._closed.is_set():
+            try:
+                if not self.init_clusterd():
+                    raise TaskdError(f"process recovery is disabled for job {self.job_id!r} (Init answered 403)")
+                status = self.register()
+                if status.code != Code.OK:
+                    raise TaskdError(f"Register of job {self.job_id!r} answered {status.code}: {status.info}")
+                stream = self._stub.SubscribeProcessManageSignal(self.client_info())
+                with self._stream_lock:
+                    self._stream = stream
+                if self._closed.is_set():
+                    stream.cancel()
+                for message in stream:
+                    attempt = 0
+                    if self._on_message(message, handler):
+                        return
+                logger.info("controller ended the signal stream of job %s; subscribing again", self.job_id)
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    return
+                logger.warning("signal stream of job %s lost: %s %s", self.job_id, exc.code(), exc.details())
+            except TaskdError as exc:
+                if isinstance(exc, ControllerUnavailableError):
+                    raise
+                logger.warning("%s", exc)
+            finally:
+                with self._stream_lock:
+                    self._stream = None
+            deadline = time.monotonic() + self._backoff.cap * 2
+            self._backoff.wait(attempt, deadline, self._closed)
+            attempt += 1
+
+    def _on_message(self, message: pb.ProcessManageSignal, handler: SignalHandler) -> bool:
+        """Handle one streamed signal; True when the subscription should end."""
+        try:
+            signal = signal_from_pb(message)
+        except ProtocolError as exc:
+            logger.error("ignoring malformed signal from the controller: %s", exc)
+            return False
+        if signal.job_id and signal.job_id != self.job_id:
+            logger.warning("ignoring signal for job %s on the stream of job %s", signal.job_id, self.job_id)
+            return False
+        if signal.signal_type == SignalType.KEEP_ALIVE:
+            return False
+        if signal.seq and signal.seq <= self._last_seq:
+            logger.info("signal %s #%s already executed; skipped", signal.signal_type, signal.seq)
+            return False
+        kill = signal.signal_type == SignalType.KILL_MASTER
+        if not kill and not signal.actions:
+            return False
+        self._last_seq = max(self._last_seq, signal.seq)
+        self.cycle_uuid = signal.uuid
+        logger.info(
+            "job %s signal %s actions=%s strategy=%s faults=%s",
+            self.job_id, signal.signal_type, list(signal.actions), signal.change_strategy,
+            [f.rank for f in signal.fault_ranks],
+        )
+        try:
+            handler(signal)
+        except Exception:  # a failed action is reported by the handler; the stream must go on
+            logger.exception("handling signal %s of job %s failed", signal.signal_type, self.job_id)
+        if kill:
+            self._killed.set()
+        return kill
+
+    def _health_loop(self) -> None:
+        healthy = True
+        while not self._health_stop.wait(self._health_interval) and not self._closed.is_set():
+            try:
+                self._stub.HealthCheck(self.client_info(), timeout=self._rpc_timeout)
+                if not healthy:
+                    logger.info("controller %s answers again", self.server_addr)
+                healthy = True
+            except grpc.RpcError as exc:
+                if healthy:
+                    logger.warning("controller %s health check failed: %s", self.server_addr, exc.code())
+                healthy = False
+
+    # --- reports ------------------------------------------------------------------
+
+    def _report(self, name: str, call: Callable[[Any], pb.Status], request: Any) -> int:
+        """Send a report; on a non-zero code re-register and retry once (as the reference does).
+
+        Connection errors are retried until the report deadline, so a report
+        survives a controller restart.
+        """
+        deadline = time.monotonic() + self._report_deadline
+        attempt = 0
+        retried_code = False
+        while True:
+            try:
+                status = call(request, timeout=self._rpc_timeout)
+                if status.code == Code.OK or retried_code:
+                    if status.code != Code.OK:
+                        logger.warning("%s for job %s answered %s: %s", name, self.job_id, status.code, status.info)
+                    return int(status.code)
+                logger.info("%s for job %s answered %s (%s); re-registering", name, self.job_id, status.code, status.info)
+                retried_code = True
+                self.register()
+                continue
+            except grpc.RpcError as exc:
+                logger.warning("%s for job %s failed: %s", name, self.job_id, exc.code())
+            if not self._backoff.wait(attempt, deadline, self._closed):
+                logger.error("%s for job %s: controller unreachable for %.0fs", name, self.job_id, self._report_deadline)
+                return int(Code.SERVER_INNER_ERROR)
+            attempt += 1
+
+    def report_stop_complete(self, code: int, msg: str, fault_ranks: Mapping[int, int]) -> int:
+        """Workers are stopped (``code`` 0) or could not be (non-zero)."""
+        req = pb.StopCompleteRequest(
+            jobId=self.job_id, status=pb.Status(code=code, info=msg), faultRanks=fault_dict_to_pb(fault_ranks),
+            agentId=self.agent_id, uuid=self.cycle_uuid,
+        )
+        return self._report("ReportStopComplete", self._stub.ReportStopComplete, req)
+
+    def report_recover_strategy(self, fault_ranks: Mapping[int, int], strategy_list: Iterable[str]) -> int:
+        """The strategies this client can carry out."""
+        req = pb.RecoverStrategyRequest(
+            jobId=self.job_id, faultRanks=fault_dict_to_pb(fault_ranks), strategies=[str(s) for s in strategy_list],
+            agentId=self.agent_id, uuid=self.cycle_uuid,
+        )
+        return self._report("ReportRecoverStrategy", self._stub.ReportRecoverStrategy, req)
+
+    def report_recover_status(self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str) -> int:
+        """Result of carrying out ``strategy``; the ranks go in ``isolateRankIds``."""
+        req = pb.RecoverStatusRequest(
+            jobId=self.job_id, status=pb.Status(code=code, info=msg), strategy=strategy,
+            isolateRankIds=[str(int(r)) for r in fault_ranks], agentId=self.agent_id, uuid=self.cycle_uuid,
+        )
+        return self._report("ReportRecoverStatus", self._stub.ReportRecoverStatus, req)
+
+    def report_process_fault(self, fault_ranks: Mapping[int, int]) -> int:
+        """Processes of the job failed: ``{global_rank: fault_type}``."""
+        req = pb.ProcessFaultRequest(jobId=self.job_id, faultRanks=fault_dict_to_pb(fault_ranks), agentId=self.agent_id)
+        return self._report("ReportProcessFault", self._stub.ReportProcessFault, req)
+
+    def report_agent_exit(self, code: int, msg: str) -> int:
+        """TaskD extension: this agent's workers all ended (``code`` 0: all exited 0)."""
+        req = pb.AgentExitRequest(jobId=self.job_id, agentId=self.agent_id, role=self.role, status=pb.Status(code=code, info=msg))
+        return self._report("ReportAgentExit", self._stub.ReportAgentExit, req)
+
+    # --- shutdown ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End :meth:`start_subscribe`, stop the health thread and close the channel."""
+        self._closed.set()
+        self._health_stop.set()
+        with self._stream_lock:
+            if self._stream is not None:
+                self._stream.cancel()
+        with _active_lock:
+            if self in _active:
+                _active.remove(self)
+        self._channel.close()
+
+    def __enter__(self) -> DLRecoverManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
