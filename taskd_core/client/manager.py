@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from taskd_core.client.backoff import Backoff
-from taskd_core.errors import ControllerUnavailableError, ProtocolError, TaskdError
+from taskd_core.errors import ControllerUnavailableError, ProtocolError, RecoveryDisabledError, TaskdError
 from taskd_core.models import Code, Signal, SignalType
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc as pb_grpc
@@ -192,7 +192,7 @@ class DLRecoverManager:
         while not self._closed.is_set():
             try:
                 if not self.init_clusterd():
-                    raise TaskdError(f"process recovery is disabled for job {self.job_id!r} (Init answered 403)")
+                    raise RecoveryDisabledError(self.job_id)
                 status = self.register()
                 if status.code != Code.OK:
                     raise TaskdError(f"Register of job {self.job_id!r} answered {status.code}: {status.info}")
@@ -211,7 +211,7 @@ class DLRecoverManager:
                     return
                 logger.warning("signal stream of job %s lost: %s %s", self.job_id, exc.code(), exc.details())
             except TaskdError as exc:
-                if isinstance(exc, ControllerUnavailableError):
+                if isinstance(exc, (ControllerUnavailableError, RecoveryDisabledError)):
                     raise
                 logger.warning("%s", exc)
             finally:
