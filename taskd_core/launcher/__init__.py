@@ -1,0 +1,15 @@
+"""Launching workers: process supervision, the built-in ``process`` adapter and the controller rule.
+
+- :mod:`~taskd_core.launcher.supervisor`: start workers in their own process
+  groups and stop them (SIGTERM, one deadline, SIGKILL, reap).
+- :mod:`~taskd_core.launcher.spec`: :class:`LaunchSpec`, what one node runs.
+- :mod:`~taskd_core.launcher.process_adapter`: :class:`ProcessAdapter`, the hooks over the supervisor.
+- :mod:`~taskd_core.launcher.embedded`: which controller a launcher talks to.
+"""
+
+from __future__ import annotations
+
+from taskd_core.launcher.process_adapter import ProcessAdapter
+from taskd_core.launcher.spec import LaunchSpec
+
+__all__ = ["LaunchSpec", "ProcessAdapter"]

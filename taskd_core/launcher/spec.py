@@ -1,0 +1,116 @@
+"""What ``taskd run`` launches on one node: :class:`LaunchSpec` and the worker environment it implies."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from taskd_core.errors import ConfigError
+
+#: torchrun's default rendezvous port, used when several nodes must agree on one.
+DEFAULT_MASTER_PORT = 29500
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_host(host: str, what: str) -> None:
+    """Raise :class:`ConfigError` unless ``host`` is an IP address or a plausible host name."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    labels = host.split(".")
+    if not host or len(host) > 253 or not all(
+        label and len(label) <= 63 and label.replace("-", "").isalnum() and not label.startswith("-")
+        for label in labels
+    ):
+        raise ConfigError(f"{what}: {host!r} is neither an IP address nor a host name")
+
+
+def check_port(port: int, what: str, *, allow_zero: bool = False) -> None:
+    """Raise :class:`ConfigError` unless ``port`` is a TCP port (0 only with ``allow_zero``)."""
+    low = 0 if allow_zero else 1
+    if not low <= port <= 65535:
+        raise ConfigError(f"{what}: {port} is not a TCP port ({low}..65535)")
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """The workers of one node: ``nproc`` copies of ``command``, ranked within ``nnodes`` nodes.
+
+    Global rank of local worker ``i`` is ``node_rank * nproc + i`` (every node
+    runs the same number of workers, as torchrun assumes).
+    """
+
+    command: tuple[str, ...]
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
+    job_id: str = "default"
+    #: per-rank logs go to ``<log_dir>/rank<R>/restart<K>.log``; None: inherit the launcher's streams.
+    log_dir: Path | None = None
+    #: workers do not talk to each other, so a healthy one survives a peer's restart (recover-in-place).
+    independent_workers: bool = False
+    #: extra environment for every worker (applied before the rank variables, which always win).
+    env: dict[str, str] = field(default_factory=dict, hash=False)
+    #: seconds a leftover worker gets between SIGTERM and SIGKILL when restart_all finds one running.
+    stop_timeout: float = 30.0
+    cwd: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ConfigError("no command to launch: give it after '--'")
+        if self.nproc < 1:
+            raise ConfigError(f"nproc must be at least 1, not {self.nproc}")
+        if self.nnodes < 1:
+            raise ConfigError(f"nnodes must be at least 1, not {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node rank {self.node_rank} is outside 0..{self.nnodes - 1} (nnodes {self.nnodes})")
+        if not self.job_id:
+            raise ConfigError("job id must not be empty")
+        if self.stop_timeout < 0:
+            raise ConfigError(f"stop timeout must not be negative, not {self.stop_timeout}")
+        check_host(self.master_addr, "master address")
+        check_port(self.master_port, "master port")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nproc + local_rank
+
+    def worker_env(self, local_rank: int, restart_count: int) -> dict[str, str]:
+        """The environment variables that tell worker ``local_rank`` who it is (torchrun's names)."""
+        env = dict(self.env)
+        env.update(
+            RANK=str(self.global_rank(local_rank)),
+            LOCAL_RANK=str(local_rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_WORLD_SIZE=str(self.nproc),
+            GROUP_RANK=str(self.node_rank),
+            NODE_RANK=str(self.node_rank),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+            TASKD_RESTART_COUNT=str(restart_count),
+            TORCHELASTIC_RESTART_COUNT=str(restart_count),
+            TASKD_JOB_ID=self.job_id,
+        )
+        return env
+
+    def log_path(self, local_rank: int, restart_count: int) -> Path | None:
+        if self.log_dir is None:
+            return None
+        return self.log_dir / f"rank{self.global_rank(local_rank)}" / f"restart{restart_count}.log"
