@@ -1,0 +1,113 @@
+"""Loading adapters by name: isolation, clear errors, the typed facade."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from taskd_core.errors import AdapterNotFoundError, PluginLoadError, WorkerControlError
+
+from taskd_core.plugins import hookimpl, list_adapters, load_adapter
+
+
+@pytest.fixture
+def dist_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A folder on sys.path where tests lay out real (unpacked) distributions."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("tdtest_")]:
+        del sys.modules[name]
+
+
+def make_dist(root: Path, name: str, module_source: str, entry: str) -> None:
+    (root / f"{name}.py").write_text(textwrap.dedent(module_source))
+    info = root / f"{name}-1.2.3.dist-info"
+    info.mkdir()
+    info.joinpath("METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.2.3\n")
+    info.joinpath("entry_points.txt").write_text(f"[taskd]\n{entry}\n")
+
+
+GOOD = """
+from taskd_core.plugins import hookimpl
+from taskd_core.models import WorkerStatus, WorkerState
+
+class Adapter:
+    @hookimpl
+    def taskd_strategies(self):
+        return ["recover", "exit", "bogus"]
+
+    @hookimpl
+    def taskd_monitor(self):
+        return {0: WorkerStatus(0, 4, WorkerState.NOT_STARTED)}
+"""
+
+
+def test_adapter_from_a_real_entry_point(dist_path: Path) -> None:
+    """A class entry point is instantiated and its hooks answer through the facade."""
+    make_dist(dist_path, "tdtest_good", GOOD, "goodframe = tdtest_good:Adapter")
+    adapter = load_adapter("goodframe")
+    assert [s.value for s in adapter.strategies()] == ["recover", "exit"]
+    assert adapter.monitor()[0].global_rank == 4
+    listed = {a.name: a for a in list_adapters()}
+    assert listed["goodframe"].distribution == "tdtest_good 1.2.3"
+    assert listed["goodframe"].strategies == ("recover", "exit")
+
+
+def test_missing_adapter_names_what_is_installed(dist_path: Path) -> None:
+    make_dist(dist_path, "tdtest_other", GOOD, "otherframe = tdtest_other:Adapter")
+    with pytest.raises(AdapterNotFoundError, match="'nosuchframe'.*otherframe") as info:
+        load_adapter("nosuchframe")
+    assert info.value.plugin == "nosuchframe"
+
+
+def test_broken_import_names_plugin_distribution_and_cause(dist_path: Path) -> None:
+    make_dist(dist_path, "tdtest_broken", "import no_such_module_xyz\n", "brokenframe = tdtest_broken:Adapter")
+    make_dist(dist_path, "tdtest_fine", GOOD, "fineframe = tdtest_fine:Adapter")
+    with pytest.raises(PluginLoadError, match="'brokenframe'.*tdtest_broken 1.2.3.*no_such_module_xyz"):
+        load_adapter("brokenframe")
+    # One broken distribution does not hide the others.
+    listed = {a.name: a for a in list_adapters()}
+    assert "no_such_module_xyz" in listed["brokenframe"].error
+    assert listed["fineframe"].error == ""
+
+
+def test_hookimpl_with_unknown_argument_is_a_load_error() -> None:
+    class Wrong:
+        @hookimpl
+        def taskd_stop_workers(self, ranks: Sequence[int], timeout: float) -> bool:
+            return True
+
+    with pytest.raises(PluginLoadError, match="ranks"):
+        load_adapter("wrong", instance=Wrong())
+
+
+def test_hook_failure_becomes_worker_control_error() -> None:
+    class Failing:
+        @hookimpl
+        def taskd_restart_list(self, local_ranks: Sequence[int]) -> bool:
+            raise OSError("no such command")
+
+    adapter = load_adapter("failing", instance=Failing())
+    with pytest.raises(WorkerControlError, match=r"'failing' could not restart workers for local ranks \[1\]: OSError"):
+        adapter.restart_list([1])
+    with pytest.raises(WorkerControlError, match="no implementation of taskd_restart_all"):
+        adapter.restart_all()
+
+
+def test_monitor_result_is_checked() -> None:
+    class BadMonitor:
+        @hookimpl
+        def taskd_monitor(self) -> Mapping[int, object]:
+            return {0: {"pid": 1, "status": None}}
+
+    with pytest.raises(WorkerControlError, match="WorkerStatus"):
+        load_adapter("bad", instance=BadMonitor()).monitor()
+
+
+def test_builtin_process_adapter_is_listed() -> None:
+    names = {a.name for a in list_adapters()}
+    assert "process" in names
