@@ -1,0 +1,82 @@
+"""Which controller a launcher talks to: the one rule shared by ``taskd run`` and the framework adapters.
+
+Launchers do not make users run a controller for a single job. The rule:
+
+1. an explicit controller address (``--controller HOST:PORT``) always wins;
+2. otherwise node 0 starts an embedded controller inside its own launcher
+   process, listening on ``controller_port`` — on every interface, or only on
+   ``127.0.0.1`` when the job's master address is loopback (a one-machine job
+   needs no open port);
+3. every other node reaches it at ``MASTER_ADDR:controller_port``, the same
+   host that serves the job's rendezvous.
+
+The embedded controller lives exactly as long as the ``with`` block, so it
+ends with node 0's launcher: the job's state is in memory unless a state file
+is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from taskd_core.errors import ConfigError
+from taskd_core.launcher.spec import check_host, check_port, is_loopback
+from taskd_core.models import JobPolicy
+
+logger = logging.getLogger(__name__)
+
+#: The reference controller's (ClusterD's) gRPC port; the default for multi-node jobs.
+DEFAULT_CONTROLLER_PORT = 8899
+
+
+def parse_address(address: str, what: str = "controller address") -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) split and checked; raises :class:`ConfigError`."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ConfigError(f"{what}: {address!r} is not HOST:PORT")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    check_host(host, what)
+    port = int(port_text)
+    check_port(port, what)
+    return host, port
+
+
+@contextlib.contextmanager
+def controller_address(
+    explicit: str | None,
+    *,
+    node_rank: int,
+    master_addr: str,
+    controller_port: int,
+    policy: JobPolicy,
+    state: str = ":memory:",
+) -> Iterator[str]:
+    """Yield the ``HOST:PORT`` of the controller this node's agent must use.
+
+    :param explicit: an address given by the user; used as it is (checked).
+    :param node_rank: only node 0 starts an embedded controller.
+    :param master_addr: the job's master host; the other nodes reach node 0 there.
+    :param controller_port: port of the embedded controller; 0 (any free port)
+        only works for a one-node job, whose agent is told the bound port.
+    :param policy: default recovery policy of the embedded controller.
+    :param state: its SQLite state file, ``":memory:"`` for none.
+    :raises ConfigError: for an address or port that cannot work.
+    """
+    if explicit:
+        parse_address(explicit)
+        yield explicit
+        return
+    check_port(controller_port, "controller port", allow_zero=node_rank == 0)
+    if node_rank != 0:
+        yield f"{master_addr}:{controller_port}"
+        return
+    # Imported here: only node 0 without --controller needs the controller's code.
+    from taskd_core.controller.server import EmbeddedController
+
+    bind = "127.0.0.1" if is_loopback(master_addr) else "0.0.0.0"
+    with EmbeddedController(listen=f"{bind}:{controller_port}", state=state, defaults=policy) as controller:
+        logger.info("embedded controller listening on %s:%s", bind, controller.port)
+        # Node 0's own agent always reaches it over loopback, whatever interface serves the others.
+        yield f"127.0.0.1:{controller.port}"
