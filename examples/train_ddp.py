@@ -1,0 +1,207 @@
+"""A small but real data-parallel training job that survives being killed: TaskD's main example.
+
+Run it under ``taskd run`` (or ``torchrun``)::
+
+    taskd run --nproc 2 -- python examples/train_ddp.py --ckpt-dir /tmp/ckpt --steps 200
+
+What makes it recoverable:
+
+* **Checkpoints are atomic**: rank 0 writes ``<ckpt-dir>/ckpt.pt`` through a
+  temporary file and ``os.replace``, so a kill at any moment leaves either the
+  old or the new checkpoint, never half of one.
+* **Every start resumes**: all ranks load the latest checkpoint, if any, and
+  continue from the step after it.
+* **Training is deterministic**: fixed seeds, and the data of each step is
+  derived from the step number and the rank alone. A run with faults therefore
+  ends with exactly the parameters of a run without.
+* **The dump signal (SIGUSR1) saves and exits 0**, which is what TaskD's
+  ``dump`` strategy asks of a worker.
+
+It logs one JSON line per event (``start``, ``resumed``, ``step``, ``dump``,
+``done``) to ``--progress`` so tests and benchmarks can see where training
+resumed and when every rank stepped. Fault injection for tests:
+``--fail-at-step S --fail-rank R --fail-mode {raise,exit,kill}`` fails once,
+on the first start only (``TASKD_RESTART_COUNT == 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+IN_FEATURES = 16
+HIDDEN = 32
+BATCH = 8
+LEARNING_RATE = 0.05
+MOMENTUM = 0.9
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100, help="training steps in total")
+    p.add_argument("--ckpt-dir", type=Path, required=True, help="directory of the checkpoint")
+    p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every K steps")
+    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (makes kill timing easy)")
+    p.add_argument("--progress", type=Path, default=os.environ.get("TRAIN_PROGRESS"), help="JSON-lines event log")
+    p.add_argument("--result", type=Path, default=None, help="rank 0 writes the final parameters here (JSON)")
+    p.add_argument("--fail-at-step", type=int, default=None, help="fail once when this step begins")
+    p.add_argument("--fail-rank", type=int, default=0, help="global rank that fails")
+    p.add_argument("--fail-mode", choices=("raise", "exit", "kill"), default="raise")
+    return p.parse_args()
+
+
+class Progress:
+    """Append-only JSON-lines log shared by every rank (one short write per line stays whole under O_APPEND)."""
+
+    def __init__(self, path: Path | None, rank: int, restart: int) -> None:
+        self.path, self.rank, self.restart = path, rank, restart
+
+    def log(self, event: str, step: int) -> None:
+        if self.path is None:
+            return
+        line = json.dumps(
+            {"event": event, "rank": self.rank, "step": step, "pid": os.getpid(), "restart": self.restart,
+             "time": time.time()}
+        )
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)  # every rank starts from the same parameters
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data of ``rank`` at ``step``: a function of those two numbers only, so a replayed step is identical."""
+    g = torch.Generator().manual_seed(step * 100_003 + rank)
+    x = torch.randn(BATCH, IN_FEATURES, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    return x, y
+
+
+def save_checkpoint(path: Path, step: int, model: nn.Module, velocity: list[torch.Tensor]) -> None:
+    """Write atomically: readers (and a resume after a kill) see the old file or the new one, never a torn one."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save({"step": step, "model": model.state_dict(), "velocity": velocity}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model: nn.Module, velocity: list[torch.Tensor]) -> int:
+    """Steps already done according to the checkpoint (0 without one); loads the state in place."""
+    if not path.exists():
+        return 0
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"])
+    for v, saved in zip(velocity, state["velocity"], strict=True):
+        v.copy_(saved)
+    return int(state["step"])
+
+
+def sgd_step(model: nn.Module, velocity: list[torch.Tensor], world_size: int) -> None:
+    """Average gradients over all ranks, then SGD with momentum.
+
+    One all_reduce of all gradients before any update: if a peer dies during
+    it, no parameter has changed yet. Written out instead of DDP + torch.optim
+    because the first optimizer step imports torch._dynamo, seconds on every restart.
+    """
+    params = list(model.parameters())
+    grads = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+    dist.all_reduce(grads)
+    grads /= world_size
+    with torch.no_grad():
+        offset = 0
+        for p, v in zip(params, velocity, strict=True):
+            g = grads[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            v.mul_(MOMENTUM).add_(g)
+            p.sub_(LEARNING_RATE * v)
+
+
+def params_digest(model: nn.Module) -> dict[str, object]:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "params": flat.tolist()}
+
+
+def main() -> int:
+    args = parse_args()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    restart = int(os.environ.get("TASKD_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    progress = Progress(args.progress, rank, restart)
+    progress.log("start", 0)
+
+    # The dump signal only sets a flag: the loop saves at the next step boundary,
+    # where the parameters are consistent on every rank.
+    dump_requested = False
+
+    def on_dump(signum: int, frame: FrameType | None) -> None:
+        nonlocal dump_requested
+        dump_requested = True
+
+    signal.signal(signal.SIGUSR1, on_dump)
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # MASTER_ADDR/MASTER_PORT from env
+    model = make_model()
+    velocity = [torch.zeros_like(p) for p in model.parameters()]
+    args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = args.ckpt_dir / "ckpt.pt"
+    done = load_checkpoint(ckpt, model, velocity)
+    # Nobody may overwrite the checkpoint until every rank has read it.
+    dist.barrier()
+    if done:
+        progress.log("resumed", done)
+    loss_fn = nn.MSELoss()
+    try:
+        for step in range(done, args.steps):
+            if args.step_time:
+                time.sleep(args.step_time)
+            if dump_requested:
+                break
+            if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
+                inject_fault(args.fail_mode, step)
+            model.zero_grad()
+            x, y = batch(step, rank)
+            loss_fn(model(x), y).backward()
+            sgd_step(model, velocity, world_size)
+            done = step + 1
+            progress.log("step", done)
+            if rank == 0 and (done % args.ckpt_every == 0 or done == args.steps):
+                save_checkpoint(ckpt, done, model, velocity)
+    except RuntimeError:
+        # A dead peer breaks the collective; with a dump pending, the parameters
+        # (updated only after a successful all_reduce) are still those of `done`.
+        if not dump_requested:
+            raise
+    if dump_requested:
+        if rank == 0:
+            save_checkpoint(ckpt, done, model, velocity)
+        progress.log("dump", done)
+        return 0
+    if rank == 0 and args.result is not None:
+        args.result.write_text(json.dumps({"steps": done, **params_digest(model)}))
+    progress.log("done", done)
+    dist.destroy_process_group()
+    return 0
+
+
+def inject_fault(mode: str, step: int) -> None:
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "exit":
+        os._exit(3)  # no cleanup, like a crash in native code
+    raise RuntimeError(f"injected fault at step {step}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
