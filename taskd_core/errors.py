@@ -89,3 +89,16 @@ class WorkerControlError(PluginError):
         super().__init__(f"adapter {plugin!r} could not {operation}{where}: {reason}", plugin=plugin)
         self.operation = operation
         self.ranks = ranks
+
+
+class RequestRejected(TaskdError):
+    """The controller refuses a request; ``code`` is the wire ``Status.code``
+    (a :class:`~taskd_core.models.Code`) and the message says what to fix."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DuplicateSubscriberError(RequestRejected):
+    """A second live signal subscription for the same agent of a job."""

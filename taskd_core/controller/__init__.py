@@ -1,0 +1,48 @@
+"""The TaskD recovery controller: a ClusterD-compatible ``Recover`` gRPC service.
+
+Public surface: :class:`~taskd_core.controller.server.EmbeddedController` (an
+in-process controller for launchers and tests), :func:`~taskd_core.controller.server.serve`
+and :class:`~taskd_core.controller.server.ControllerConfig` (the daemon),
+:func:`~taskd_core.controller.policy.load_policies` (policy files).
+
+Modules: ``policy`` (job policies), ``machine`` (the per-job recovery state
+machine, no I/O), ``store`` (SQLite), ``subscriber`` (one signal stream),
+``runtime`` (jobs, agents, timers), ``service`` (protobuf <-> runtime, status
+codes), ``server`` (gRPC server, ``serve``, ``EmbeddedController``).
+
+Agent identity and report attribution
+-------------------------------------
+A job may have several agents (one per node). An agent is known by
+``ClientInfo.agentId`` (extension field 100) or, when that is empty (legacy
+clients), by its ``role`` (e.g. ``"master agent"``). Every agent Registers and
+Subscribes under that identity; a second live stream for the same identity is
+refused with gRPC ``ALREADY_EXISTS``. A report (``Report*`` RPCs, field 100
+``agentId``) names its agent; a report without one is attributed to the job's
+only agent when it has exactly one, and is answered 409 when there are several.
+A ``ReportProcessFault`` without agentId is always accepted (faults are never
+dropped for want of a reporter).
+
+Status codes per RPC (``taskd_core.models.Code``)
+------------------------------------------------
+* ``Init``: 0; 403 recovery off in the job's policy; 409 bad jobId; 500 too many jobs.
+* ``Register``: 0 (idempotent); 408 before Init; 409 bad jobId or rankIds.
+* ``SubscribeProcessManageSignal``: a stream; gRPC NOT_FOUND for an unregistered
+  job or agent (the reference uses UNKNOWN), INVALID_ARGUMENT for bad fields,
+  ALREADY_EXISTS for a second stream of one agent.
+* ``ReportStopComplete`` / ``ReportRecoverStrategy`` / ``ReportRecoverStatus``:
+  0 accepted (also for a repeated report); 400 job or agent not registered;
+  401 the report does not fit the cycle step, its uuid (field 101) or its
+  members; 409 bad fields or missing agentId in a multi-agent job.
+* ``ReportProcessFault``: 0; 400 unregistered; 401 job finished or given up;
+  409 bad or empty fault ranks (more than 65 536 too).
+* ``HealthCheck``: always 0 ``"jobId=…, receive HeathCheck"`` (reference typo).
+* ``ReportAgentExit``: 0; 400; 409. ``SetJobPolicy``: 0; 409 invalid value.
+  ``QueryStatus``: ``status.code`` 0, or 400 for an unknown job.
+"""
+
+from __future__ import annotations
+
+from taskd_core.controller.policy import PolicyBook, load_policies
+from taskd_core.controller.server import ControllerConfig, EmbeddedController, serve
+
+__all__ = ["ControllerConfig", "EmbeddedController", "PolicyBook", "load_policies", "serve"]

@@ -1,0 +1,667 @@
+"""The per-job recovery state machine (SPEC §5), free of I/O.
+
+A :class:`JobMachine` owns one job's :class:`Snapshot` and reacts to events
+(:class:`FaultReported`, :class:`StopReported`, ...) through one transition
+table ``{(State, event type): handler}``. A handler mutates the snapshot and
+returns what the runtime must do: the reply, the signals to send and the
+journal entries to store (in one transaction with the new snapshot). Time is
+passed in, deadlines are absolute wall-clock seconds, so a restarted
+controller re-arms its timers from the stored snapshot.
+
+States::
+
+    IDLE --fault--> FLUSHING --flush deadline--> WAIT_STOP      (stopTrain sent)
+    WAIT_STOP --all stopped--> WAIT_STRATEGIES                   (globalFault sent)
+    WAIT_STRATEGIES --all reported / deadline--> WAIT_STATUS     (changeStrategy sent)
+    WAIT_STATUS --all 0--> IDLE (or FLUSHING for faults that came meanwhile)
+    WAIT_STATUS --failure / deadline--> WAIT_STATUS (next rung) or GIVEN_UP
+    any wait --failure that leaves only exit--> GIVEN_UP         (exit + killMaster sent)
+    IDLE --every agent exited 0--> FINISHED
+
+A report that does not fit the state, the cycle's uuid or the cycle's members
+gets ``Code.ORDER_MIX`` with an info saying what the controller expects.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from taskd_core.models import (
+    EXTRA_DUMP_EXIT,
+    EXTRA_RECOVER_IN_PLACE,
+    LADDER,
+    Action,
+    Code,
+    FaultRank,
+    FaultType,
+    JobPolicy,
+    Signal,
+    SignalType,
+    Strategy,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class State(str, Enum):
+    IDLE = "idle"
+    FLUSHING = "flushing"
+    WAIT_STOP = "wait-stop"
+    WAIT_STRATEGIES = "wait-strategies"
+    WAIT_STATUS = "wait-status"
+    FINISHED = "finished"
+    GIVEN_UP = "given-up"
+
+
+#: What each state waits for, for ORDER_MIX answers and ``taskd status``.
+EXPECTS = {
+    State.IDLE: "no report: no recovery cycle is in flight",
+    State.FLUSHING: "no report yet: the controller is collecting faults before it stops training",
+    State.WAIT_STOP: "ReportStopComplete",
+    State.WAIT_STRATEGIES: "ReportRecoverStrategy",
+    State.WAIT_STATUS: "ReportRecoverStatus",
+    State.FINISHED: "nothing: the job finished",
+    State.GIVEN_UP: "nothing: the job was given up (killMaster sent)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The ``Status`` an RPC answers with."""
+
+    code: Code = Code.OK
+    info: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    kind: str
+    cycle: int
+    detail: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Reaction:
+    """What handling one event asks the runtime to do, in this order:
+    persist (if ``persist``), then send ``signals``, then answer ``reply``."""
+
+    reply: Reply
+    signals: tuple[Signal, ...] = ()
+    journal: tuple[JournalEntry, ...] = ()
+    persist: bool = False
+
+
+@dataclass(slots=True)
+class AgentInfo:
+    """One registered agent of a job (mutable: exit code and last contact change)."""
+
+    agent_id: str
+    role: str = ""
+    #: node rank, known only when the agent said which ranks it supervises.
+    node_rank: int | None = None
+    rank_ids: tuple[int, ...] = ()
+    exit_code: int | None = None
+    last_seen: float = 0.0
+
+
+# --- events -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FaultReported:
+    agent: str
+    faults: tuple[FaultRank, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StopReported:
+    agent: str
+    code: int
+    uuid: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StrategiesReported:
+    agent: str
+    strategies: tuple[str, ...]
+    uuid: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReported:
+    agent: str
+    code: int
+    strategy: str = ""
+    uuid: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlinePassed:
+    #: the snapshot's ``step`` when the timer was armed; a later step makes it stale.
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentExited:
+    agent: str
+    code: int
+
+
+Event = FaultReported | StopReported | StrategiesReported | StatusReported | DeadlinePassed | AgentExited
+Report = StopReported | StrategiesReported | StatusReported
+
+_EVENT_NAMES: dict[type, str] = {
+    FaultReported: "ReportProcessFault",
+    StopReported: "ReportStopComplete",
+    StrategiesReported: "ReportRecoverStrategy",
+    StatusReported: "ReportRecoverStatus",
+    DeadlinePassed: "deadline",
+    AgentExited: "ReportAgentExit",
+}
+
+
+def new_cycle_uuid() -> str:
+    """``HEX(unix-nanos)-<32 hex>``, the reference's event id format."""
+    return f"{time.time_ns():x}-{secrets.token_hex(16)}"
+
+
+def _faults_to_json(faults: Mapping[int, FaultType]) -> dict[str, str]:
+    return {str(rank): kind.value for rank, kind in faults.items()}
+
+
+def _faults_from_json(data: Mapping[str, str]) -> dict[int, FaultType]:
+    return {int(rank): FaultType(kind) for rank, kind in data.items()}
+
+
+def signal_to_dict(signal: Signal) -> dict[str, Any]:
+    return {
+        "signal_type": signal.signal_type,
+        "job_id": signal.job_id,
+        "uuid": signal.uuid,
+        "actions": list(signal.actions),
+        "fault_ranks": {str(f.rank): f.fault_type.value for f in signal.fault_ranks},
+        "change_strategy": signal.change_strategy,
+        "timeout": signal.timeout,
+        "node_rank_ids": list(signal.node_rank_ids),
+        "extra_params": signal.extra_params,
+        "seq": signal.seq,
+        "cycle": signal.cycle,
+    }
+
+
+def signal_from_dict(data: Mapping[str, Any]) -> Signal:
+    faults = tuple(FaultRank(r, t) for r, t in _faults_from_json(data["fault_ranks"]).items())
+    return Signal(
+        signal_type=data["signal_type"],
+        job_id=data["job_id"],
+        uuid=data["uuid"],
+        actions=tuple(data["actions"]),
+        fault_ranks=faults,
+        change_strategy=data["change_strategy"],
+        timeout=data["timeout"],
+        node_rank_ids=tuple(data["node_rank_ids"]),
+        extra_params=data["extra_params"],
+        seq=data["seq"],
+        cycle=data["cycle"],
+    )
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Everything about a job's recovery that must survive a controller restart."""
+
+    state: State = State.IDLE
+    #: number of the cycle in flight or last run; also the cycles used so far.
+    cycle: int = 0
+    uuid: str = ""
+    #: job-wide sequence number of the last non-keep-alive signal.
+    seq: int = 0
+    #: bumped on every state entry; deadline timers carry it to detect staleness.
+    step: int = 0
+    #: absolute wall-clock end of the current flush window or wait.
+    deadline: float | None = None
+    faults: dict[int, FaultType] = field(default_factory=dict)
+    #: faults that arrived while waiting for recovery results: the next cycle's.
+    pending: dict[int, FaultType] = field(default_factory=dict)
+    #: agents that must answer in this cycle (those registered when it started).
+    members: list[str] = field(default_factory=list)
+    stops: dict[str, int] = field(default_factory=dict)
+    strategies: dict[str, list[str]] = field(default_factory=dict)
+    statuses: dict[str, int] = field(default_factory=dict)
+    #: strategy in flight (a Strategy value) and those tried in this cycle.
+    strategy: str = ""
+    tried: list[str] = field(default_factory=list)
+    last_signal: Signal | None = None
+    outcome: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "cycle": self.cycle,
+            "uuid": self.uuid,
+            "seq": self.seq,
+            "step": self.step,
+            "deadline": self.deadline,
+            "faults": _faults_to_json(self.faults),
+            "pending": _faults_to_json(self.pending),
+            "members": list(self.members),
+            "stops": dict(self.stops),
+            "strategies": {a: list(s) for a, s in self.strategies.items()},
+            "statuses": dict(self.statuses),
+            "strategy": self.strategy,
+            "tried": list(self.tried),
+            "last_signal": signal_to_dict(self.last_signal) if self.last_signal else None,
+            "outcome": self.outcome,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Snapshot:
+        last = data.get("last_signal")
+        return cls(
+            state=State(data["state"]),
+            cycle=data["cycle"],
+            uuid=data["uuid"],
+            seq=data["seq"],
+            step=data["step"],
+            deadline=data["deadline"],
+            faults=_faults_from_json(data["faults"]),
+            pending=_faults_from_json(data["pending"]),
+            members=list(data["members"]),
+            stops=dict(data["stops"]),
+            strategies={a: list(s) for a, s in data["strategies"].items()},
+            statuses=dict(data["statuses"]),
+            strategy=data["strategy"],
+            tried=list(data["tried"]),
+            last_signal=signal_from_dict(last) if last else None,
+            outcome=data["outcome"],
+        )
+
+
+def merge_faults(into: dict[int, FaultType], faults: Iterable[FaultRank]) -> None:
+    """Add faults; a rank once seen with a normal (non-retryable) fault stays normal."""
+    for fault in faults:
+        if into.get(fault.rank) is not FaultType.NORMAL:
+            into[fault.rank] = fault.fault_type
+
+
+class _Effects:
+    """Collects what one handler does, then becomes a :class:`Reaction`."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.signals: list[Signal] = []
+        self.journal: list[JournalEntry] = []
+
+
+Handler = Callable[["JobMachine", Any, _Effects], Reply]
+
+
+class JobMachine:
+    """One job's recovery cycle. ``agents`` is the runtime's live agent table."""
+
+    def __init__(
+        self,
+        job_id: str,
+        policy: JobPolicy,
+        agents: Mapping[str, AgentInfo],
+        snapshot: Snapshot | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.policy = policy
+        self.agents = agents
+        self.snap = snapshot or Snapshot()
+
+    @property
+    def state(self) -> State:
+        return self.snap.state
+
+    def expects(self) -> str:
+        if self.snap.state is State.WAIT_STATUS:
+            return f"ReportRecoverStatus for strategy {self.snap.strategy!r}"
+        return EXPECTS[self.snap.state]
+
+    def handle(self, event: Event, now: float) -> Reaction:
+        handler = _TABLE.get((self.snap.state, type(event)))
+        if handler is None:
+            if isinstance(event, DeadlinePassed):
+                return Reaction(Reply())
+            return Reaction(self._order_mix(f"{_EVENT_NAMES[type(event)]} does not fit the job's state"))
+        fx = _Effects(now)
+        reply = handler(self, event, fx)
+        return Reaction(reply, tuple(fx.signals), tuple(fx.journal), persist=True)
+
+    # --- helpers ------------------------------------------------------------
+
+    def _order_mix(self, what: str) -> Reply:
+        s = self.snap
+        cycle = f" (cycle {s.cycle}, uuid {s.uuid})" if s.uuid else ""
+        return Reply(
+            Code.ORDER_MIX,
+            f"jobId={self.job_id}: {what} {s.state.value}{cycle}; the controller expects {self.expects()}",
+        )
+
+    def _journal(self, fx: _Effects, kind: str, **detail: Any) -> None:
+        fx.journal.append(JournalEntry(kind, self.snap.cycle, detail))
+
+    def _enter(self, fx: _Effects, state: State, timeout: float | None) -> None:
+        s = self.snap
+        self._journal(fx, "transition", source=s.state.value, target=state.value)
+        s.state = state
+        s.step += 1
+        s.deadline = None if timeout is None else fx.now + timeout
+
+    def _send(
+        self,
+        fx: _Effects,
+        signal_type: SignalType,
+        actions: Iterable[Action] = (),
+        *,
+        strategy: str = "",
+        extra: str = "",
+        with_faults: bool = True,
+    ) -> None:
+        s = self.snap
+        s.seq += 1
+        signal = Signal(
+            signal_type=signal_type.value,
+            job_id=self.job_id,
+            uuid=s.uuid,
+            actions=tuple(a.value for a in actions),
+            fault_ranks=tuple(FaultRank(r, t) for r, t in sorted(s.faults.items())) if with_faults else (),
+            change_strategy=strategy,
+            node_rank_ids=self._fault_nodes() if with_faults else (),
+            extra_params=extra,
+            seq=s.seq,
+            cycle=s.cycle,
+        )
+        s.last_signal = signal
+        fx.signals.append(signal)
+        self._journal(
+            fx, "signal", type=signal.signal_type, seq=signal.seq, actions=list(signal.actions),
+            strategy=strategy, extra=extra,
+        )
+
+    def _fault_nodes(self) -> tuple[str, ...]:
+        """Node ranks of the agents that host a faulty rank, where agents said so."""
+        nodes = {
+            info.node_rank
+            for info in self.agents.values()
+            if info.node_rank is not None and not set(info.rank_ids).isdisjoint(self.snap.faults)
+        }
+        return tuple(str(n) for n in sorted(n for n in nodes if n is not None))
+
+    def _silent(self, answers: Mapping[str, object]) -> list[str]:
+        return [m for m in self.snap.members if m not in answers]
+
+    def _complete(self, answers: Mapping[str, object]) -> bool:
+        return not self._silent(answers) and len(answers) >= self.policy.expected_agents
+
+    def _shortfall(self, answers: Mapping[str, object]) -> list[str]:
+        """Who failed to answer; a missing expected agent counts as one more."""
+        missing = self._silent(answers)
+        absent = self.policy.expected_agents - len(self.snap.members)
+        return missing + [f"<expected agent #{i + 1} never registered>" for i in range(max(0, absent))]
+
+    def _check_report(self, event: Report) -> Reply | None:
+        s = self.snap
+        if event.uuid and event.uuid != s.uuid:
+            return self._order_mix(f"stale uuid {event.uuid!r}: the report belongs to another cycle; state")
+        if event.agent not in s.members:
+            return self._order_mix(
+                f"agent {event.agent!r} is not part of the cycle in flight (members: {', '.join(s.members)}); state"
+            )
+        return None
+
+    def _accepted(self, event: Report, answers: Mapping[str, object]) -> Reply | None:
+        """None when the report is new; otherwise the reply to a rejected or repeated one."""
+        bad = self._check_report(event)
+        if bad is not None:
+            return bad
+        if event.agent in answers:
+            return Reply(Code.OK, f"jobId={self.job_id}, uuid={self.snap.uuid}: repeated report ignored")
+        return None
+
+    def _receipt(self, event: Report) -> Reply:
+        name = _EVENT_NAMES[type(event)]
+        return Reply(Code.OK, f"jobId={self.job_id}, uuid={self.snap.uuid}, receive {name}")
+
+    # --- faults and cycle start ---------------------------------------------
+
+    def _fault_accepted(self, event: FaultReported, fx: _Effects, *, pending: bool = False) -> Reply:
+        merge_faults(self.snap.pending if pending else self.snap.faults, event.faults)
+        self._journal(
+            fx, "fault", agent=event.agent, pending=pending,
+            ranks={str(f.rank): f.fault_type.value for f in event.faults},
+        )
+        return Reply(Code.OK, f"jobId={self.job_id}, receive ReportProcessFault")
+
+    def _on_fault_idle(self, event: FaultReported, fx: _Effects) -> Reply:
+        reply = self._fault_accepted(event, fx)
+        self._begin(fx)
+        return reply
+
+    def _begin(self, fx: _Effects) -> None:
+        """Faults are known and no cycle runs: flush, start, or give up."""
+        s = self.snap
+        if s.cycle >= self.policy.max_cycles:
+            self._give_up(fx, f"recovery cycle budget used up ({s.cycle} of {self.policy.max_cycles})")
+        elif self.policy.flush_seconds > 0:
+            self._enter(fx, State.FLUSHING, self.policy.flush_seconds)
+        else:
+            self._start_cycle(fx)
+
+    def _on_fault_merge(self, event: FaultReported, fx: _Effects) -> Reply:
+        return self._fault_accepted(event, fx)
+
+    def _on_fault_pending(self, event: FaultReported, fx: _Effects) -> Reply:
+        return self._fault_accepted(event, fx, pending=True)
+
+    def _on_flush_end(self, event: DeadlinePassed, fx: _Effects) -> Reply:
+        if event.step == self.snap.step:
+            self._start_cycle(fx)
+        return Reply()
+
+    def _start_cycle(self, fx: _Effects) -> None:
+        s = self.snap
+        s.cycle += 1
+        s.uuid = new_cycle_uuid()
+        s.members = sorted(a for a, info in self.agents.items() if info.exit_code is None)
+        s.stops, s.strategies, s.statuses = {}, {}, {}
+        s.strategy, s.tried = "", []
+        self._journal(
+            fx, "cycle started", uuid=s.uuid, members=s.members,
+            faults=_faults_to_json(s.faults),
+        )
+        self._send(fx, SignalType.STOP_TRAIN, [Action.STOP_TRAIN])
+        self._enter(fx, State.WAIT_STOP, self.policy.report_timeout)
+
+    # --- waits ----------------------------------------------------------------
+
+    def _on_deadline(self, event: DeadlinePassed, fx: _Effects) -> Reply:
+        if event.step != self.snap.step:
+            return Reply()
+        answers = {
+            State.WAIT_STOP: self.snap.stops,
+            State.WAIT_STRATEGIES: self.snap.strategies,
+            State.WAIT_STATUS: self.snap.statuses,
+        }[self.snap.state]
+        self._journal(fx, "deadline", state=self.snap.state.value, silent=self._shortfall(answers))
+        _CONCLUDE[self.snap.state](self, fx)
+        return Reply()
+
+    def _on_stop(self, event: StopReported, fx: _Effects) -> Reply:
+        early = self._accepted(event, self.snap.stops)
+        if early is not None:
+            return early
+        self.snap.stops[event.agent] = event.code
+        self._journal(fx, "report", step="stop", agent=event.agent, code=event.code)
+        receipt = self._receipt(event)
+        if self._complete(self.snap.stops):
+            self._conclude_stop(fx)
+        return receipt
+
+    def _conclude_stop(self, fx: _Effects) -> None:
+        s = self.snap
+        failed = self._shortfall(s.stops) + [a for a, code in s.stops.items() if code != Code.OK]
+        if failed:
+            self._exit(fx, f"training could not be stopped on agent(s) {', '.join(failed)}")
+            return
+        actions = [Action.ON_GLOBAL_RANK]
+        if self._fault_nodes() and not self._retryable():
+            actions.append(Action.FAULT_NODES_EXIT)
+        self._send(fx, SignalType.GLOBAL_FAULT, actions)
+        self._enter(fx, State.WAIT_STRATEGIES, self.policy.report_timeout)
+
+    def _on_strategies(self, event: StrategiesReported, fx: _Effects) -> Reply:
+        early = self._accepted(event, self.snap.strategies)
+        if early is not None:
+            return early
+        self.snap.strategies[event.agent] = list(event.strategies)
+        self._journal(fx, "report", step="strategies", agent=event.agent, strategies=list(event.strategies))
+        receipt = self._receipt(event)
+        if self._complete(self.snap.strategies):
+            self._decide(fx, after=None)
+        return receipt
+
+    def _conclude_strategies(self, fx: _Effects) -> None:
+        self._decide(fx, after=None)
+
+    def _on_status(self, event: StatusReported, fx: _Effects) -> Reply:
+        early = self._accepted(event, self.snap.statuses)
+        if early is not None:
+            return early
+        if not _same_strategy(event.strategy, self.snap.strategy):
+            return self._order_mix(f"a result for strategy {event.strategy!r} does not fit state")
+        self.snap.statuses[event.agent] = event.code
+        self._journal(
+            fx, "report", step="status", agent=event.agent, code=event.code, strategy=event.strategy,
+        )
+        receipt = self._receipt(event)
+        if self._complete(self.snap.statuses):
+            self._conclude_status(fx)
+        return receipt
+
+    def _conclude_status(self, fx: _Effects) -> None:
+        s = self.snap
+        strategy = Strategy(s.strategy)
+        failed = self._shortfall(s.statuses) + [a for a, code in s.statuses.items() if code != Code.OK]
+        if strategy is Strategy.DUMP:
+            self._journal(fx, "strategy result", strategy=strategy.value, failed=failed)
+            self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY],
+                       strategy=Strategy.EXIT.value, extra=EXTRA_DUMP_EXIT)
+            self._give_up(fx, f"dump {'failed' if failed else 'done'}, job exits")
+        elif failed:
+            self._journal(fx, "strategy failed", strategy=strategy.value, failed=failed)
+            self._decide(fx, after=strategy)
+        else:
+            self._journal(fx, "cycle succeeded", strategy=strategy.value, uuid=s.uuid)
+            self._enter(fx, State.IDLE, None)
+            s.uuid, s.strategy, s.last_signal, s.faults = "", "", None, {}
+            s.outcome = f"cycle {s.cycle} recovered by {strategy.value}"
+            if s.pending:
+                s.faults, s.pending = s.pending, {}
+                self._begin(fx)
+
+    # --- strategy choice and the end of the road --------------------------------
+
+    def _retryable(self) -> bool:
+        """Retry fits only faults that are all retryable and all of one kind."""
+        kinds = set(self.snap.faults.values())
+        return len(kinds) == 1 and next(iter(kinds)).retryable
+
+    def _common_strategies(self) -> set[str]:
+        s = self.snap
+        if self._shortfall(s.strategies):
+            return set()
+        sets = [set(s.strategies[m]) for m in s.members]
+        return set.intersection(*sets) if sets else set()
+
+    def _decide(self, fx: _Effects, after: Strategy | None) -> None:
+        s = self.snap
+        common = self._common_strategies()
+        start = LADDER.index(after) + 1 if after is not None else 0
+        choice = Strategy.EXIT
+        for rung in LADDER[start:]:
+            if (
+                rung in self.policy.strategies
+                and rung.value in common
+                and rung.value not in s.tried
+                and (rung is not Strategy.RETRY or self._retryable())
+            ):
+                choice = rung
+                break
+        self._journal(fx, "strategy chosen", strategy=choice.value, reported=sorted(common),
+                      after=after.value if after else "")
+        if choice is Strategy.EXIT:
+            self._exit(fx, "exit chosen: no allowed strategy was left to try" if s.tried else "exit chosen")
+            return
+        s.strategy = choice.value
+        s.tried.append(choice.value)
+        s.statuses = {}
+        if choice is Strategy.RECOVER_IN_PLACE:
+            self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY, Action.FAULT_NODES_RESTART],
+                       strategy=Strategy.RECOVER.value, extra=EXTRA_RECOVER_IN_PLACE)
+        else:
+            self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY], strategy=choice.value)
+        self._enter(fx, State.WAIT_STATUS, self.policy.report_timeout)
+
+    def _exit(self, fx: _Effects, reason: str) -> None:
+        self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY], strategy=Strategy.EXIT.value)
+        self._give_up(fx, reason)
+
+    def _give_up(self, fx: _Effects, reason: str) -> None:
+        self._send(fx, SignalType.KILL_MASTER, with_faults=False)
+        self._enter(fx, State.GIVEN_UP, None)
+        self.snap.outcome = reason
+        self._journal(fx, "job given up", reason=reason)
+
+    # --- agents -----------------------------------------------------------------
+
+    def _on_agent_exit(self, event: AgentExited, fx: _Effects) -> Reply:
+        self._journal(fx, "agent exit", agent=event.agent, code=event.code)
+        everyone = self.agents.values()
+        if (
+            self.snap.state is State.IDLE
+            and len(self.agents) >= self.policy.expected_agents
+            and all(info.exit_code == Code.OK for info in everyone)
+        ):
+            self._enter(fx, State.FINISHED, None)
+            self.snap.outcome = "job finished"
+            self._journal(fx, "job finished", agents=sorted(self.agents))
+        return Reply(Code.OK, f"jobId={self.job_id}, receive ReportAgentExit")
+
+
+def _same_strategy(reported: str, decided: str) -> bool:
+    """Agents report recover-in-place as either name; empty means 'the one you sent'."""
+    if not reported or reported == decided:
+        return True
+    return decided == Strategy.RECOVER_IN_PLACE.value and reported == Strategy.RECOVER.value
+
+
+_CONCLUDE: dict[State, Callable[[JobMachine, _Effects], None]] = {
+    State.WAIT_STOP: JobMachine._conclude_stop,
+    State.WAIT_STRATEGIES: JobMachine._conclude_strategies,
+    State.WAIT_STATUS: JobMachine._conclude_status,
+}
+
+_TABLE: dict[tuple[State, type], Handler] = {
+    (State.IDLE, FaultReported): JobMachine._on_fault_idle,
+    (State.FLUSHING, FaultReported): JobMachine._on_fault_merge,
+    (State.FLUSHING, DeadlinePassed): JobMachine._on_flush_end,
+    (State.WAIT_STOP, FaultReported): JobMachine._on_fault_merge,
+    (State.WAIT_STOP, StopReported): JobMachine._on_stop,
+    (State.WAIT_STOP, DeadlinePassed): JobMachine._on_deadline,
+    (State.WAIT_STRATEGIES, FaultReported): JobMachine._on_fault_merge,
+    (State.WAIT_STRATEGIES, StrategiesReported): JobMachine._on_strategies,
+    (State.WAIT_STRATEGIES, DeadlinePassed): JobMachine._on_deadline,
+    (State.WAIT_STATUS, FaultReported): JobMachine._on_fault_pending,
+    (State.WAIT_STATUS, StatusReported): JobMachine._on_status,
+    (State.WAIT_STATUS, DeadlinePassed): JobMachine._on_deadline,
+    **{(state, AgentExited): JobMachine._on_agent_exit for state in State},
+}

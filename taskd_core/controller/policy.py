@@ -1,0 +1,171 @@
+"""Job recovery policies: validation, the TOML policy file and per-job lookup.
+
+A policy file has a ``[defaults]`` table and one ``[jobs."<job id>"]`` table
+per job that differs::
+
+    [defaults]
+    strategies = ["recover-in-place", "recover", "dump", "exit"]
+    recovery = true
+    report_timeout = 900      # seconds each wait for the agents' reports may take
+    flush_seconds = 1.0       # window that collects faults arriving together
+    max_cycles = 3            # recovery cycles a job may use before it is given up
+    expected_agents = 0       # 0: whoever registered
+
+    [jobs."job-42"]
+    strategies = "recover,exit"
+
+Layers, lowest first: :class:`~taskd_core.models.JobPolicy` defaults, the
+file's ``[defaults]``, command-line flags, the file's per-job table, and at
+run time the ``SetJobPolicy`` RPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from taskd_core.errors import ConfigError
+from taskd_core.models import LADDER, JobPolicy, Strategy
+
+logger = logging.getLogger(__name__)
+
+#: File key -> JobPolicy attribute.
+_FILE_KEYS = {
+    "strategies": "strategies",
+    "recovery": "recovery_enabled",
+    "report_timeout": "report_timeout",
+    "flush_seconds": "flush_seconds",
+    "max_cycles": "max_cycles",
+    "expected_agents": "expected_agents",
+}
+
+
+def parse_strategies(value: str | Iterable[str], *, key: str = "strategies") -> tuple[Strategy, ...]:
+    """Strategy names (a comma list or a sequence) as ladder-ordered strategies."""
+    names = value.split(",") if isinstance(value, str) else list(value)
+    chosen: set[Strategy] = set()
+    for raw in names:
+        name = str(raw).strip()
+        if not name:
+            continue
+        try:
+            chosen.add(Strategy(name))
+        except ValueError:
+            raise ConfigError(
+                f"{key}: unknown strategy {name!r}; use names from: {', '.join(s.value for s in LADDER)}"
+            ) from None
+    if not chosen:
+        raise ConfigError(f"{key}: no strategy given; name at least one, e.g. \"recover,exit\"")
+    return tuple(s for s in LADDER if s in chosen)
+
+
+def _number(key: str, value: object, *, minimum: float, integer: bool, exclusive: bool = False) -> float:
+    kind = "an integer" if integer else "a number"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or not math.isfinite(float(value)):  # type: ignore[arg-type]
+        raise ConfigError(f"{key}: expected {kind}, got {value!r}")
+    number = float(value)  # type: ignore[arg-type]
+    if number < minimum or (exclusive and number == minimum):
+        bound = f"greater than {minimum:g}" if exclusive else f"at least {minimum:g}"
+        raise ConfigError(f"{key}: must be {bound}, got {value!r}")
+    return number
+
+
+def updated_policy(base: JobPolicy, where: str = "", **changes: object) -> JobPolicy:
+    """``base`` with ``changes`` (JobPolicy attribute names) applied after validation.
+
+    ``where`` prefixes error messages (e.g. ``'[jobs."a"] '``) so they name the key.
+    """
+    clean: dict[str, Any] = {}
+    for name, value in changes.items():
+        key = f"{where}{name}"
+        if name == "strategies":
+            clean[name] = parse_strategies(value, key=key)  # type: ignore[arg-type]
+        elif name == "recovery_enabled":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key}: expected true or false, got {value!r}")
+            clean[name] = value
+        elif name == "report_timeout":
+            clean[name] = _number(key, value, minimum=0, integer=False, exclusive=True)
+        elif name == "flush_seconds":
+            clean[name] = _number(key, value, minimum=0, integer=False)
+        elif name in ("max_cycles", "expected_agents"):
+            clean[name] = int(_number(key, value, minimum=0, integer=True))
+        else:
+            raise ConfigError(f"{key}: unknown policy setting; known: {', '.join(_FILE_KEYS)}")
+    return dataclasses.replace(base, **clean)
+
+
+def _from_table(base: JobPolicy, table: object, where: str) -> JobPolicy:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where.strip()}: expected a table of settings, got {table!r}")
+    changes: dict[str, object] = {}
+    for key, value in table.items():
+        if key not in _FILE_KEYS:
+            raise ConfigError(f"{where}{key}: unknown policy key; known keys: {', '.join(_FILE_KEYS)}")
+        changes[_FILE_KEYS[key]] = value
+    return updated_policy(base, where, **changes)
+
+
+def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
+    """A JSON-ready form, for the state file."""
+    return {
+        "strategies": [s.value for s in policy.strategies],
+        "recovery_enabled": policy.recovery_enabled,
+        "report_timeout": policy.report_timeout,
+        "flush_seconds": policy.flush_seconds,
+        "max_cycles": policy.max_cycles,
+        "expected_agents": policy.expected_agents,
+    }
+
+
+def policy_from_dict(data: Mapping[str, Any]) -> JobPolicy:
+    return updated_policy(JobPolicy(), "state file: ", **data)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyBook:
+    """The controller's configured policies: defaults plus per-job overrides."""
+
+    defaults: JobPolicy = JobPolicy()
+    jobs: Mapping[str, JobPolicy] = field(default_factory=dict)
+
+    def for_job(self, job_id: str) -> JobPolicy:
+        return self.jobs.get(job_id, self.defaults)
+
+
+def load_policies(path: str | Path | None = None, **overrides: object) -> PolicyBook:
+    """Build the policy book from an optional TOML file and command-line overrides.
+
+    ``overrides`` are JobPolicy attribute names; they beat the file's
+    ``[defaults]`` but not its per-job tables.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"policy file {path}: cannot read it ({exc.strerror}); check --policy") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"policy file {path}: not valid TOML ({exc}); fix the syntax") from None
+    unknown = set(data) - {"defaults", "jobs"}
+    if unknown:
+        raise ConfigError(
+            f"policy file {path}: unknown table(s) {', '.join(sorted(unknown))}; "
+            'only [defaults] and [jobs."<job id>"] are allowed'
+        )
+    defaults = _from_table(JobPolicy(), data.get("defaults", {}), "[defaults] ")
+    defaults = updated_policy(defaults, "", **overrides)
+    jobs_table = data.get("jobs", {})
+    if not isinstance(jobs_table, dict):
+        raise ConfigError('jobs: expected tables like [jobs."<job id>"], got a plain value')
+    jobs = {job: _from_table(defaults, table, f'[jobs."{job}"] ') for job, table in jobs_table.items()}
+    logger.debug("policies: defaults %s, %d job override(s)", defaults, len(jobs))
+    return PolicyBook(defaults, jobs)

@@ -1,0 +1,382 @@
+"""The controller's runtime: jobs, their agents and streams, timers and persistence.
+
+Every method runs on the controller's event loop thread, which is the only
+thread that touches job state, so nothing here takes a lock; nothing here
+blocks either (SQLite commits in WAL mode take well under a millisecond).
+Requests come in as :mod:`taskd_core.models` values from the service layer;
+refusals are raised as :class:`~taskd_core.errors.RequestRejected` carrying
+the wire code, and the service turns them into ``Status`` or gRPC errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from taskd_core.controller.machine import (
+    AgentExited,
+    AgentInfo,
+    DeadlinePassed,
+    Event,
+    FaultReported,
+    JobMachine,
+    JournalEntry,
+    Reply,
+    Snapshot,
+    State,
+)
+from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
+from taskd_core.controller.store import EventRecord, JobRow, Store
+from taskd_core.controller.subscriber import Subscriber
+from taskd_core.errors import DuplicateSubscriberError, RequestRejected
+from taskd_core.models import Code, FaultRank, JobPolicy, Signal, SignalType
+
+logger = logging.getLogger(__name__)
+
+MAX_JOB_ID = 256
+#: Jobs one controller serves (the reference's limit).
+MAX_JOBS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class AgentIdentity:
+    """Who calls: a job's agent as its ``ClientInfo`` describes it."""
+
+    job_id: str
+    role: str = ""
+    agent_id: str = ""
+    node_rank: int | None = None
+    rank_ids: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The agent's name in its job: agentId, else (legacy clients) the role."""
+        return self.agent_id or self.role or "agent"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    agent_id: str
+    role: str
+    subscribed: bool
+    node_rank: int | None
+    exit_code: int | None
+    last_seen: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    job_id: str
+    state: State
+    cycle: int
+    strategy: str
+    faults: tuple[FaultRank, ...]
+    policy: JobPolicy
+    agents: tuple[AgentStatus, ...]
+    events: tuple[EventRecord, ...]
+    outcome: str
+    expects: str
+
+
+def check_job_id(job_id: str) -> str:
+    if not job_id:
+        raise RequestRejected(Code.INVALID_PARAM, "jobId is empty; set ClientInfo.jobId to the job's unique id")
+    if len(job_id) > MAX_JOB_ID or not job_id.isprintable():
+        raise RequestRejected(
+            Code.INVALID_PARAM,
+            f"jobId {job_id[:40]!r}... must be printable and at most {MAX_JOB_ID} characters",
+        )
+    return job_id
+
+
+class _Job:
+    """A job's live state: the machine plus what only exists while running."""
+
+    __slots__ = ("agents", "inited", "machine", "subscribers", "timer", "timer_step")
+
+    def __init__(self, job_id: str, policy: JobPolicy, snapshot: Snapshot | None = None) -> None:
+        self.agents: dict[str, AgentInfo] = {}
+        self.inited = False
+        self.machine = JobMachine(job_id, policy, self.agents, snapshot)
+        self.subscribers: dict[str, Subscriber] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_step = -1
+
+    @property
+    def job_id(self) -> str:
+        return self.machine.job_id
+
+
+class Controller:
+    """All jobs of one controller. Create, :meth:`start` and :meth:`close` on its loop."""
+
+    def __init__(
+        self,
+        store: Store,
+        policies: PolicyBook,
+        *,
+        keepalive_interval: float = 5.0,
+        max_jobs: int = MAX_JOBS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._policies = policies
+        self._keepalive_interval = keepalive_interval
+        self._max_jobs = max_jobs
+        self._clock = clock
+        self._jobs: dict[str, _Job] = {}
+        self._keepalive_task: asyncio.Task[None] | None = None
+
+    # --- life cycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load stored jobs, re-arm their deadlines and start keep-alives."""
+        for stored in self._store.load():
+            row = stored.row
+            job = _Job(row.job_id, policy_from_dict(row.policy), Snapshot.from_dict(row.snapshot))
+            job.inited = row.inited
+            job.agents.update((a.agent_id, a) for a in stored.agents)
+            self._jobs[row.job_id] = job
+            self._arm(job)
+            if job.machine.state not in (State.IDLE, State.FINISHED, State.GIVEN_UP):
+                logger.info("job %s resumes in state %s (cycle %d)", row.job_id, job.machine.state.value,
+                            job.machine.snap.cycle)
+        self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
+
+    def end_streams(self) -> None:
+        """End every signal stream (agents re-subscribe to another controller)."""
+        for job in self._jobs.values():
+            for sub in job.subscribers.values():
+                sub.close()
+            job.subscribers.clear()
+
+    async def close(self) -> None:
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
+            await asyncio.gather(self._keepalive_task, return_exceptions=True)
+        for job in self._jobs.values():
+            if job.timer is not None:
+                job.timer.cancel()
+        self.end_streams()
+
+    # --- the reference's RPCs ---------------------------------------------------------
+
+    def init(self, who: AgentIdentity) -> Reply:
+        job_id = check_job_id(who.job_id)
+        job = self._jobs.get(job_id)
+        policy = job.machine.policy if job else self._policies.for_job(job_id)
+        if not policy.recovery_enabled:
+            return Reply(Code.RECOVERY_OFF, f"jobId={job_id}: process recovery is off in the job's policy")
+        if job is None:
+            if len(self._jobs) >= self._max_jobs:
+                return Reply(Code.OUT_OF_MAX_JOBS, f"jobId={job_id}: the controller serves {self._max_jobs} jobs")
+            job = self._jobs[job_id] = _Job(job_id, policy)
+        if not job.inited:
+            job.inited = True
+            self._save(job, [JournalEntry("job initialised", job.machine.snap.cycle, {"role": who.role})])
+        return Reply(Code.OK, f"job(uid={job_id}) init success")
+
+    def register(self, who: AgentIdentity) -> Reply:
+        job_id = check_job_id(who.job_id)
+        job = self._jobs.get(job_id)
+        if job is None or not job.inited:
+            return Reply(Code.UNINIT, f"jobId={job_id} not inited; call Init before Register")
+        agent = job.agents.get(who.key)
+        fresh = AgentInfo(who.key, who.role, who.node_rank, who.rank_ids, None, self._clock())
+        if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
+            fresh.role, fresh.node_rank, fresh.rank_ids, None
+        ):
+            kind = "agent registered" if agent is None or agent.exit_code is not None else "agent updated"
+            job.agents[who.key] = fresh
+            detail = {"agent": who.key, "role": who.role, "node_rank": who.node_rank}
+            self._save(job, [JournalEntry(kind, job.machine.snap.cycle, detail)], [fresh])
+        else:
+            agent.last_seen = fresh.last_seen
+        return Reply(Code.OK, "register success")
+
+    def subscribe(self, who: AgentIdentity) -> Subscriber:
+        job = self._registered(who.job_id)
+        if who.key not in job.agents:
+            raise RequestRejected(
+                Code.UNREGISTERED,
+                f"jobId={job.job_id}: agent {who.key!r} did not Register; call Register with the same ClientInfo",
+            )
+        if who.key in job.subscribers:
+            raise DuplicateSubscriberError(
+                Code.INVALID_PARAM,
+                f"jobId={job.job_id}: agent {who.key!r} already has a live signal stream; every agent of a "
+                "job needs its own identity: set ClientInfo.agentId (e.g. to the node rank)",
+            )
+        sub = job.subscribers[who.key] = Subscriber(job.job_id, who.key)
+        job.agents[who.key].last_seen = self._clock()
+        last = job.machine.snap.last_signal
+        if last is not None:
+            logger.info("job %s: re-sending signal %s (seq %d) to agent %s", job.job_id, last.signal_type,
+                        last.seq, who.key)
+            sub.offer(last)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        job = self._jobs.get(sub.job_id)
+        if job is not None and job.subscribers.get(sub.agent_id) is sub:
+            del job.subscribers[sub.agent_id]
+            logger.info("job %s: agent %s stream ended", sub.job_id, sub.agent_id)
+        sub.close()
+
+    def report(self, job_id: str, agent_id: str, make_event: Callable[[str], Event]) -> Reply:
+        """A Report* RPC: attribute it to an agent, then feed it to the job's machine."""
+        job = self._registered(job_id)
+        return self._apply(job, make_event(self._attribute(job, agent_id)))
+
+    def process_fault(self, job_id: str, agent_id: str, faults: tuple[FaultRank, ...]) -> Reply:
+        job = self._registered(job_id)
+        # A fault is never dropped for want of a reporter: ambiguous ones stay anonymous.
+        agent = self._attribute(job, agent_id) if agent_id or len(job.agents) == 1 else ""
+        return self._apply(job, FaultReported(agent, faults))
+
+    # --- extensions -----------------------------------------------------------------
+
+    def agent_exit(self, who: AgentIdentity, code: int) -> Reply:
+        job = self._registered(who.job_id)
+        agent = job.agents[self._attribute(job, who.agent_id or who.role)]
+        agent.exit_code = code
+        return self._apply(job, AgentExited(agent.agent_id, code), [agent])
+
+    def set_policy(self, job_id: str, changes: dict[str, object]) -> Reply:
+        """Change a job's policy (ConfigError for invalid values); known or not yet."""
+        job_id = check_job_id(job_id)
+        job = self._jobs.get(job_id)
+        base = job.machine.policy if job else self._policies.for_job(job_id)
+        policy = updated_policy(base, **changes)
+        if job is None:
+            job = self._jobs[job_id] = _Job(job_id, policy)
+        job.machine.policy = policy
+        self._save(job, [JournalEntry("policy set", job.machine.snap.cycle, policy_to_dict(policy))])
+        return Reply(Code.OK, f"jobId={job_id}: policy set")
+
+    def status(self, job_id: str = "", events: int = 10) -> list[JobStatus]:
+        if job_id and job_id not in self._jobs:
+            raise RequestRejected(Code.UNREGISTERED, f"jobId={job_id[:MAX_JOB_ID]} is not known to this controller")
+        jobs = [self._jobs[job_id]] if job_id else [self._jobs[j] for j in sorted(self._jobs)]
+        return [self._job_status(job, max(0, events)) for job in jobs]
+
+    def _job_status(self, job: _Job, events: int) -> JobStatus:
+        snap = job.machine.snap
+        agents = tuple(
+            AgentStatus(a.agent_id, a.role, a.agent_id in job.subscribers, a.node_rank, a.exit_code, a.last_seen)
+            for a in sorted(job.agents.values(), key=lambda a: a.agent_id)
+        )
+        return JobStatus(
+            job_id=job.job_id,
+            state=snap.state,
+            cycle=snap.cycle,
+            strategy=snap.strategy,
+            faults=tuple(FaultRank(r, t) for r, t in sorted(snap.faults.items())),
+            policy=job.machine.policy,
+            agents=agents,
+            events=tuple(self._store.events(job.job_id, events)) if events else (),
+            outcome=snap.outcome,
+            expects=job.machine.expects(),
+        )
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _registered(self, job_id: str) -> _Job:
+        job = self._jobs.get(check_job_id(job_id))
+        if job is None or not job.agents:
+            raise RequestRejected(
+                Code.UNREGISTERED, f"jobId={job_id} not registed; call Init and Register first"
+            )
+        return job
+
+    def _attribute(self, job: _Job, agent_id: str) -> str:
+        """The agent a report comes from; see the package docstring for the rule."""
+        if agent_id:
+            if agent_id not in job.agents:
+                raise RequestRejected(
+                    Code.UNREGISTERED, f"jobId={job.job_id}: agent {agent_id!r} did not Register"
+                )
+            return agent_id
+        if len(job.agents) == 1:
+            return next(iter(job.agents))
+        raise RequestRejected(
+            Code.INVALID_PARAM,
+            f"jobId={job.job_id} has {len(job.agents)} agents ({', '.join(sorted(job.agents))}); "
+            "set agentId (field 100) in the report so the controller knows which agent answers",
+        )
+
+    def _apply(self, job: _Job, event: Event, agents: Iterable[AgentInfo] = ()) -> Reply:
+        reaction = job.machine.handle(event, self._clock())
+        if reaction.persist:
+            self._save(job, reaction.journal, agents)
+        for signal in reaction.signals:
+            logger.info(
+                "job %s: signal %s seq %d %s%s to %d agent(s)", job.job_id, signal.signal_type, signal.seq,
+                signal.change_strategy, list(signal.actions), len(job.subscribers),
+            )
+            self._broadcast(job, signal)
+        self._arm(job)
+        if reaction.reply.code != Code.OK:
+            logger.warning("job %s: %s", job.job_id, reaction.reply.info)
+        return reaction.reply
+
+    def _save(self, job: _Job, journal: Iterable[JournalEntry], agents: Iterable[AgentInfo] = ()) -> None:
+        row = JobRow(job.job_id, job.inited, policy_to_dict(job.machine.policy), job.machine.snap.to_dict())
+        self._store.commit(row, list(journal), agents, now=self._clock())
+
+    def _broadcast(self, job: _Job, signal: Signal) -> None:
+        for sub in list(job.subscribers.values()):
+            if not sub.offer(signal):
+                self.unsubscribe(sub)
+
+    def _arm(self, job: _Job) -> None:
+        """Keep one timer per job on the snapshot's deadline."""
+        snap = job.machine.snap
+        if job.timer is not None and job.timer_step == snap.step:
+            return
+        if job.timer is not None:
+            job.timer.cancel()
+            job.timer = None
+        if snap.deadline is None:
+            return
+        delay = max(0.0, snap.deadline - self._clock())
+        job.timer = asyncio.get_running_loop().call_later(delay, self._on_deadline, job, snap.step)
+        job.timer_step = snap.step
+
+    def _on_deadline(self, job: _Job, step: int) -> None:
+        job.timer = None
+        self._apply(job, DeadlinePassed(step))
+
+    async def _keepalive(self) -> None:
+        # Runs until close() cancels it.
+        while True:
+            await asyncio.sleep(self._keepalive_interval)
+            for job in list(self._jobs.values()):
+                if job.subscribers:
+                    self._broadcast(job, Signal(SignalType.KEEP_ALIVE.value, job_id=job.job_id))
+
+
+def policy_changes(
+    strategies: Iterable[str],
+    recovery_enabled: bool,
+    report_timeout: float,
+    flush_seconds: float,
+    max_cycles: int,
+    expected_agents: int,
+) -> dict[str, object]:
+    """A ``SetJobPolicy`` request's fields as policy changes; unset fields keep the current value."""
+    changes: dict[str, object] = {"recovery_enabled": recovery_enabled, "expected_agents": expected_agents}
+    names = list(strategies)
+    if names:
+        changes["strategies"] = names
+    if report_timeout != 0:
+        changes["report_timeout"] = report_timeout
+    if flush_seconds >= 0:
+        changes["flush_seconds"] = flush_seconds
+    if max_cycles >= 0:
+        changes["max_cycles"] = max_cycles
+    return changes
+

@@ -1,0 +1,222 @@
+"""Running the controller: the ``grpc.aio`` server, ``serve()`` and :class:`EmbeddedController`.
+
+``serve()`` is the daemon (``taskd controller``); :class:`EmbeddedController`
+runs the same server on its own event loop in a background thread for
+launchers and tests::
+
+    with EmbeddedController(defaults=JobPolicy(report_timeout=30)) as ctl:
+        client = DLRecoverManager(info, ctl.address)
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from taskd_core.controller.policy import PolicyBook
+from taskd_core.controller.runtime import Controller
+from taskd_core.controller.service import RecoverService
+from taskd_core.controller.store import Store
+from taskd_core.errors import ConfigError
+from taskd_core.models import JobPolicy
+from taskd_core.rpc import SERVICE_NAME, recover_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+#: Server channel options. Real clients ping every 3 s even without calls;
+#: grpcio's default (5 min, 2 strikes) would answer them with GOAWAY too_many_pings.
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.http2.min_ping_interval_without_data_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),
+    # The reference pings idle clients after a minute and drops them 5 s later.
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+    ("grpc.max_send_message_length", 8 * 1024 * 1024),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """Everything one controller process needs."""
+
+    listen: str = "0.0.0.0:8899"
+    #: SQLite file of jobs, agents and the journal; ":memory:" for throw-away runs.
+    state: str = "./taskd-state.db"
+    policies: PolicyBook = field(default_factory=PolicyBook)
+    keepalive_interval: float = 5.0
+    #: seconds in-flight RPCs get to finish at shutdown.
+    grace: float = 2.0
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as its parts; ConfigError when malformed."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"--listen {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:8899 or [::]:8899")
+    return host, int(port)
+
+
+class ControllerServer:
+    """The gRPC server with the Recover and health services; use on one event loop."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        split_listen(config.listen)
+        if config.keepalive_interval <= 0:
+            raise ConfigError("--keepalive-interval must be greater than 0")
+        self.config = config
+        self.port = 0
+        self._store: Store | None = None
+        self._controller: Controller | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+
+    @property
+    def address(self) -> str:
+        """Where clients on this host reach the server (wildcard hosts become loopback)."""
+        host, _ = split_listen(self.config.listen)
+        if host in ("0.0.0.0", "[::]", "::"):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        self._store = Store(self.config.state)
+        self._controller = Controller(
+            self._store, self.config.policies, keepalive_interval=self.config.keepalive_interval
+        )
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        recover_pb2_grpc.add_RecoverServicer_to_server(RecoverService(self._controller), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            self.port = server.add_insecure_port(self.config.listen)
+        except RuntimeError as exc:
+            self._store.close()
+            raise ConfigError(f"--listen {self.config.listen}: cannot bind ({exc}); pick a free port") from None
+        self._server = server
+        self._controller.start()
+        await server.start()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("controller listening on %s (state %s)", self.address, self.config.state)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful: NOT_SERVING, end signal streams, let calls finish, close the store."""
+        await self._health.enter_graceful_shutdown()
+        if self._controller is not None:
+            self._controller.end_streams()
+        if self._server is not None:
+            await self._server.stop(self.config.grace if grace is None else grace)
+        if self._controller is not None:
+            await self._controller.close()
+        if self._store is not None:
+            # Every transition was committed when it happened; closing checkpoints the WAL.
+            self._store.close()
+        logger.info("controller on %s stopped", self.address)
+
+
+async def serve(
+    config: ControllerConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[str], None] | None = None,
+    handle_signals: bool = False,
+) -> None:
+    """Run a controller until ``stop`` is set (or SIGTERM/SIGINT with ``handle_signals``).
+
+    ``on_ready`` gets the reachable address once the port is bound.
+    """
+    stop = stop or asyncio.Event()
+    server = ControllerServer(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if on_ready is not None:
+            on_ready(server.address)
+        await stop.wait()
+        logger.info("controller shutting down")
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await server.stop()
+
+
+class EmbeddedController:
+    """A controller on a background thread with its own event loop.
+
+    Starts in the constructor and is ready when it returns; :attr:`address`
+    (``"127.0.0.1:PORT"``) and :attr:`port` say where it listens. :meth:`stop`
+    (or leaving the ``with`` block) shuts it down gracefully within
+    ``stop_timeout`` seconds. ``defaults`` is every job's policy unless
+    ``policies`` gives a full :class:`~taskd_core.controller.policy.PolicyBook`.
+    """
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        state: str = ":memory:",
+        defaults: JobPolicy | None = None,
+        *,
+        policies: PolicyBook | None = None,
+        keepalive_interval: float = 5.0,
+        grace: float = 1.0,
+        start_timeout: float = 10.0,
+    ) -> None:
+        book = policies or PolicyBook(defaults or JobPolicy())
+        self._config = ControllerConfig(listen, state, book, keepalive_interval, grace)
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, name="taskd-controller", daemon=True)
+        self._thread.start()
+        try:
+            self.address = self._ready.result(timeout=start_timeout)
+        except concurrent.futures.TimeoutError:
+            self.stop()
+            raise ConfigError(f"embedded controller on {listen} did not start within {start_timeout}s") from None
+        self.port = split_listen(self.address)[1]
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._main())
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructing thread
+            if not self._ready.done():
+                self._ready.set_exception(exc)
+            else:
+                logger.exception("embedded controller failed")
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        await serve(self._config, stop=self._stop, on_ready=self._ready.set_result)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Shut down gracefully; waits at most ``timeout`` seconds. Idempotent."""
+        if self._thread.is_alive() and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("embedded controller on %s did not stop within %.1fs", self.address, timeout)
+
+    def __enter__(self) -> EmbeddedController:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,225 @@
+"""The ``Recover`` gRPC servicer: protobuf in, :mod:`taskd_core.models` values out.
+
+This is the one place where refusals become wire answers: a
+:class:`~taskd_core.errors.RequestRejected` becomes ``Status(code, info)`` for
+unary RPCs and a gRPC status for the signal stream (see :func:`stream_status`);
+a :class:`~taskd_core.errors.ProtocolError` or
+:class:`~taskd_core.errors.ConfigError` from parsing becomes 409.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from taskd_core.controller.machine import Reply, StatusReported, StopReported, StrategiesReported
+from taskd_core.controller.runtime import AgentIdentity, Controller, JobStatus, policy_changes
+from taskd_core.errors import ConfigError, DuplicateSubscriberError, ProtocolError, RequestRejected, TaskdError
+from taskd_core.models import Code, FaultRank
+from taskd_core.rpc import recover_pb2 as pb
+from taskd_core.rpc import recover_pb2_grpc
+from taskd_core.rpc.convert import fault_ranks_from_pb, fault_ranks_to_pb, parse_rank, signal_to_pb
+
+logger = logging.getLogger(__name__)
+
+#: Largest number of ranks (fault ranks, an agent's ranks) in one request.
+MAX_RANKS = 65_536
+#: Largest number of strategy names in one ReportRecoverStrategy.
+MAX_STRATEGIES = 64
+
+_STREAM_STATUS = {
+    Code.UNREGISTERED: grpc.StatusCode.NOT_FOUND,
+    Code.UNINIT: grpc.StatusCode.FAILED_PRECONDITION,
+    Code.INVALID_PARAM: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+def rejection(exc: TaskdError) -> Reply:
+    """The ``Status`` for a refused request."""
+    code = Code(exc.code) if isinstance(exc, RequestRejected) else Code.INVALID_PARAM
+    return Reply(code, str(exc))
+
+
+def stream_status(exc: TaskdError) -> grpc.StatusCode:
+    """The gRPC status ending a refused ``SubscribeProcessManageSignal``.
+
+    The reference answers an unregistered job with UNKNOWN; we use NOT_FOUND,
+    which its clients treat the same way (log, wait, Init/Register again).
+    """
+    if isinstance(exc, DuplicateSubscriberError):
+        return grpc.StatusCode.ALREADY_EXISTS
+    return _STREAM_STATUS.get(rejection(exc).code, grpc.StatusCode.UNKNOWN)
+
+
+def _answer(call: Callable[[], Reply]) -> pb.Status:
+    try:
+        reply = call()
+    except (RequestRejected, ProtocolError, ConfigError) as exc:
+        reply = rejection(exc)
+    except Exception:  # noqa: BLE001 - one bad request must not take the controller down
+        logger.exception("request failed")
+        reply = Reply(Code.SERVER_INNER_ERROR, "internal controller error; see the controller's log")
+    return pb.Status(code=int(reply.code), info=reply.info)
+
+
+def _ranks(items: Sequence[object], field: str) -> None:
+    if len(items) > MAX_RANKS:
+        raise ProtocolError(f"{field} has {len(items)} entries; at most {MAX_RANKS} per request", field=field)
+
+
+def _faults(items: Sequence[pb.FaultRank]) -> tuple[FaultRank, ...]:
+    _ranks(items, "faultRanks")
+    return fault_ranks_from_pb(items)
+
+
+def identity(info: pb.ClientInfo) -> AgentIdentity:
+    _ranks(info.rankIds, "rankIds")
+    ranks = tuple(parse_rank(r, field="rankIds") for r in info.rankIds)
+    known = bool(ranks) or info.nodeRank != 0
+    return AgentIdentity(info.jobId, info.role, info.agentId, info.nodeRank if known else None, ranks)
+
+
+def _strategies(names: Sequence[str]) -> tuple[str, ...]:
+    if len(names) > MAX_STRATEGIES:
+        raise ProtocolError(f"strategies has {len(names)} entries; at most {MAX_STRATEGIES}", field="strategies")
+    return tuple(names)
+
+
+def job_view(job: JobStatus) -> pb.JobView:
+    agents = [
+        pb.AgentView(
+            agentId=a.agent_id,
+            role=a.role,
+            subscribed=a.subscribed,
+            nodeRank=-1 if a.node_rank is None else a.node_rank,
+            exitState="" if a.exit_code is None else f"exited {a.exit_code}",
+            lastSeen=a.last_seen,
+        )
+        for a in job.agents
+    ]
+    events = [
+        pb.EventView(seq=e.seq, time=e.time, cycle=e.cycle, kind=e.kind, detail=e.detail) for e in job.events
+    ]
+    return pb.JobView(
+        jobId=job.job_id,
+        state=job.state.value,
+        cycle=job.cycle,
+        strategy=job.strategy,
+        faultRanks=fault_ranks_to_pb(job.faults),
+        cyclesUsed=job.cycle,
+        maxCycles=job.policy.max_cycles,
+        strategies=[s.value for s in job.policy.strategies],
+        agents=agents,
+        events=events,
+        outcome=job.outcome or f"waiting for {job.expects}",
+    )
+
+
+class RecoverService(recover_pb2_grpc.RecoverServicer):
+    """Thin adapter from the generated servicer to :class:`Controller`."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._ctl = controller
+
+    async def Init(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
+        return _answer(lambda: self._ctl.init(identity(request)))
+
+    async def Register(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
+        return _answer(lambda: self._ctl.register(identity(request)))
+
+    async def SubscribeProcessManageSignal(
+        self, request: pb.ClientInfo, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProcessManageSignal]:
+        try:
+            sub = self._ctl.subscribe(identity(request))
+        except (RequestRejected, ProtocolError) as exc:
+            logger.warning("subscription refused: %s", exc)
+            await context.abort(stream_status(exc), str(exc))
+            return
+        try:
+            async for signal in sub.signals():
+                yield signal_to_pb(signal)
+        finally:
+            # Runs on normal end, on the client's cancel and on a dropped connection alike.
+            self._ctl.unsubscribe(sub)
+
+    async def ReportStopComplete(
+        self, request: pb.StopCompleteRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Status:
+        def call() -> Reply:
+            _faults(request.faultRanks)
+            return self._ctl.report(
+                request.jobId, request.agentId, lambda a: StopReported(a, request.status.code, request.uuid)
+            )
+
+        return _answer(call)
+
+    async def ReportRecoverStrategy(
+        self, request: pb.RecoverStrategyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Status:
+        def call() -> Reply:
+            _faults(request.faultRanks)
+            names = _strategies(request.strategies)
+            return self._ctl.report(
+                request.jobId, request.agentId, lambda a: StrategiesReported(a, names, request.uuid)
+            )
+
+        return _answer(call)
+
+    async def ReportRecoverStatus(
+        self, request: pb.RecoverStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Status:
+        def call() -> Reply:
+            _ranks(request.isolateRankIds, "isolateRankIds")
+            return self._ctl.report(
+                request.jobId,
+                request.agentId,
+                lambda a: StatusReported(a, request.status.code, request.strategy, request.uuid),
+            )
+
+        return _answer(call)
+
+    async def ReportProcessFault(
+        self, request: pb.ProcessFaultRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Status:
+        def call() -> Reply:
+            faults = _faults(request.faultRanks)
+            if not faults:
+                raise ProtocolError("faultRanks is empty; report at least one faulty rank", field="faultRanks")
+            return self._ctl.process_fault(request.jobId, request.agentId, faults)
+
+        return _answer(call)
+
+    async def HealthCheck(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
+        # The reference's text, typo included: clients may match on it.
+        return pb.Status(code=Code.OK, info=f"jobId={request.jobId[:256]}, receive HeathCheck")
+
+    async def ReportAgentExit(
+        self, request: pb.AgentExitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Status:
+        who = AgentIdentity(request.jobId, request.role, request.agentId)
+        return _answer(lambda: self._ctl.agent_exit(who, request.status.code))
+
+    async def SetJobPolicy(self, request: pb.JobPolicyRequest, context: grpc.aio.ServicerContext) -> pb.Status:
+        changes = policy_changes(
+            request.strategies,
+            request.recoveryEnabled,
+            request.reportTimeoutSeconds,
+            request.flushSeconds,
+            request.maxCycles,
+            request.expectedAgents,
+        )
+        return _answer(lambda: self._ctl.set_policy(request.jobId, changes))
+
+    async def QueryStatus(
+        self, request: pb.StatusQuery, context: grpc.aio.ServicerContext
+    ) -> pb.ControllerStatus:
+        views: list[pb.JobView] = []
+
+        def call() -> Reply:
+            views.extend(job_view(j) for j in self._ctl.status(request.jobId, request.events))
+            return Reply(Code.OK, f"{len(views)} job(s)")
+
+        return pb.ControllerStatus(status=_answer(call), jobs=views)
