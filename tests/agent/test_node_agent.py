@@ -1,0 +1,181 @@
+"""The node agent with the built-in process adapter, real workers and a real controller."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from taskd_core.agent.node_agent import AgentConfig, AgentOutcome, NodeAgent, Outcome
+from taskd_core.controller.server import EmbeddedController
+from taskd_core.launcher.process_adapter import ProcessAdapter
+from taskd_core.launcher.spec import LaunchSpec
+from taskd_core.models import JobPolicy, Strategy
+from taskd_core.plugins import load_adapter
+from taskd_core.rpc import recover_pb2 as pb
+from taskd_core.rpc import recover_pb2_grpc as pb_grpc
+
+WORKER = """
+import os, pathlib, signal, sys, time
+rank, restart = os.environ["RANK"], os.environ["TASKD_RESTART_COUNT"]
+out = pathlib.Path(sys.argv[1])
+(out / f"start-{rank}-{restart}-{os.getpid()}").touch()
+def dump(signum, frame):
+    (out / f"dumped-{rank}").touch()
+    sys.exit(0)
+signal.signal(signal.SIGUSR1, dump)
+deadline = time.monotonic() + 120
+while not (out / "finish").exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+"""
+
+
+class Job:
+    """One node's workers under a NodeAgent, run in a background thread."""
+
+    def __init__(self, tmp: Path, controller: EmbeddedController, *, nproc: int = 2, independent: bool = False) -> None:
+        self.out = tmp / "out"
+        self.out.mkdir()
+        script = tmp / "worker.py"
+        script.write_text(WORKER)
+        spec = LaunchSpec(
+            command=(sys.executable, str(script), str(self.out)), nproc=nproc, job_id="job",
+            independent_workers=independent, log_dir=tmp / "logs", stop_timeout=5.0,
+        )
+        self.agent = NodeAgent(
+            AgentConfig(job_id="job", controller=controller.address, stop_timeout=5.0, dump_grace=10.0),
+            load_adapter("process", instance=ProcessAdapter(spec)),
+        )
+        self._pool = ThreadPoolExecutor(1)
+        self.result: Future[AgentOutcome] = self._pool.submit(self.agent.run)
+
+    def starts(self) -> dict[tuple[int, int], int]:
+        """{(rank, restart): pid} of every worker start so far."""
+        out = {}
+        for path in self.out.glob("start-*"):
+            _, rank, restart, pid = path.name.split("-")
+            out[int(rank), int(restart)] = int(pid)
+        return out
+
+    def wait_starts(self, count: int) -> dict[tuple[int, int], int]:
+        deadline = time.monotonic() + 60
+        while len(self.starts()) < count:
+            assert time.monotonic() < deadline, f"only {self.starts()} started"
+            assert not self.result.done(), self.result.result()
+            time.sleep(0.02)
+        return self.starts()
+
+    def finish(self) -> AgentOutcome:
+        (self.out / "finish").touch()
+        return self.result.result(timeout=120)
+
+    def close(self) -> None:
+        if not self.result.done():
+            self.agent.shutdown(signal.SIGTERM)
+        self.result.result(timeout=120)
+        self._pool.shutdown()
+
+
+@pytest.fixture
+def make_job(tmp_path: Path) -> Iterator:
+    made: list[tuple[Job, EmbeddedController]] = []
+
+    def make(policy: JobPolicy, **kwargs: object) -> tuple[Job, EmbeddedController]:
+        controller = EmbeddedController(listen="127.0.0.1:0", state=":memory:", defaults=policy)
+        job = Job(tmp_path, controller, **kwargs)  # type: ignore[arg-type]
+        made.append((job, controller))
+        return job, controller
+
+    yield make
+    for job, controller in made:
+        job.close()
+        controller.stop()
+
+
+def job_view(controller: EmbeddedController) -> pb.JobView:
+    with grpc.insecure_channel(controller.address) as channel:
+        status = pb_grpc.RecoverStub(channel).QueryStatus(pb.StatusQuery(jobId="job", events=100), timeout=10)
+    return status.jobs[0]
+
+
+def assert_gone(pids: object) -> None:
+    for pid in pids:  # type: ignore[attr-defined]
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+FAST = dict(flush_seconds=0.0, report_timeout=30.0)
+
+
+def test_all_workers_finish(make_job) -> None:  # type: ignore[no-untyped-def]
+    job, controller = make_job(JobPolicy(**FAST))
+    pids = job.wait_starts(2)
+    outcome = job.finish()
+    assert (outcome.kind, outcome.exit_code) == (Outcome.SUCCEEDED, 0)
+    assert job_view(controller).state == "finished"
+    assert_gone(pids.values())
+
+
+def test_killed_worker_recovers_every_rank(make_job) -> None:  # type: ignore[no-untyped-def]
+    job, controller = make_job(JobPolicy(**FAST))
+    first = job.wait_starts(2)
+    os.kill(first[1, 0], signal.SIGKILL)
+    after = job.wait_starts(4)
+    assert set(after) == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    assert job.finish().exit_code == 0
+    view = job_view(controller)
+    assert view.cyclesUsed == 1
+    chosen = [json.loads(e.detail)["strategy"] for e in view.events if e.kind == "strategy chosen"]
+    assert chosen == ["recover"]
+
+
+def test_in_place_restarts_only_the_dead_rank(make_job) -> None:  # type: ignore[no-untyped-def]
+    job, _ = make_job(JobPolicy(**FAST), nproc=3, independent=True)
+    first = job.wait_starts(3)
+    os.kill(first[2, 0], signal.SIGKILL)
+    after = job.wait_starts(4)
+    assert after[2, 1] != first[2, 0]
+    assert after[0, 0] == first[0, 0] and after[1, 0] == first[1, 0]
+    for pid in (first[0, 0], first[1, 0]):
+        os.kill(pid, 0)  # the healthy workers were never restarted
+    assert job.finish().exit_code == 0
+
+
+def test_budget_exhausted_gives_the_job_up(make_job) -> None:  # type: ignore[no-untyped-def]
+    job, controller = make_job(JobPolicy(max_cycles=1, **FAST))
+    first = job.wait_starts(2)
+    os.kill(first[0, 0], signal.SIGKILL)
+    second = job.wait_starts(4)
+    os.kill(second[0, 1], signal.SIGKILL)
+    outcome = job.result.result(timeout=120)
+    assert (outcome.kind, outcome.exit_code) == (Outcome.GIVEN_UP, 1)
+    assert_gone(second.values())
+    assert job_view(controller).state == "given-up"
+
+
+def test_dump_policy_saves_then_exits(make_job) -> None:  # type: ignore[no-untyped-def]
+    job, _ = make_job(JobPolicy(strategies=(Strategy.DUMP, Strategy.EXIT), **FAST))
+    first = job.wait_starts(2)
+    os.kill(first[1, 0], signal.SIGKILL)
+    outcome = job.result.result(timeout=120)
+    assert outcome.kind is Outcome.GIVEN_UP
+    assert (job.out / "dumped-0").exists()
+    assert_gone(first.values())
+
+
+def test_sigterm_to_the_agent_stops_every_worker(make_job) -> None:  # type: ignore[no-untyped-def]
+    job, _ = make_job(JobPolicy(**FAST))
+    pids = job.wait_starts(2)
+    threading.Timer(0.01, job.agent.shutdown, args=(signal.SIGTERM,)).start()
+    outcome = job.result.result(timeout=120)
+    assert (outcome.kind, outcome.exit_code) == (Outcome.INTERRUPTED, 143)
+    assert_gone(pids.values())
