@@ -1,0 +1,193 @@
+"""A torch elastic agent whose workers the TaskD node agent controls rank by rank.
+
+:class:`TaskdElasticAgent` subclasses torch's ``LocalElasticAgent`` and keeps
+what torch does: rendezvous through any handler of torch's registry, rank
+assignment and the torchrun worker environment (``_initialize_workers``, the
+template method every ``SimpleElasticAgent`` uses), logs as ``LogsSpecs``
+says, and launching through ``start_processes``. It changes two things:
+
+* the group's one all-or-nothing process context becomes one context per
+  local rank (:class:`~taskd_pytorch.processes.RankProcesses`), so a single
+  rank can be stopped and started again with the same environment;
+* workers meet in a store of their own per restart round
+  (:mod:`taskd_pytorch.bootstrap`), never in the agents' shared store.
+
+torch's own control loop (``run``/``_invoke_run`` with its monitor interval
+and restart budget) is not used: the node agent calls :meth:`restart_all`,
+:meth:`restart_list`, :meth:`stop` and :meth:`statuses`. The subclass only
+overrides the methods torch declares abstract in ``SimpleElasticAgent``
+(``_start_workers``, ``_stop_workers``, ``_monitor_workers``, ``_shutdown``),
+so torch's own ``run()`` would still work with it; nothing of torch is patched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from string import Template
+
+import torch
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import WorkerState as TorchState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.utils import macros
+
+from taskd_core.errors import ConfigError
+from taskd_core.models import WorkerState, WorkerStatus
+
+from taskd_pytorch.bootstrap import USE_AGENT_STORE, round_store_info
+from taskd_pytorch.processes import Launch, RankProcesses
+
+logger = logging.getLogger(__name__)
+
+#: The torch release whose protected agent API (``_initialize_workers``,
+#: ``_rendezvous``, the abstract worker methods) this module was verified against.
+VERIFIED_TORCH = "2.13"
+#: Restart counter the workers see; grows with every start of the whole group.
+RESTART_COUNT_ENV = "TASKD_RESTART_COUNT"
+#: Unknown global rank of a worker that was never started (no rendezvous yet).
+NO_RANK = -1
+
+
+class TaskdElasticAgent(LocalElasticAgent):
+    """Runs one node's workers of a torchrun-style job for the TaskD node agent.
+
+    :param spec: torch's worker spec; ``spec.max_restarts`` is the
+        controller's cycle budget and only reaches workers as ``TORCHELASTIC_MAX_RESTARTS``.
+    :param logs_specs: where worker output goes.
+    :param start_method: multiprocessing start method for function entrypoints.
+    :param log_line_prefix_template: torch's ``${role_name}``/``${rank}``/``${local_rank}`` template.
+    :param stop_timeout: SIGTERM-to-SIGKILL delay when torch's own paths stop workers.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: LogsSpecs,
+        *,
+        start_method: str = "spawn",
+        log_line_prefix_template: str | None = None,
+        stop_timeout: float = 30.0,
+    ) -> None:
+        if spec.virtual_local_rank:
+            raise ConfigError("taskdrun does not support --virtual-local-rank")
+        if not torch.__version__.startswith(VERIFIED_TORCH + "."):
+            logger.warning(
+                "taskd-pytorch was verified with torch %s; torch %s may have changed the elastic agent API it uses",
+                VERIFIED_TORCH,
+                torch.__version__,
+            )
+        super().__init__(
+            spec,
+            logs_specs,
+            start_method=start_method,
+            log_line_prefix_template=log_line_prefix_template,
+            shutdown_timeout=int(stop_timeout),
+        )
+        # Names carry a taskd_ prefix: LocalElasticAgent owns the plain private ones.
+        self._taskd_procs = RankProcesses(spec.role, logs_specs, start_method)
+        self._taskd_prefix = log_line_prefix_template
+        self._taskd_stop_timeout = stop_timeout
+        self._taskd_starts = 0
+        # The node agent serialises its hook calls; this also guards direct callers.
+        self._taskd_lock = threading.RLock()
+
+    # --- what the TaskD hooks do ------------------------------------------------------
+
+    def restart_all(self) -> dict[int, int]:
+        """Stop leftovers, join the next rendezvous round and start every local worker; returns pids."""
+        with self._taskd_lock:
+            group = self.get_worker_group()
+            self._taskd_procs.stop(None, self._taskd_stop_timeout)
+            group.state = TorchState.STOPPED
+            # torch's template method: rendezvous, rank assignment, then our _start_workers.
+            self._initialize_workers(group)
+            self._taskd_starts += 1
+            return {w.local_rank: w.id for w in group.workers}
+
+    def restart_list(self, local_ranks: Sequence[int]) -> dict[int, int]:
+        """Start only the given local workers again, with their previous rank and environment."""
+        with self._taskd_lock:
+            self._check_ranks(local_ranks)
+            pids = self._taskd_procs.start(local_ranks)
+            for worker in self.get_worker_group().workers:
+                worker.id = pids.get(worker.local_rank, worker.id)
+            return pids
+
+    def stop(self, local_ranks: Sequence[int] | None, timeout: float) -> None:
+        """Stop the given local workers (all when None) and reap them."""
+        with self._taskd_lock:
+            if local_ranks is not None:
+                self._check_ranks(local_ranks)
+            self._taskd_procs.stop(local_ranks, timeout)
+
+    def statuses(self) -> dict[int, WorkerStatus]:
+        """Every local worker's state, keyed by local rank."""
+        with self._taskd_lock:
+            group = self.get_worker_group()
+            global_ranks = {w.local_rank: w.global_rank for w in group.workers}
+            out = {}
+            for rank in range(group.spec.local_world_size):
+                seen = self._taskd_procs.status(rank)
+                out[rank] = WorkerStatus(rank, global_ranks.get(rank, NO_RANK), seen.state, seen.pid, seen.exit_code)
+            return out
+
+    def _check_ranks(self, local_ranks: Sequence[int]) -> None:
+        size = self.get_worker_group().spec.local_world_size
+        bad = [r for r in local_ranks if not 0 <= r < size]
+        if bad:
+            raise ConfigError(f"local ranks {bad} do not exist; this node runs local ranks 0..{size - 1}")
+
+    # --- torch's abstract worker methods ------------------------------------------------
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
+        spec = worker_group.spec
+        if worker_group.store is None or spec.entrypoint is None:
+            raise ConfigError("workers cannot start before the rendezvous has given them a store")
+        meet = round_store_info(worker_group.store, worker_group.group_rank, self._taskd_starts, spec.local_addr)
+        launches = {}
+        for worker in worker_group.workers:
+            env = {
+                "LOCAL_RANK": str(worker.local_rank),
+                "RANK": str(worker.global_rank),
+                "GROUP_RANK": str(worker_group.group_rank),
+                "ROLE_RANK": str(worker.role_rank),
+                "ROLE_NAME": spec.role,
+                "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+                "WORLD_SIZE": str(worker.world_size),
+                "GROUP_WORLD_SIZE": str(worker_group.group_world_size),
+                "ROLE_WORLD_SIZE": str(worker.role_world_size),
+                "MASTER_ADDR": meet.master_addr,
+                "MASTER_PORT": str(meet.master_port),
+                "TORCHELASTIC_RESTART_COUNT": str(self._taskd_starts),
+                "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+                "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
+                "TORCHELASTIC_USE_AGENT_STORE": USE_AGENT_STORE,
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                RESTART_COUNT_ENV: str(self._taskd_starts),
+            }
+            prefix = Template(self._taskd_prefix or "[${role_name}${local_rank}]:").safe_substitute(
+                role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank
+            )
+            args = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
+            launches[worker.local_rank] = Launch(spec.entrypoint, args, env, prefix)
+        return self._taskd_procs.start_all(launches)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._taskd_procs.stop(None, self._taskd_stop_timeout)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        states = {w.global_rank: self._taskd_procs.status(w.local_rank) for w in worker_group.workers}
+        failures = {rank: s.failure for rank, s in states.items() if s.failure is not None}
+        if failures:
+            return RunResult(state=TorchState.FAILED, failures=failures)
+        if states and all(s.state is WorkerState.EXITED for s in states.values()):
+            return RunResult(state=TorchState.SUCCEEDED, return_values=dict.fromkeys(states))
+        return RunResult(state=TorchState.HEALTHY)
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self._taskd_procs.stop(None, timeout, death_sig)

@@ -1,0 +1,207 @@
+"""Local workers, one torch process context per local rank.
+
+torch's ``start_processes`` returns one ``PContext`` for a whole group and
+treats it all-or-nothing: its ``close()`` stops every process in it. TaskD
+must stop and start single ranks, so :class:`RankProcesses` starts each
+local rank in a context of its own, through the same public API
+(``start_processes``, ``PContext.wait/pids/close``) torchrun uses.
+
+Log files still follow the user's ``LogsSpecs`` (``--log-dir``,
+``--redirects``, ``--tee``): they are laid out once per start of the whole
+group, and each rank's context is handed its own slice of that layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from torch.distributed.elastic.multiprocessing import (
+    LogsDest,
+    LogsSpecs,
+    PContext,
+    ProcessFailure,
+    start_processes,
+)
+
+from taskd_core.errors import ConfigError
+from taskd_core.models import WorkerState
+
+from taskd_pytorch._signals import keep_signal_handlers
+
+logger = logging.getLogger(__name__)
+
+#: The reaping wait after SIGKILL in ``PContext.close`` uses the same timeout
+#: as the polite wait; this floor keeps it long enough to reap a killed process.
+_MIN_CLOSE_WAIT = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """What one local rank runs: torch's entrypoint (binary or function), arguments and environment."""
+
+    entrypoint: str | Callable[..., object]
+    args: tuple[object, ...]
+    env: Mapping[str, str]
+    #: prefix of the rank's tee'd log lines (torch's default is ``[<role><local_rank>]:``).
+    log_prefix: str
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """One local rank's process as seen last."""
+
+    state: WorkerState
+    pid: int | None = None
+    exit_code: int | None = None
+    #: torch's failure record (error file, timestamp) when the rank failed.
+    failure: ProcessFailure | None = field(default=None, compare=False)
+
+
+class _OneRankLogs(LogsSpecs):
+    """A ``LogsSpecs`` that hands one rank's slice of an already laid out ``LogsDest`` to its context."""
+
+    def __init__(self, dest: LogsDest, local_rank: int, root_log_dir: str) -> None:
+        super().__init__(log_dir=root_log_dir)
+        self._dest = dest
+        self._rank = local_rank
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        def one(paths: Mapping[int, str]) -> dict[int, str]:
+            return {0: paths[self._rank]} if self._rank in paths else {}
+
+        return LogsDest(
+            stdouts=one(self._dest.stdouts),
+            stderrs=one(self._dest.stderrs),
+            tee_stdouts=one(self._dest.tee_stdouts),
+            tee_stderrs=one(self._dest.tee_stderrs),
+            error_files=one(self._dest.error_files),
+        )
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+
+class RankProcesses:
+    """Start, stop and observe local workers rank by rank.
+
+    :param name: the workers' role name (torch's ``PContext`` name).
+    :param logs_specs: where worker output goes, as torchrun was told.
+    :param start_method: multiprocessing start method for function entrypoints.
+    """
+
+    def __init__(self, name: str, logs_specs: LogsSpecs, start_method: str = "spawn") -> None:
+        self.name = name
+        self._logs_specs = logs_specs
+        self._start_method = start_method
+        self._launches: dict[int, Launch] = {}
+        self._dest: LogsDest | None = None
+        self._contexts: dict[int, PContext] = {}
+        self._pids: dict[int, int] = {}
+        self._ended: dict[int, RankState] = {}
+
+    # --- starting ------------------------------------------------------------------
+
+    def start_all(self, launches: Mapping[int, Launch]) -> dict[int, int]:
+        """Start every rank of ``launches`` (keys ``0..n-1``) with a fresh log layout; returns pids."""
+        if sorted(launches) != list(range(len(launches))):
+            raise ConfigError(f"local ranks must be 0..n-1, got {sorted(launches)}")
+        self.stop(None, timeout=0.0)
+        envs = {rank: dict(launch.env) for rank, launch in launches.items()}
+        # reify adds each rank's TORCHELASTIC_ERROR_FILE to envs: keep it in the rank's environment.
+        self._dest = self._logs_specs.reify(envs)
+        self._launches = {
+            rank: Launch(launch.entrypoint, launch.args, envs[rank], launch.log_prefix)
+            for rank, launch in launches.items()
+        }
+        self._ended.clear()
+        return self.start(sorted(launches))
+
+    def start(self, local_ranks: Iterable[int]) -> dict[int, int]:
+        """Start the given ranks again with the same arguments, environment and log files."""
+        ranks = sorted(set(local_ranks))
+        unknown = [r for r in ranks if r not in self._launches]
+        if unknown:
+            raise ConfigError(f"local ranks {unknown} were never started; start the whole group first")
+        running = [r for r in ranks if self.status(r).state is WorkerState.RUNNING]
+        if running:
+            logger.warning("local ranks %s are still running; stopping them before the restart", running)
+            self.stop(running, timeout=0.0)
+        started: dict[int, int] = {}
+        for rank in ranks:
+            started[rank] = self._start_one(rank)
+        return started
+
+    def _start_one(self, rank: int) -> int:
+        launch = self._launches[rank]
+        if self._dest is None:
+            raise ConfigError("no log layout: start the whole group first")
+        with keep_signal_handlers():
+            context = start_processes(
+                name=self.name,
+                entrypoint=launch.entrypoint,
+                args={0: launch.args},
+                envs={0: dict(launch.env)},
+                logs_specs=_OneRankLogs(self._dest, rank, self._logs_specs.root_log_dir),
+                log_line_prefixes={0: launch.log_prefix},
+                start_method=self._start_method,
+            )
+        pid = context.pids()[0]
+        self._contexts[rank] = context
+        self._pids[rank] = pid
+        self._ended.pop(rank, None)
+        logger.info("started %s local rank %s as pid %s", self.name, rank, pid)
+        return pid
+
+    # --- stopping ------------------------------------------------------------------
+
+    def stop(self, local_ranks: Iterable[int] | None, timeout: float, death_sig: signal.Signals = signal.SIGTERM) -> None:
+        """Stop the given ranks (all when None): ``death_sig``, then SIGKILL after ``timeout``; reaps them.
+
+        The contexts are closed side by side, so every worker gets the signal
+        at once and they share one deadline.
+        """
+        wanted = self._contexts.keys() if local_ranks is None else set(local_ranks)
+        chosen = {rank: ctx for rank, ctx in self._contexts.items() if rank in wanted}
+        if not chosen:
+            return
+        wait = max(timeout, _MIN_CLOSE_WAIT)
+        for rank in chosen:
+            logger.info("stopping %s local rank %s (pid %s) with %s", self.name, rank, self._pids[rank], death_sig.name)
+        with ThreadPoolExecutor(max_workers=len(chosen), thread_name_prefix="taskd-stop") as pool:
+            # list() re-raises the first close() failure here instead of losing it.
+            list(pool.map(lambda ctx: ctx.close(death_sig, wait), chosen.values()))  # type: ignore[arg-type]
+        for rank in chosen:
+            self._settle(rank)
+
+    # --- observing -----------------------------------------------------------------
+
+    def status(self, rank: int) -> RankState:
+        """The rank's state now; reaps it if it has ended. Cheap enough to call on every worker event."""
+        if rank in self._ended:
+            return self._ended[rank]
+        if rank not in self._contexts:
+            return RankState(WorkerState.NOT_STARTED)
+        return self._settle(rank)
+
+    def _settle(self, rank: int) -> RankState:
+        context = self._contexts[rank]
+        result = context.wait(0)
+        if result is None:
+            return RankState(WorkerState.RUNNING, self._pids[rank])
+        failure = result.failures.get(0)
+        ended = RankState(
+            WorkerState.EXITED, self._pids[rank], failure.exitcode if failure else 0, failure
+        )
+        del self._contexts[rank]
+        self._ended[rank] = ended
+        logger.info("%s local rank %s (pid %s) ended with exit code %s", self.name, rank, ended.pid, ended.exit_code)
+        return ended
+
+    @property
+    def local_ranks(self) -> list[int]:
+        return sorted(self._launches)

@@ -1,0 +1,88 @@
+"""Fixtures for the pytorch adapter: real torch elastic agents driving plain python workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def records(out: Path) -> list[dict[str, str]]:
+    """What every worker started so far wrote about itself (``workers/idle.py``)."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
+    """Build ``TaskdElasticAgent`` s on a one-node c10d rendezvous; every worker is stopped at teardown."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from taskd_pytorch.elastic import TaskdElasticAgent
+
+    made: list[TaskdElasticAgent] = []
+
+    def make(*worker_args: str, nproc: int = 2, script: str = "idle.py") -> TaskdElasticAgent:
+        handler = get_rendezvous_handler(
+            RendezvousParameters(
+                backend="c10d", endpoint="127.0.0.1:0", run_id=uuid.uuid4().hex, min_nodes=1, max_nodes=1
+            )
+        )
+        spec = WorkerSpec(
+            role="trainer",
+            local_world_size=nproc,
+            rdzv_handler=handler,
+            entrypoint=sys.executable,
+            args=("-u", str(WORKERS / script), *worker_args),
+            local_addr="127.0.0.1",
+        )
+        agent = TaskdElasticAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), stop_timeout=5.0)
+        made.append(agent)
+        return agent
+
+    yield make
+    for agent in made:
+        agent.stop(None, timeout=1.0)
+        agent.get_worker_group().spec.rdzv_handler.shutdown()
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    os.kill(pid, sig)

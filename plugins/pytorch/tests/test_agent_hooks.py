@@ -1,0 +1,116 @@
+"""The adapter's hooks on a real torch elastic agent, with plain python workers (no training)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import kill, pid_alive, records, wait_for
+
+from taskd_core.errors import WorkerControlError
+from taskd_core.models import WorkerState
+from taskd_core.plugins import load_adapter
+from taskd_pytorch import PytorchAdapter
+
+
+def test_restart_all_starts_every_rank_with_torchrun_environment(make_agent, out_dir: Path) -> None:
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir))))
+    assert {s.state for s in adapter.monitor().values()} == {WorkerState.NOT_STARTED}
+
+    adapter.restart_all()
+
+    statuses = adapter.monitor()
+    assert [statuses[r].global_rank for r in (0, 1)] == [0, 1]
+    assert all(s.state is WorkerState.RUNNING and pid_alive(s.pid) for s in statuses.values())
+    seen = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 30, "both workers")
+    assert sorted(r["LOCAL_RANK"] for r in seen) == ["0", "1"]
+    assert {r["TASKD_RESTART_COUNT"] for r in seen} == {"0"}
+    # Workers never join the agents' rendezvous store (SPEC §9).
+    assert {r["TORCHELASTIC_USE_AGENT_STORE"] for r in seen} == {"False"}
+
+
+def test_stop_given_ranks_leaves_the_others_running(make_agent, out_dir: Path) -> None:
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir), nproc=3)))
+    adapter.restart_all()
+    before = adapter.monitor()
+
+    adapter.stop([1], timeout=5.0)
+
+    after = adapter.monitor()
+    assert after[1].state is WorkerState.EXITED and after[1].exit_code == -signal.SIGTERM
+    assert not pid_alive(before[1].pid)
+    assert [after[r].pid for r in (0, 2)] == [before[r].pid for r in (0, 2)]
+    assert all(after[r].state is WorkerState.RUNNING for r in (0, 2))
+
+
+def test_stop_escalates_to_sigkill_for_a_worker_that_ignores_sigterm(make_agent, out_dir: Path) -> None:
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir), "--ignore-sigterm", nproc=1)))
+    adapter.restart_all()
+    wait_for(lambda: records(out_dir), 30, "the worker to ignore SIGTERM")
+
+    adapter.stop(None, timeout=0.5)
+
+    assert adapter.monitor()[0].exit_code == -signal.SIGKILL
+
+
+def test_restart_list_keeps_other_pids_and_the_same_environment(make_agent, out_dir: Path) -> None:
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir)), in_place=True))
+    adapter.restart_all()
+    first = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 30, "both workers")
+    before = adapter.monitor()
+    kill(before[1].pid)
+    wait_for(lambda: adapter.monitor()[1].state is WorkerState.EXITED, 10, "rank 1 to die")
+
+    adapter.restart_list([1])
+
+    after = adapter.monitor()
+    assert after[0].pid == before[0].pid
+    assert after[1].pid != before[1].pid and after[1].state is WorkerState.RUNNING
+    again = wait_for(lambda: len(records(out_dir)) == 3 and records(out_dir), 30, "rank 1 again")
+    old, new = (next(r for r in seen if r["pid"] == pid) for seen, pid in ((first, before[1].pid), (again, after[1].pid)))
+    assert {k: v for k, v in new.items() if k != "pid"} == {k: v for k, v in old.items() if k != "pid"}
+
+
+def test_monitor_reports_exit_codes_and_signals(make_agent, out_dir: Path) -> None:
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir), "--after", "0", "--exit-code", "3")))
+    adapter.restart_all()
+
+    statuses = wait_for(
+        lambda: (s := adapter.monitor()) and all(x.state is WorkerState.EXITED for x in s.values()) and s, 30, "exits"
+    )
+
+    assert {s.exit_code for s in statuses.values()} == {3}
+    assert all(s.failed for s in statuses.values())
+
+
+def test_restart_all_gives_every_round_a_fresh_worker_store(make_agent, out_dir: Path, monkeypatch) -> None:
+    # Whatever the user's environment says about sharing the rendezvous store.
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir))))
+    ports = []
+    for round_no in range(3):
+        adapter.restart_all()
+        seen = wait_for(lambda: len(records(out_dir)) == 2 * (round_no + 1) and records(out_dir), 30, "workers")
+        this_round = [r for r in seen if r["TASKD_RESTART_COUNT"] == str(round_no)]
+        assert len({r["MASTER_PORT"] for r in this_round}) == 1
+        ports.append(this_round[0]["MASTER_PORT"])
+        adapter.stop(None, timeout=5.0)
+    assert len(set(ports)) == 3
+
+
+def test_restart_list_of_a_rank_that_does_not_exist_is_refused(make_agent, out_dir: Path) -> None:
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir))))
+    adapter.restart_all()
+    with pytest.raises(WorkerControlError, match="local ranks \\[5\\] do not exist"):
+        adapter.restart_list([5])
+
+
+def test_adapter_without_agent_declares_strategies_but_controls_nothing() -> None:
+    adapter = load_adapter("pytorch")
+    assert [s.value for s in adapter.strategies()] == ["recover", "dump", "exit"]
+    assert [s.value for s in load_adapter("pytorch", instance=PytorchAdapter(in_place=True)).strategies()][0] == (
+        "recover-in-place"
+    )
+    with pytest.raises(WorkerControlError, match="only inside taskdrun"):
+        adapter.restart_all()
