@@ -27,7 +27,7 @@ from types import FrameType
 
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address, parse_address
+from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address, parse_address, wait_for_agents
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import DEFAULT_MASTER_PORT, LaunchSpec
 from taskd_core.models import JobPolicy
@@ -107,6 +107,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"port of node 0's embedded controller (default: any free port on one node, {DEFAULT_CONTROLLER_PORT} on several)",
     )
     ctl.add_argument("--controller-state", default=":memory:", help="SQLite state file of the embedded controller")
+    ctl.add_argument(
+        "--linger", type=_seconds, default=60.0,
+        help="node 0 with the embedded controller: seconds to wait for the other nodes' agents to end",
+    )
     ctl.add_argument("--connect-timeout", type=_seconds, default=60.0, help="seconds to keep trying to reach the controller")
     pol = p.add_argument_group("recovery policy (embedded controller only)")
     pol.add_argument(
@@ -185,7 +189,7 @@ def _signals_stop(stop: Callable[[int], None]) -> Iterator[None]:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the agent pulls in the gRPC client, which `taskd run --help` does not need.
-    from taskd_core.agent.node_agent import AgentConfig, NodeAgent
+    from taskd_core.agent.node_agent import AgentConfig, NodeAgent, Outcome
 
     spec = build_spec(args)
     policy = build_policy(args, spec.nnodes)
@@ -200,11 +204,11 @@ def run(args: argparse.Namespace) -> int:
         controller_port=controller_port,
         policy=policy,
         state=args.controller_state,
-    ) as address:
+    ) as endpoint:
         adapter = load_adapter("process", instance=ProcessAdapter(spec))
         config = AgentConfig(
             job_id=spec.job_id,
-            controller=address,
+            controller=endpoint.address,
             node_rank=spec.node_rank,
             stop_timeout=args.stop_timeout,
             dump_signal=args.dump_signal,
@@ -214,8 +218,11 @@ def run(args: argparse.Namespace) -> int:
         agent = NodeAgent(config, adapter)
         logger.info(
             "job %s node %s/%s: %s workers of %s, controller %s",
-            spec.job_id, spec.node_rank, spec.nnodes, spec.nproc, " ".join(spec.command), address,
+            spec.job_id, spec.node_rank, spec.nnodes, spec.nproc, " ".join(spec.command), endpoint.address,
         )
         with _signals_stop(agent.shutdown):
             outcome = agent.run()
+        if endpoint.embedded and spec.nnodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
+            # The other nodes' agents may still be finishing; they need this controller until they end.
+            wait_for_agents(endpoint.address, spec.job_id, spec.nnodes, args.linger)
     return outcome.exit_code
