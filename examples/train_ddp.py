@@ -164,12 +164,12 @@ def main() -> int:
     loss_fn = nn.MSELoss()
     try:
         for step in range(done, args.steps):
-            if args.step_time:
-                time.sleep(args.step_time)
-            if dump_requested:
-                break
             if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
                 inject_fault(args.fail_mode, step)
+            if args.step_time:
+                time.sleep(args.step_time)  # stands for compute: the window in which a peer's fault is handled
+            if dump_requested:
+                break
             model.zero_grad()
             x, y = batch(step, rank)
             loss_fn(model(x), y).backward()
