@@ -51,7 +51,8 @@ def parse_strategies(value: str | Iterable[str], *, key: str = "strategies") -> 
     names = value.split(",") if isinstance(value, str) else list(value)
     chosen: set[Strategy] = set()
     for raw in names:
-        name = str(raw).strip()
+        # str() of a str-enum member is "Strategy.X", not its value.
+        name = raw.value if isinstance(raw, Strategy) else str(raw).strip()
         if not name:
             continue
         try:
@@ -127,6 +128,11 @@ def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
 
 def policy_from_dict(data: Mapping[str, Any]) -> JobPolicy:
     return updated_policy(JobPolicy(), "state file: ", **data)
+
+
+def validated(policy: JobPolicy, where: str = "") -> JobPolicy:
+    """A policy built in code, checked like a file's (strategy names become Strategy)."""
+    return updated_policy(JobPolicy(), where, **{name: getattr(policy, name) for name in _FILE_KEYS.values()})
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from taskd_core.controller.policy import PolicyBook
+from taskd_core.controller.policy import PolicyBook, validated
 from taskd_core.controller.runtime import Controller
 from taskd_core.controller.service import RecoverService
 from taskd_core.controller.store import Store
@@ -175,7 +175,7 @@ class EmbeddedController:
         grace: float = 1.0,
         start_timeout: float = 10.0,
     ) -> None:
-        book = policies or PolicyBook(defaults or JobPolicy())
+        book = policies or PolicyBook(validated(defaults or JobPolicy(), "defaults: "))
         self._config = ControllerConfig(listen, state, book, keepalive_interval, grace)
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None

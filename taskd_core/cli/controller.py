@@ -1,0 +1,62 @@
+"""``taskd controller``: run the recovery controller as a daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from taskd_core.controller.policy import load_policies, parse_strategies
+from taskd_core.controller.server import ControllerConfig, serve, split_listen
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "controller",
+        help="run the recovery controller (gRPC service Recover)",
+        description="Run the ClusterD-compatible recovery controller until SIGTERM/SIGINT.",
+    )
+    p.add_argument("--listen", default="0.0.0.0:8899", help="HOST:PORT to serve on; port 0 picks one "
+                   "(default: %(default)s)")
+    p.add_argument("--state", default="./taskd-state.db",
+                   help="SQLite state file; ':memory:' keeps nothing (default: %(default)s)")
+    p.add_argument("--policy", type=Path, help="TOML policy file with [defaults] and [jobs.\"<id>\"] tables")
+    p.add_argument("--strategies", help="default strategies, comma-separated, e.g. recover,dump,exit")
+    p.add_argument("--report-timeout", type=float, metavar="S", help="deadline of each wait for reports")
+    p.add_argument("--flush-seconds", type=float, metavar="S", help="fault flush window before stopping training")
+    p.add_argument("--max-cycles", type=int, metavar="N", help="recovery cycles a job may use")
+    p.add_argument("--keepalive-interval", type=float, default=5.0, metavar="S",
+                   help="seconds between keep-alive signals (default: %(default)s)")
+    p.add_argument("--port-file", type=Path, help="write the bound HOST:PORT here once serving")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    split_listen(args.listen)
+    flags = {
+        "strategies": parse_strategies(args.strategies, key="--strategies") if args.strategies else None,
+        "report_timeout": args.report_timeout,
+        "flush_seconds": args.flush_seconds,
+        "max_cycles": args.max_cycles,
+    }
+    policies = load_policies(args.policy, **{k: v for k, v in flags.items() if v is not None})
+    config = ControllerConfig(
+        listen=args.listen,
+        state=args.state,
+        policies=policies,
+        keepalive_interval=args.keepalive_interval,
+    )
+
+    def ready(address: str) -> None:
+        if args.port_file is not None:
+            tmp = args.port_file.with_suffix(".tmp")
+            tmp.write_text(address + "\n")
+            tmp.replace(args.port_file)  # readers never see a half-written file
+        print(f"listening on {address}", flush=True)
+
+    asyncio.run(serve(config, on_ready=ready, handle_signals=True))
+    return 0

@@ -1,0 +1,223 @@
+"""Shared fixtures: an in-process controller and raw-stub agents that talk to it.
+
+``controller_factory(**policy)`` starts an :class:`EmbeddedController` on
+127.0.0.1 port 0 with short deadlines; ``make_agent(address, job, ...)`` gives a
+:class:`RawAgent` that speaks the wire protocol with the generated stubs (no
+client library), so controller tests do not depend on the client's code.
+Everything started here is stopped at teardown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from taskd_core.controller.policy import PolicyBook
+from taskd_core.controller.server import EmbeddedController
+from taskd_core.models import JobPolicy, Strategy
+from taskd_core.rpc import recover_pb2 as pb
+from taskd_core.rpc import recover_pb2_grpc
+
+#: Generous ceiling for anything a test waits for; never an assertion on speed.
+WAIT = 20.0
+
+#: Short deadlines so cycles end quickly in tests.
+TEST_POLICY = JobPolicy(
+    strategies=tuple(Strategy),
+    report_timeout=10.0,
+    flush_seconds=0.0,
+    max_cycles=5,
+)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = WAIT, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class RawAgent:
+    """One agent of a job, driven by a test through the generated stub."""
+
+    def __init__(
+        self, address: str, job_id: str, agent_id: str = "", role: str = "taskd",
+        node_rank: int = 0, rank_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.job_id = job_id
+        self.agent_id = agent_id
+        self.info = pb.ClientInfo(
+            jobId=job_id, role=role, agentId=agent_id, nodeRank=node_rank, rankIds=[str(r) for r in rank_ids]
+        )
+        self.channel = grpc.insecure_channel(address)
+        self.stub = recover_pb2_grpc.RecoverStub(self.channel)
+        self.signals: queue.Queue[pb.ProcessManageSignal | grpc.RpcError | None] = queue.Queue()
+        self._call: Any = None
+        self._reader: threading.Thread | None = None
+
+    def join(self) -> RawAgent:
+        """Init, Register and Subscribe, checking each answer."""
+        assert self.stub.Init(self.info, timeout=WAIT).code == 0
+        assert self.stub.Register(self.info, timeout=WAIT).code == 0
+        self.subscribe()
+        return self
+
+    def subscribe(self) -> None:
+        self.signals = queue.Queue()
+        self._call = self.stub.SubscribeProcessManageSignal(self.info)
+        sink = self.signals
+        call = self._call
+
+        def read() -> None:
+            try:
+                for msg in call:
+                    sink.put(msg)
+                sink.put(None)
+            except grpc.RpcError as exc:
+                sink.put(exc)
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+
+    def cut(self) -> None:
+        """Drop the signal stream the way a dying connection would."""
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            self._reader.join(WAIT)
+
+    def resubscribe(self) -> None:
+        """Subscribe again once the controller has noticed the old stream is gone."""
+        me = self.agent_id or self.info.role
+        wait_until(lambda: not any(a.subscribed for a in self.job().agents if a.agentId == me),
+                   what=f"controller to drop {me}'s old stream")
+        self.subscribe()
+
+    def next_signal(self, timeout: float = WAIT, keepalive: bool = False) -> pb.ProcessManageSignal:
+        """The next signal (keep-alives skipped unless asked for); fails on stream end."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                item = self.signals.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"agent {self.agent_id or self.info.role}: no signal within {timeout}s")
+            if isinstance(item, pb.ProcessManageSignal):
+                if keepalive or item.signalType != "keep-alive":
+                    return item
+                continue
+            raise AssertionError(f"signal stream ended: {item!r}")
+
+    def stream_end(self, timeout: float = WAIT) -> grpc.RpcError | None:
+        """Skip signals until the stream ends; the error it ended with, if any."""
+        end = time.monotonic() + timeout
+        while True:
+            item = self.signals.get(timeout=max(0.0, end - time.monotonic()))
+            if not isinstance(item, pb.ProcessManageSignal):
+                return item
+
+    def expect(self, signal_type: str, **fields: Any) -> pb.ProcessManageSignal:
+        sig = self.next_signal()
+        assert sig.signalType == signal_type, sig
+        for name, value in fields.items():
+            got = list(getattr(sig, name)) if name in ("actions", "nodeRankIds") else getattr(sig, name)
+            assert got == value, f"{name}: {got!r} != {value!r} in {sig}"
+        return sig
+
+    # --- reports (return the Status code) ---------------------------------------
+
+    def fault(self, faults: dict[int, int] | None = None, job_id: str | None = None) -> pb.Status:
+        ranks = [pb.FaultRank(rankId=str(r), faultType=str(t)) for r, t in (faults or {0: 1}).items()]
+        return self.stub.ReportProcessFault(
+            pb.ProcessFaultRequest(jobId=job_id or self.job_id, faultRanks=ranks, agentId=self.agent_id),
+            timeout=WAIT,
+        )
+
+    def stopped(self, code: int = 0, uuid: str = "") -> pb.Status:
+        return self.stub.ReportStopComplete(
+            pb.StopCompleteRequest(jobId=self.job_id, status=pb.Status(code=code), agentId=self.agent_id, uuid=uuid),
+            timeout=WAIT,
+        )
+
+    def strategies(self, names: list[str], uuid: str = "") -> pb.Status:
+        return self.stub.ReportRecoverStrategy(
+            pb.RecoverStrategyRequest(jobId=self.job_id, strategies=names, agentId=self.agent_id, uuid=uuid),
+            timeout=WAIT,
+        )
+
+    def status(self, code: int = 0, strategy: str = "", uuid: str = "") -> pb.Status:
+        return self.stub.ReportRecoverStatus(
+            pb.RecoverStatusRequest(
+                jobId=self.job_id, status=pb.Status(code=code), strategy=strategy, agentId=self.agent_id, uuid=uuid
+            ),
+            timeout=WAIT,
+        )
+
+    def exited(self, code: int = 0) -> pb.Status:
+        return self.stub.ReportAgentExit(
+            pb.AgentExitRequest(jobId=self.job_id, agentId=self.agent_id, role=self.info.role,
+                                status=pb.Status(code=code)),
+            timeout=WAIT,
+        )
+
+    def job(self, events: int = 0) -> pb.JobView:
+        reply = self.stub.QueryStatus(pb.StatusQuery(jobId=self.job_id, events=events), timeout=WAIT)
+        assert reply.status.code == 0, reply.status
+        return reply.jobs[0]
+
+    def close(self) -> None:
+        self.cut()
+        self.channel.close()
+
+
+@pytest.fixture
+def controller_factory() -> Iterator[Callable[..., EmbeddedController]]:
+    """Start controllers: ``controller_factory(state=..., keepalive_interval=..., **policy_fields)``."""
+    started: list[EmbeddedController] = []
+
+    def start(
+        state: str = ":memory:", keepalive_interval: float = 0.5, policies: PolicyBook | None = None,
+        **policy: Any,
+    ) -> EmbeddedController:
+        defaults = dataclasses.replace(TEST_POLICY, **policy)
+        ctl = EmbeddedController(
+            state=state, defaults=defaults, policies=policies, keepalive_interval=keepalive_interval
+        )
+        started.append(ctl)
+        return ctl
+
+    yield start
+    for ctl in started:
+        ctl.stop()
+
+
+@pytest.fixture
+def controller(controller_factory: Callable[..., EmbeddedController]) -> EmbeddedController:
+    """A fresh in-memory controller with the test policy (every strategy, 10 s deadlines, no flush)."""
+    return controller_factory()
+
+
+@pytest.fixture
+def make_agent() -> Iterator[Callable[..., RawAgent]]:
+    """``make_agent(address, job_id, agent_id="", role="taskd", node_rank=0, rank_ids=())``."""
+    agents: list[RawAgent] = []
+
+    def make(address: str, job_id: str, agent_id: str = "", **kw: Any) -> RawAgent:
+        agent = RawAgent(address, job_id, agent_id, **kw)
+        agents.append(agent)
+        return agent
+
+    yield make
+    for agent in agents:
+        agent.close()
