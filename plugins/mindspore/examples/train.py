@@ -1,0 +1,119 @@
+"""A tiny MindSpore data-parallel training job for msrun, with checkpoint save and resume.
+
+Run under ``msrun`` (graph mode on CPU)::
+
+    msrun --worker_num=4 --local_worker_num=2 --node_rank=0 --master_port=8118 \
+        --log_dir=logs --join=False examples/train.py --out /tmp/run --steps 30
+
+Each worker builds a one-layer network, trains it for ``--steps`` steps on
+fixed synthetic data, and after every step
+
+* saves a MindSpore checkpoint (``save_checkpoint``) holding the weights and
+  the step counter, and
+* appends one JSON line ``{"rank", "pid", "step", "resumed_from", "restart"}``
+  to ``<out>/progress.jsonl``, so a test can see which process reached which
+  step and from where a restarted process resumed.
+
+On start a worker loads its checkpoint if there is one (``load_checkpoint``)
+and continues after the saved step.
+
+``--collective`` (default) all-reduces the gradients every step, so every rank
+depends on every other one: losing one worker stalls the others, which is the
+situation a full ``recover`` handles. ``--no-collective`` keeps the ranks
+independent after ``init()``: a restarted rank does not need its peers, which
+is the only honest way to show ``recover-in-place`` on CPU, where MindSpore has
+no way to rebuild a communication group around a replaced peer.
+
+The scheduler process msrun starts runs this same script; for it
+``mindspore.communication.init()`` is the whole job (it serves the cluster
+and returns when the workers are done), so the script stops right after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def _parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for checkpoints and progress.jsonl")
+    parser.add_argument("--steps", type=int, default=20, help="step the job finishes at")
+    parser.add_argument("--step-sleep", type=float, default=0.2, help="seconds each step idles, to stretch the job")
+    parser.add_argument("--collective", action=argparse.BooleanOptionalAction, default=True,
+                        help="all-reduce gradients every step (default) or train each rank on its own")
+    return parser.parse_args(argv)
+
+
+def _record(out: Path, **fields: object) -> None:
+    # One short O_APPEND write per line keeps concurrent ranks' lines whole.
+    line = (json.dumps(fields, sort_keys=True) + "\n").encode()
+    fd = os.open(out / "progress.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    import mindspore as ms  # imported late: --help and argument errors need no framework
+    import numpy as np
+    from mindspore import nn, ops
+    from mindspore.communication import get_group_size, get_rank, init
+
+    ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
+    init()
+    if os.environ.get("MS_ROLE") == "MS_SCHED":
+        return 0
+    rank, size = get_rank(), get_group_size()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ckpt = args.out / f"rank{rank}.ckpt"
+
+    net = nn.Dense(4, 1)
+    step_param = ms.Parameter(ms.Tensor(0, ms.int32), name="global_step", requires_grad=False)
+    resumed_from = 0
+    if ckpt.exists():
+        saved = ms.load_checkpoint(str(ckpt))
+        resumed_from = int(saved.pop("global_step").asnumpy())
+        ms.load_param_into_net(net, saved)
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=0.01)
+    loss_fn = nn.MSELoss()
+    all_reduce = ops.AllReduce() if args.collective else None
+
+    def forward(x: ms.Tensor, y: ms.Tensor) -> ms.Tensor:
+        return loss_fn(net(x), y)
+
+    grad_fn = ms.value_and_grad(forward, None, optimizer.parameters)
+
+    @ms.jit
+    def train_step(x: ms.Tensor, y: ms.Tensor) -> ms.Tensor:
+        loss, grads = grad_fn(x, y)
+        if all_reduce is not None:
+            grads = tuple(all_reduce(g) / size for g in grads)
+        optimizer(grads)
+        return loss
+
+    rng = np.random.default_rng(rank)
+    x = ms.Tensor(rng.standard_normal((8, 4)).astype(np.float32))
+    y = ms.Tensor(rng.standard_normal((8, 1)).astype(np.float32))
+    restart = int(os.environ.get("TASKD_RESTART_COUNT", "0"))
+    for step in range(resumed_from + 1, args.steps + 1):
+        loss = train_step(x, y)
+        step_param.set_data(ms.Tensor(step, ms.int32))
+        ms.save_checkpoint(net, str(ckpt), append_dict={"global_step": step_param})
+        _record(args.out, rank=rank, pid=os.getpid(), step=step, resumed_from=resumed_from,
+                restart=restart, loss=float(loss.asnumpy()))
+        time.sleep(args.step_sleep)
+    logger.info("rank %s finished at step %s", rank, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""``MSRunPlugin``: the object msrun hands its workers to (``taskd.python.framework.agent.ms_mgr.msrun_plugin``).
+
+msrun 2.10 uses it when ``taskd.api.taskd_agent_api`` cannot be imported or
+refuses to initialise::
+
+    plugin = MSRunPlugin()
+    for name, func in {"KILL_WORKER": ..., "START_ALL_WORKER": ...,
+                       "START_WORKER_LIST": ..., "MONITOR": ...}.items():
+        plugin.register_callbacks(name, func)
+    plugin.start()          # on msrun's main thread; msrun's run() returns after it
+
+What ``start()`` does is :func:`taskd_mindspore.runner.run_node`; see there
+for the settings it reads from the environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+from taskd_mindspore.callbacks import CallbackRegistry
+from taskd_mindspore.runner import run_node
+
+logger = logging.getLogger(__name__)
+
+
+class MSRunPlugin:
+    """Takes over msrun's worker life cycle: the seed API, ``register_callbacks`` then ``start``.
+
+    :param env: the environment to read settings from; msrun's own (``os.environ``) by default.
+    """
+
+    def __init__(self, *, env: Mapping[str, str] | None = None) -> None:
+        self._registry = CallbackRegistry()
+        self._env = env
+
+    def register_callbacks(self, operator: str, func: Callable[..., Any]) -> None:
+        """Register msrun's callback for ``operator`` (``KILL_WORKER``, ``START_ALL_WORKER``,
+        ``START_WORKER_LIST`` or ``MONITOR``).
+
+        :raises CallbackError: (a ``ValueError``) for an unknown operator or a non-callable.
+        """
+        self._registry.register(operator, func)
+
+    def run(self) -> int:
+        """Run the job on this node to the end and return its exit code (0: every worker exited 0).
+
+        :raises CallbackError: when a callback was never registered.
+        """
+        return run_node(self._registry.complete(), os.environ if self._env is None else self._env)
+
+    def start(self) -> NoReturn:
+        """Run the job, then end msrun with the job's exit code.
+
+        msrun calls this as the last thing its ``run()`` does and then returns
+        from ``main()`` with status 0 whatever happened, so the job's failure
+        can only reach msrun's caller (a shell, a scheduler, CI) by ending the
+        process here. It is the one place that does: :meth:`run` and everything
+        below return codes, and ``SystemExit`` still unwinds ``finally`` blocks.
+        """
+        code = self.run()
+        logger.info("msrun ends with exit code %s", code)
+        raise SystemExit(code)

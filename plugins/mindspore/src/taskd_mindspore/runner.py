@@ -1,0 +1,202 @@
+"""One msrun node under TaskD: settings from msrun's environment, controller, node agent, clean end.
+
+Settings (read once, from msrun's environment when ``start()`` runs):
+
+=========================  ======================================================================
+what                       where from, first found wins
+=========================  ======================================================================
+controller address         ``TASKD_CONTROLLER`` (HOST:PORT); ``MINDX_SERVER_IP`` (the reference's,
+                           port 8899 unless it carries one); none: node 0 runs an embedded
+                           controller, the other nodes reach it at ``MS_SCHED_HOST``
+embedded controller port   ``TASKD_CONTROLLER_PORT``; else ``MS_SCHED_PORT + 1`` (msrun's
+                           ``--master_port`` plus one: known to every node, next to the
+                           scheduler's port the job already opens)
+job id                     ``TASKD_JOB_ID``; ``MINDX_TASK_ID``; else ``msrun-<host>-<port>`` of the
+                           scheduler, the same on every node of one job
+node rank                  ``MS_NODE_RANK``; else global rank of local rank 0 (from ``MONITOR``)
+                           divided by the local worker count (msrun does not export it)
+recover-in-place           ``TASKD_RECOVER_IN_PLACE`` or the reference's
+                           ``ENABLE_RESTART_FAULT_PROCESS`` = on / 1 / true
+embedded policy            ``TASKD_STRATEGIES`` (comma list), ``TASKD_MAX_CYCLES``; every node's
+                           agent is expected (``MS_WORKER_NUM / local workers``)
+stop deadline              ``TASKD_STOP_TIMEOUT`` seconds (default 30)
+scheduler grace            ``TASKD_SCHEDULER_GRACE`` seconds (default 30) the scheduler gets to
+                           exit by itself after the job succeeded
+=========================  ======================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal as signals
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from types import FrameType
+
+from taskd_core.agent.node_agent import AgentConfig, NodeAgent
+from taskd_core.controller.policy import parse_strategies
+from taskd_core.errors import ConfigError
+from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address
+from taskd_core.models import JobPolicy, WorkerState, WorkerStatus
+from taskd_core.plugins import load_adapter
+
+from taskd_mindspore.adapter import MSRunAdapter
+from taskd_mindspore.callbacks import MsrunCallbacks
+from taskd_mindspore.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+FRAME = "mindspore"
+#: msrun's default ``--master_port``.
+_MSRUN_MASTER_PORT = 8118
+_TRUE = frozenset({"on", "1", "true", "yes"})
+
+
+def _number(env: Mapping[str, str], key: str, default: float) -> float:
+    text = env.get(key, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{key}={text!r} must be a finite number >= 0")
+    return value
+
+
+def _integer(env: Mapping[str, str], key: str, default: int) -> int:
+    value = _number(env, key, default)
+    if value != int(value):
+        raise ConfigError(f"{key}={env[key]!r} must be a whole number")
+    return int(value)
+
+
+def _explicit_controller(env: Mapping[str, str]) -> str | None:
+    if env.get("TASKD_CONTROLLER"):
+        return env["TASKD_CONTROLLER"]
+    server = env.get("MINDX_SERVER_IP", "").strip()
+    if not server:
+        return None
+    # The reference appends ClusterD's fixed port to a bare host.
+    has_port = server.rpartition(":")[2].isdigit() and (server.count(":") == 1 or server.startswith("["))
+    return server if has_port else f"{server}:{DEFAULT_CONTROLLER_PORT}"
+
+
+@dataclass(frozen=True, slots=True)
+class MsrunSettings:
+    """Everything one node's TaskD needs, as msrun's environment gives it (table in the module docstring)."""
+
+    job_id: str
+    controller: str | None
+    node_rank: int
+    nnodes: int
+    master_addr: str
+    controller_port: int
+    recover_in_place: bool
+    policy: JobPolicy
+    stop_timeout: float
+    scheduler_grace: float
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], statuses: Mapping[int, WorkerStatus]) -> MsrunSettings:
+        """Settings for this node; ``statuses`` is ``MONITOR`` before the first start (for the ranks)."""
+        if not statuses:
+            raise ConfigError("msrun's MONITOR reports no local workers; check --local_worker_num")
+        local = len(statuses)
+        if env.get("MS_NODE_RANK"):
+            node_rank = _integer(env, "MS_NODE_RANK", 0)
+        else:
+            node_rank = min(s.global_rank for s in statuses.values()) // local
+        world = _integer(env, "MS_WORKER_NUM", local)
+        nnodes = max(1, -(-world // local))
+        host = env.get("MS_SCHED_HOST", "127.0.0.1")
+        sched_port = _integer(env, "MS_SCHED_PORT", _MSRUN_MASTER_PORT)
+        policy = JobPolicy(max_cycles=_integer(env, "TASKD_MAX_CYCLES", JobPolicy().max_cycles), expected_agents=nnodes)
+        if env.get("TASKD_STRATEGIES"):
+            policy = replace(policy, strategies=parse_strategies(env["TASKD_STRATEGIES"], key="TASKD_STRATEGIES"))
+        return cls(
+            job_id=env.get("TASKD_JOB_ID") or env.get("MINDX_TASK_ID") or f"msrun-{host}-{sched_port}",
+            controller=_explicit_controller(env),
+            node_rank=node_rank,
+            nnodes=nnodes,
+            master_addr=host,
+            controller_port=_integer(env, "TASKD_CONTROLLER_PORT", sched_port + 1),
+            recover_in_place=any(
+                env.get(k, "").strip().lower() in _TRUE for k in ("TASKD_RECOVER_IN_PLACE", "ENABLE_RESTART_FAULT_PROCESS")
+            ),
+            policy=policy,
+            stop_timeout=_number(env, "TASKD_STOP_TIMEOUT", 30.0),
+            scheduler_grace=_number(env, "TASKD_SCHEDULER_GRACE", 30.0),
+        )
+
+
+@contextlib.contextmanager
+def _signals_to(stop: Callable[[int], None]) -> Iterator[None]:
+    """Route SIGTERM / SIGINT to ``stop`` while the block runs, when this is the main thread.
+
+    msrun gives TaskD its main thread; called from any other thread (an
+    embedding program, a test) the caller keeps its own signal handling.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        logger.warning("msrun received %s: stopping every worker", signals.Signals(signum).name)
+        stop(signum)
+
+    previous = {sig: signals.signal(sig, forward) for sig in (signals.SIGTERM, signals.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signals.signal(sig, handler)
+
+
+def run_node(callbacks: MsrunCallbacks, env: Mapping[str, str]) -> int:
+    """Run this msrun node's workers under TaskD to the end; returns the job's exit code for this node.
+
+    Never leaves a worker or the scheduler behind, whatever the outcome.
+    """
+    scheduler = Scheduler()
+    impl = MSRunAdapter(callbacks, scheduler=scheduler)
+    before = impl.statuses()
+    settings = MsrunSettings.from_env(env, before)
+    impl.recover_in_place = settings.recover_in_place
+    impl.stop_timeout = settings.stop_timeout
+    impl.rank_offset = settings.node_rank * len(before)
+    adapter = load_adapter(FRAME, instance=impl)
+    exit_code = 1
+    try:
+        with controller_address(
+            settings.controller,
+            node_rank=settings.node_rank,
+            master_addr=settings.master_addr,
+            controller_port=settings.controller_port,
+            policy=settings.policy,
+        ) as address:
+            config = AgentConfig(
+                job_id=settings.job_id,
+                controller=address,
+                node_rank=settings.node_rank,
+                stop_timeout=settings.stop_timeout,
+            )
+            agent = NodeAgent(config, adapter)
+            logger.info(
+                "msrun node %s/%s of job %s under TaskD (controller %s, recover-in-place %s)",
+                settings.node_rank, settings.nnodes, settings.job_id, address, settings.recover_in_place,
+            )
+            with _signals_to(agent.shutdown):
+                exit_code = agent.run().exit_code
+    finally:
+        # The agent stops workers on every way out; this catches an exception before or around it.
+        if any(s.pid is not None and s.state is WorkerState.RUNNING for s in impl.statuses().values()):
+            impl.taskd_stop_workers(None, settings.stop_timeout)
+        # A failed job's scheduler waits for workers that will never come: no grace then.
+        scheduler.finish(settings.scheduler_grace if exit_code == 0 else 0.0, settings.stop_timeout)
+    return exit_code
