@@ -1,0 +1,180 @@
+"""``taskd run`` end to end with plain Python workers: finish, give-up, recover-in-place, signals, adapters."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from .harness import DEADLINE, REPO, Cluster, job_processes, wait_until
+
+#: argv: OUT MODE. Records each start as OUT/start-<rank>-<restart>-<pid>, then
+#: "finish": exits 0; "crash": exits 1; "wait": runs until OUT/finish appears.
+WORKER = textwrap.dedent(
+    """
+    import os, pathlib, sys, time
+    out, mode = pathlib.Path(sys.argv[1]), sys.argv[2]
+    (out / f"start-{os.environ['RANK']}-{os.environ['TASKD_RESTART_COUNT']}-{os.getpid()}").touch()
+    if mode == "crash":
+        time.sleep(0.3)
+        sys.exit(1)
+    deadline = time.monotonic() + (0.5 if mode == "finish" else 200)
+    while time.monotonic() < deadline and not (out / "finish").exists():
+        time.sleep(0.05)
+    """
+)
+
+
+def worker(tmp_path: Path, mode: str) -> list[str]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    (tmp_path / "out").mkdir(exist_ok=True)
+    return [sys.executable, str(script), str(tmp_path / "out"), mode]
+
+
+def starts(tmp_path: Path) -> dict[tuple[int, int], int]:
+    """{(global rank, restart count): pid} of every worker start so far."""
+    out = {}
+    for path in (tmp_path / "out").glob("start-*"):
+        _, rank, restart, pid = path.name.split("-")
+        out[int(rank), int(restart)] = int(pid)
+    return out
+
+
+def kinds(cluster: Cluster) -> list[str]:
+    return [kind for kind, _ in cluster.journal()]
+
+
+def test_all_workers_finish(tmp_path: Path, cluster: Cluster) -> None:
+    """2 nodes x 2 workers exit 0: both agents exit 0 and the controller records the job finished."""
+    command = worker(tmp_path, "finish")
+    for node in (0, 1):
+        cluster.node(node, 2, 2, command)
+    assert cluster.wait_all() == [0, 0], cluster.diagnostics()
+    assert set(starts(tmp_path)) == {(r, 0) for r in range(4)}
+    assert "job finished" in kinds(cluster)
+    assert job_processes(cluster.job_id) == []
+
+
+def test_repeated_faults_give_the_job_up(tmp_path: Path, cluster: Cluster) -> None:
+    """Workers that crash after every restart exhaust --max-cycles: every agent exits non-zero, nothing is left."""
+    command = worker(tmp_path, "crash")
+    for node in (0, 1):
+        cluster.node(node, 2, 2, command, "--max-cycles", "2", "--strategies", "recover,exit")
+    codes = cluster.wait_all()
+    assert all(code != 0 for code in codes), cluster.diagnostics()
+    journal = kinds(cluster)
+    assert "job given up" in journal
+    assert journal.count("cycle succeeded") <= 2
+    assert max(restart for _, restart in starts(tmp_path)) <= 2
+    assert job_processes(cluster.job_id) == []
+
+
+def test_in_place_restarts_only_the_faulty_rank(tmp_path: Path, cluster: Cluster) -> None:
+    """With --in-place, a SIGKILLed worker gets a new pid; every other worker keeps its own."""
+    command = worker(tmp_path, "wait")
+    for node in (0, 1):
+        cluster.node(node, 2, 2, command, "--in-place")
+    wait_until("all four workers started", lambda: len(starts(tmp_path)) == 4, cluster)
+    first = starts(tmp_path)
+    os.kill(first[3, 0], signal.SIGKILL)
+    wait_until("rank 3 restarted", lambda: (3, 1) in starts(tmp_path), cluster)
+    after = starts(tmp_path)
+    assert set(after) == {(0, 0), (1, 0), (2, 0), (3, 0), (3, 1)}
+    assert after[3, 1] != first[3, 0]
+    assert sorted(job_processes(cluster.job_id)) == sorted([first[0, 0], first[1, 0], first[2, 0], after[3, 1]])
+    (tmp_path / "out" / "finish").touch()
+    assert cluster.wait_all() == [0, 0], cluster.diagnostics()
+    journal = cluster.journal()
+    assert ("strategy chosen", "recover-in-place") in [(k, d.get("strategy")) for k, d in journal]
+    assert "job finished" in [k for k, _ in journal]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_stops_every_worker(tmp_path: Path, cluster: Cluster, sig: signal.Signals, code: int) -> None:
+    """SIGTERM / SIGINT to `taskd run` stop every worker; it exits 143 / 130."""
+    run = cluster.node(0, 1, 2, worker(tmp_path, "wait"))
+    wait_until("both workers started", lambda: len(starts(tmp_path)) == 2, cluster)
+    run.proc.send_signal(sig)
+    assert run.wait() == code, run.output()
+    assert job_processes(cluster.job_id) == []
+
+
+#: A distribution whose adapter is the process adapter with a fixed command; it marks each hook call.
+TRACING_ADAPTER = textwrap.dedent(
+    """
+    import os, sys
+    from taskd_core.launcher import LaunchSpec, ProcessAdapter
+    from taskd_core.plugins import hookimpl
+
+    class Adapter(ProcessAdapter):
+        def __init__(self):
+            super().__init__(LaunchSpec(command=(sys.executable, "-c", "pass"), nproc=2, job_id="entry"))
+
+        @hookimpl
+        def taskd_restart_all(self):
+            with open(os.environ["TRACE_FILE"], "a") as f:
+                f.write("restart_all\\n")
+            return super().taskd_restart_all()
+    """
+)
+
+#: Runs a node agent with the adapter named by argv[1], loaded through its entry point.
+AGENT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from taskd_core.agent.node_agent import AgentConfig, NodeAgent
+    from taskd_core.controller.server import EmbeddedController
+    from taskd_core.errors import PluginError
+    from taskd_core.plugins import load_adapter
+
+    try:
+        adapter = load_adapter(sys.argv[1])
+    except PluginError as exc:
+        print(f"{type(exc).__name__}: {exc}")
+        sys.exit(2)
+    with EmbeddedController() as ctl:
+        outcome = NodeAgent(AgentConfig(job_id="entry", controller=ctl.address), adapter).run()
+    print(f"outcome {outcome.kind.value} {outcome.exit_code}")
+    sys.exit(outcome.exit_code)
+    """
+)
+
+
+def lay_out_dist(root: Path, name: str, source: str, entry: str) -> None:
+    """An unpacked distribution on a path entry: the module, METADATA and entry_points.txt (group ``taskd``)."""
+    (root / f"{name}.py").write_text(source)
+    info = root / f"{name}-2.0.dist-info"
+    info.mkdir()
+    info.joinpath("METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 2.0\n")
+    info.joinpath("entry_points.txt").write_text(f"[taskd]\n{entry}\n")
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "expected"),
+    [
+        ("tracing", 0, "outcome succeeded 0"),
+        ("brokenframe", 2, "PluginLoadError: TaskD adapter 'brokenframe' from distribution tdent_broken 2.0 failed"
+                           " to load: ModuleNotFoundError: No module named 'no_such_framework'"),
+        ("nosuchframe", 2, "AdapterNotFoundError: no TaskD adapter named 'nosuchframe' is installed"),
+    ],
+)
+def test_agent_uses_adapter_from_entry_point(tmp_path: Path, frame: str, code: int, expected: str) -> None:
+    """The agent drives an adapter found through a real entry point; missing or broken ones fail clearly."""
+    lay_out_dist(tmp_path, "tdent_tracing", TRACING_ADAPTER, "tracing = tdent_tracing:Adapter")
+    lay_out_dist(tmp_path, "tdent_broken", "import no_such_framework\n", "brokenframe = tdent_broken:Adapter")
+    trace = tmp_path / "trace.txt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "TRACE_FILE": str(trace)}
+    result = subprocess.run(
+        [sys.executable, "-c", AGENT_SCRIPT, frame], env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=DEADLINE, check=False,
+    )
+    assert result.returncode == code, result.stdout + result.stderr
+    assert expected in result.stdout
+    if frame == "tracing":
+        assert trace.read_text() == "restart_all\n"
