@@ -3,7 +3,10 @@
 ``PContext.start()`` installs, on the main thread, handlers that raise
 ``SignalException`` for SIGTERM, SIGINT, SIGHUP and SIGQUIT. Under TaskD the
 launcher's handlers (which ask the node agent to shut down) must stay the ones
-that run, so they are put back right after every start.
+that run, so they are put back right after every start. On any other thread
+torch installs nothing and warns that workers could be orphaned; under TaskD
+that is not so (the launcher's main thread handles the signals), so that one
+warning is left out while workers start.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from torch.distributed.elastic.multiprocessing import SignalException
 
 logger = logging.getLogger(__name__)
 
+#: The logger of ``PContext.start()``.
+_TORCH_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
 #: torch's default for ``TORCHELASTIC_SIGNALS_TO_HANDLE``.
 _TORCH_DEFAULT = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
@@ -26,6 +32,10 @@ _TORCH_DEFAULT = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 def _signals_torch_handles() -> list[signal.Signals]:
     names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _TORCH_DEFAULT).split(",")
     return [getattr(signal, name.strip()) for name in names if hasattr(signal, name.strip())]
+
+
+def _no_orphan_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to register signal handlers since torchelastic is running")
 
 
 @contextmanager
@@ -37,8 +47,12 @@ def keep_signal_handlers() -> Iterator[None]:
     shutdown request is never lost; the block then fails with ``RuntimeError``.
     """
     if threading.current_thread() is not threading.main_thread():
-        # torch only installs handlers on the main thread; nothing to restore.
-        yield
+        torch_log = logging.getLogger(_TORCH_LOGGER)
+        torch_log.addFilter(_no_orphan_warning)
+        try:
+            yield
+        finally:
+            torch_log.removeFilter(_no_orphan_warning)
         return
     saved = {sig: signal.getsignal(sig) for sig in _signals_torch_handles()}
     caught: SignalException | None = None

@@ -1,7 +1,9 @@
 """A worker without torch: records its environment, then idles, exits or fails as told.
 
-Usage: idle.py OUT_DIR [--exit-code N] [--after SECONDS] [--ignore-sigterm]
-Writes OUT_DIR/rank<RANK>.<pid>.json with its pid and TaskD/torchrun variables.
+Usage: idle.py OUT_DIR [--exit-code N] [--after SECONDS] [--only-rank R] [--until FILE] [--ignore-sigterm]
+Writes OUT_DIR/rank<RANK>.<pid>.json with its pid and TaskD/torchrun variables,
+then exits with ``--exit-code`` after ``--after`` seconds (only global rank
+``--only-rank`` when given; the others idle), or with 0 as soon as FILE exists.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 _KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TASKD_RESTART_COUNT",
          "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+_POLL = 0.05
 
 
 def main() -> None:
@@ -22,16 +25,22 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--after", type=float, default=120.0, help="seconds before exiting")
+    parser.add_argument("--only-rank", type=int, default=None, help="only this global rank exits after --after")
+    parser.add_argument("--until", type=Path, default=None, help="exit 0 once this file exists")
     parser.add_argument("--ignore-sigterm", action="store_true")
     args = parser.parse_args()
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rank = int(os.environ["RANK"])
     record = {"pid": os.getpid(), **{k: os.environ.get(k) for k in _KEYS}}
-    tmp = args.out / f".rank{os.environ['RANK']}.{os.getpid()}.tmp"
+    tmp = args.out / f".rank{rank}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(record))
-    tmp.rename(args.out / f"rank{os.environ['RANK']}.{os.getpid()}.json")
-    print(f"worker rank {os.environ['RANK']} pid {os.getpid()} up", flush=True)
-    time.sleep(args.after)
+    tmp.rename(args.out / f"rank{rank}.{os.getpid()}.json")
+    deadline = time.monotonic() + (args.after if args.only_rank in (None, rank) else 600.0)
+    while time.monotonic() < deadline:
+        if args.until is not None and args.until.exists():
+            raise SystemExit(0)
+        time.sleep(_POLL)
     raise SystemExit(args.exit_code)
 
 

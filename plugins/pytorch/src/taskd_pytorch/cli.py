@@ -1,0 +1,190 @@
+"""``taskdrun``: torchrun's command line, with TaskD recovering the workers.
+
+One ``taskdrun`` per node, exactly like ``torchrun``::
+
+    taskdrun --nproc-per-node=2 train.py
+    taskdrun --nnodes=2 --node-rank=0 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 train.py
+
+The node's :class:`~taskd_pytorch.elastic.TaskdElasticAgent` runs under the
+core node agent, which owns the control loop: it starts the workers, learns
+of a death at once, reports it and carries out what the controller decides.
+Without ``--taskd-controller``, node 0 (``--node-rank=0``) hosts an embedded
+controller and the other nodes reach it at the rendezvous host. Exit codes: 0
+every worker exited 0; 1 the job was given up or failed; 130/143 after
+SIGINT/SIGTERM; 2 for options that cannot work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import uuid
+from collections.abc import Sequence
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from taskd_core.errors import ConfigError, TaskdError
+
+from taskd_pytorch.options import TaskdOptions, build_parser
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    from taskd_core.agent.node_agent import AgentOutcome, NodeAgent
+
+logger = logging.getLogger(__name__)
+
+#: Signals that end the job: the agent stops every worker and taskdrun exits 128 + signal.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: torchrun's static rendezvous port when none is given.
+_TORCHRUN_MASTER_PORT = 29500
+
+
+def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
+    """The choices ``torch.distributed.run.run()`` makes before launching (it launches too, so it is not called)."""
+    from torch.distributed.run import parse_min_max_nnodes
+
+    single_node = parse_min_max_nnodes(args.nnodes)[1] == 1
+    if args.standalone or (
+        args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and single_node
+    ):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = _TORCHRUN_MASTER_PORT
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        logging.basicConfig(
+            level=args.taskd_log_level.upper(),
+            format="%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s",
+            stream=sys.stderr,
+        )
+    except ValueError:
+        parser.error(f"--taskd-log-level: unknown level {args.taskd_log_level!r}")
+    try:
+        return _launch(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    except TaskdError as exc:
+        logger.error("%s", exc)
+        return 1
+
+
+def _launch(args: argparse.Namespace) -> int:
+    # Imported here: `taskdrun --help` and option errors need neither the agent nor torch's launcher.
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import config_from_args
+
+    from taskd_core.agent.node_agent import AgentConfig, NodeAgent, Outcome
+    from taskd_core.launcher.embedded import controller_address, wait_for_agents
+    from taskd_core.plugins import load_adapter
+
+    from taskd_pytorch.adapter import PytorchAdapter
+    from taskd_pytorch.elastic import TaskdElasticAgent
+
+    _apply_torchrun_defaults(args)
+    try:
+        config, entrypoint, entry_args = config_from_args(args)
+    except (AssertionError, RuntimeError, ValueError) as exc:
+        # torchrun reports its own option errors this way; they are option errors all the same.
+        raise ConfigError(str(exc)) from exc
+    if config.duplicate_stdout_filters or config.duplicate_stderr_filters:
+        raise ConfigError("taskdrun does not support --duplicate-stdout-filters/--duplicate-stderr-filters")
+    options = TaskdOptions.from_args(args, config.max_nodes)
+    master_host, _ = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+    rdzv = get_rendezvous_handler(
+        RendezvousParameters(
+            backend=config.rdzv_backend,
+            endpoint=config.rdzv_endpoint,
+            run_id=config.run_id,
+            min_nodes=config.min_nodes,
+            max_nodes=config.max_nodes,
+            local_addr=config.local_addr,
+            **config.rdzv_configs,
+        )
+    )
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        rdzv_handler=rdzv,
+        entrypoint=entrypoint,
+        args=tuple(entry_args),
+        max_restarts=options.policy.max_cycles,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    elastic = TaskdElasticAgent(
+        spec,
+        config.logs_specs,  # type: ignore[arg-type]  # LaunchConfig fills it in __post_init__
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        stop_timeout=options.stop_timeout,
+    )
+    outcome = None
+    try:
+        with controller_address(
+            options.controller,
+            node_rank=args.node_rank,
+            master_addr=master_host,
+            controller_port=options.controller_port,
+            policy=options.policy,
+        ) as endpoint:
+            agent = NodeAgent(
+                AgentConfig(
+                    job_id=options.job_id,
+                    controller=endpoint.address,
+                    node_rank=args.node_rank,
+                    stop_timeout=options.stop_timeout,
+                    dump_grace=options.dump_grace,
+                    connect_timeout=options.connect_timeout,
+                ),
+                load_adapter("pytorch", instance=PytorchAdapter(elastic, in_place=options.in_place)),
+            )
+            logger.info(
+                "job %s node %s: %s workers of %s, rendezvous %s at %s, controller %s",
+                options.job_id, args.node_rank, config.nproc_per_node, elastic.get_worker_group().spec.get_entrypoint_name(),
+                config.rdzv_backend, config.rdzv_endpoint, endpoint.address,
+            )
+            outcome = _run_with_signals(agent)
+            if endpoint.embedded and config.max_nodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
+                # The other nodes' agents may still be finishing; they need this controller until they end.
+                wait_for_agents(endpoint.address, options.job_id, config.max_nodes, options.linger)
+    finally:
+        # Whatever path the agent took, no worker outlives taskdrun.
+        elastic.stop(None, options.stop_timeout)
+        if outcome is not None and outcome.kind is not Outcome.INTERRUPTED:
+            _close_rendezvous(rdzv)
+    return outcome.exit_code
+
+
+def _run_with_signals(agent: NodeAgent) -> AgentOutcome:
+    """Run the node agent with SIGTERM/SIGINT/SIGHUP asking it to stop every worker."""
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        logger.warning("received %s: stopping every worker", signal.Signals(signum).name)
+        agent.shutdown(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in _STOP_SIGNALS}
+    try:
+        return agent.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _close_rendezvous(rdzv: RendezvousHandler) -> None:
+    """Close the job's rendezvous, as torchrun does when its agent ends without a signal."""
+    try:
+        rdzv.shutdown()
+    except Exception as exc:  # the store may have gone with the node that hosted it; nothing is left to close
+        logger.info("rendezvous already gone at shutdown: %s", exc)
