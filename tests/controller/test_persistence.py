@@ -1,0 +1,115 @@
+"""State that survives the controller: the SQLite store, restarts, and SIGKILL mid-cycle."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import WAIT, wait_until
+from taskd_core.controller.machine import AgentInfo, JournalEntry
+from taskd_core.controller.store import JobRow, Store
+from taskd_core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = "job-p"
+
+
+def test_store_round_trips_jobs_agents_and_the_journal(tmp_path):
+    path = str(tmp_path / "state.db")
+    store = Store(path)
+    row = JobRow(JOB, True, {"max_cycles": 2}, {"state": "idle"})
+    store.commit(row, [JournalEntry("a", 0, {"x": 1}), JournalEntry("b", 1, {})], [AgentInfo("n0", "taskd", 0, (0, 1))],
+                 now=5.0)
+    store.commit(row, [JournalEntry("c", 1, {})], now=6.0)
+    store.close()
+    again = Store(path)
+    (job,) = again.load()
+    assert job.row == row and job.agents == (AgentInfo("n0", "taskd", 0, (0, 1)),)
+    assert [e.kind for e in again.events(JOB, 2)] == ["b", "c"]
+    assert json.loads(again.events(JOB, 5)[0].detail) == {"x": 1}
+    again.close()
+
+
+def test_a_state_file_that_is_not_sqlite_is_a_config_error(tmp_path):
+    bad = tmp_path / "state.db"
+    bad.write_text("not a database" * 100)
+    with pytest.raises(ConfigError, match="state file"):
+        Store(str(bad)).load()
+
+
+def test_a_restarted_controller_resumes_the_cycle_and_re_arms_its_deadline(controller_factory, make_agent, tmp_path):
+    state = str(tmp_path / "state.db")
+    ctl = controller_factory(state=state, report_timeout=0.5)
+    agent = make_agent(ctl.address, JOB).join()
+    agent.fault()
+    agent.expect("stopTrain")
+    agent.stopped()
+    agent.expect("globalFault")
+    agent.strategies(["recover", "dump", "exit"])
+    change = agent.expect("changeStrategy", changeStrategy="recover")
+    ctl.stop()
+    ctl = controller_factory(state=state, report_timeout=0.5)
+    again = make_agent(ctl.address, JOB).join()
+    # The status deadline (stored as wall-clock time) passes with nobody answering: dump is next.
+    sig = again.next_signal()
+    if sig.signalSeq == change.signalSeq:  # re-sent before the deadline fired
+        sig = again.next_signal()
+    assert (sig.changeStrategy, sig.uuid, sig.signalSeq) == ("dump", change.uuid, change.signalSeq + 1)
+
+
+def _start_controller(state: Path, port_file: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port_file.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "taskd_core", "controller", "--listen", "127.0.0.1:0", "--state", str(state),
+         "--port-file", str(port_file), "--report-timeout", "60", "--flush-seconds", "0",
+         "--strategies", "recover,dump,exit", "--keepalive-interval", "0.5"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    wait_until(lambda: port_file.exists() or proc.poll() is not None, what="controller port file")
+    assert proc.poll() is None, "controller exited at start"
+    return proc, port_file.read_text().strip()
+
+
+def test_sigkill_mid_cycle_then_restart_completes_the_cycle_with_each_event_once(tmp_path, make_agent):
+    state, port_file = tmp_path / "state.db", tmp_path / "port"
+    proc, address = _start_controller(state, port_file)
+    try:
+        agents = [make_agent(address, JOB, f"n{i}").join() for i in range(2)]
+        agents[0].fault({1: 1})
+        for a in agents:
+            a.expect("stopTrain")
+            a.stopped()
+        glob = [a.expect("globalFault") for a in agents][0]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(WAIT)
+
+        proc, address = _start_controller(state, port_file)
+        agents = [make_agent(address, JOB, f"n{i}").join() for i in range(2)]
+        for a in agents:
+            resent = a.expect("globalFault")
+            assert (resent.signalSeq, resent.uuid) == (glob.signalSeq, glob.uuid)
+            assert a.strategies(["recover", "exit"]).code == 0
+        for a in agents:
+            a.expect("changeStrategy", changeStrategy="recover", uuid=glob.uuid)
+            assert a.status(0, "recover").code == 0
+        view = agents[0].job(events=1000)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(WAIT) == 0
+
+    assert view.state == "idle" and view.cycle == 1
+    kinds = collections.Counter(e.kind for e in view.events)
+    assert kinds["job initialised"] == 1 and kinds["agent registered"] == 2 and kinds["fault"] == 1
+    assert kinds["cycle started"] == 1 and kinds["cycle succeeded"] == 1
+    seqs = [json.loads(e.detail)["seq"] for e in view.events if e.kind == "signal"]
+    assert seqs == [1, 2, 3]
+    reports = [(json.loads(e.detail)["step"], json.loads(e.detail)["agent"]) for e in view.events if e.kind == "report"]
+    assert sorted(reports) == sorted((step, f"n{i}") for step in ("stop", "strategies", "status") for i in range(2))
+    assert [e.seq for e in view.events] == sorted({e.seq for e in view.events})
