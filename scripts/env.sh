@@ -23,7 +23,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # PEP 420 namespace "taskd" importable from both distributions.
     quiet "${pip[@]}" --config-settings editable_mode=compat -e "$root[test]"
     for plugin in "$root"/plugins/*/; do
-        [ -f "$plugin/pyproject.toml" ] && quiet "${pip[@]}" --config-settings editable_mode=compat -e "$plugin"
+        if [ -f "$plugin/pyproject.toml" ]; then
+            quiet "${pip[@]}" --config-settings editable_mode=compat -e "$plugin"
+        fi
     done
     echo "$want" > "$stamp"
 fi
