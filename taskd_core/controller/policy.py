@@ -44,6 +44,7 @@ _FILE_KEYS = {
     "max_cycles": "max_cycles",
     "expected_agents": "expected_agents",
 }
+_FILE_LABELS = {attr: key for key, attr in _FILE_KEYS.items()}
 
 
 def parse_strategies(value: str | Iterable[str], *, key: str = "strategies") -> tuple[Strategy, ...]:
@@ -78,14 +79,17 @@ def _number(key: str, value: object, *, minimum: float, integer: bool, exclusive
     return number
 
 
-def updated_policy(base: JobPolicy, where: str = "", **changes: object) -> JobPolicy:
+def updated_policy(
+    base: JobPolicy, where: str = "", labels: Mapping[str, str] | None = None, **changes: object
+) -> JobPolicy:
     """``base`` with ``changes`` (JobPolicy attribute names) applied after validation.
 
-    ``where`` prefixes error messages (e.g. ``'[jobs."a"] '``) so they name the key.
+    Error messages name a change as ``where + labels.get(name, name)``, e.g.
+    ``[jobs."a"] recovery``, so they point at the key the user wrote.
     """
     clean: dict[str, Any] = {}
     for name, value in changes.items():
-        key = f"{where}{name}"
+        key = f"{where}{(labels or {}).get(name, name)}"
         if name == "strategies":
             clean[name] = parse_strategies(value, key=key)  # type: ignore[arg-type]
         elif name == "recovery_enabled":
@@ -111,7 +115,7 @@ def _from_table(base: JobPolicy, table: object, where: str) -> JobPolicy:
         if key not in _FILE_KEYS:
             raise ConfigError(f"{where}{key}: unknown policy key; known keys: {', '.join(_FILE_KEYS)}")
         changes[_FILE_KEYS[key]] = value
-    return updated_policy(base, where, **changes)
+    return updated_policy(base, where, _FILE_LABELS, **changes)
 
 
 def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
@@ -168,7 +172,7 @@ def load_policies(path: str | Path | None = None, **overrides: object) -> Policy
             'only [defaults] and [jobs."<job id>"] are allowed'
         )
     defaults = _from_table(JobPolicy(), data.get("defaults", {}), "[defaults] ")
-    defaults = updated_policy(defaults, "", **overrides)
+    defaults = updated_policy(defaults, **overrides)
     jobs_table = data.get("jobs", {})
     if not isinstance(jobs_table, dict):
         raise ConfigError('jobs: expected tables like [jobs."<job id>"], got a plain value')
