@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -86,3 +88,50 @@ def out_dir(tmp_path: Path) -> Path:
 
 def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
     os.kill(pid, sig)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def taskdrun_exe() -> str:
+    return str(Path(sys.executable).with_name("taskdrun"))
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start ``taskdrun`` processes; at teardown kill what is left of them and of every worker they recorded.
+
+    Workers run in sessions of their own, so their pids are collected from the
+    records they write (``*.json`` of ``idle.py``, ``pid`` of progress lines).
+    """
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(*argv: str, log: str = "taskdrun") -> subprocess.Popen[bytes]:
+        out = open(tmp_path / f"{log}.{len(started)}.log", "wb")  # noqa: SIM115  # closed with the process
+        proc = subprocess.Popen(
+            [taskdrun_exe(), "--taskd-log-level", "INFO", *argv], stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True, cwd=tmp_path,
+        )
+        out.close()
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    for pid in worker_pids(tmp_path):
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def worker_pids(root: Path) -> set[int]:
+    """Every worker pid any test file under ``root`` recorded."""
+    pids = {int(json.loads(p.read_text())["pid"]) for p in root.rglob("rank*.json")}
+    for progress in root.rglob("*.jsonl"):
+        pids |= {int(json.loads(line)["pid"]) for line in progress.read_text().splitlines() if line.strip()}
+    return pids
