@@ -178,3 +178,20 @@ def test_agent_uses_adapter_from_entry_point(tmp_path: Path, frame: str, code: i
     assert expected in result.stdout
     if frame == "tracing":
         assert trace.read_text() == "restart_all\n"
+
+
+def test_plugins_lists_adapters_and_broken_ones(tmp_path: Path) -> None:
+    """`python -m taskd_core plugins` shows each adapter's distribution and strategies, and why a broken one failed."""
+    lay_out_dist(tmp_path, "tdent_good", "from taskd_core.launcher import ProcessAdapter as Adapter\n",
+                 "goodframe = tdent_good:Adapter")
+    lay_out_dist(tmp_path, "tdent_broken", "import no_such_framework\n", "brokenframe = tdent_broken:Adapter")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    result = subprocess.run(
+        [sys.executable, "-m", "taskd_core", "plugins"], env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=DEADLINE, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert ["goodframe", "tdent_good", "2.0", "recover,dump,exit"] in rows
+    assert ["brokenframe", "tdent_broken", "2.0", "BROKEN"] in rows
+    assert "No module named 'no_such_framework'" in result.stdout
