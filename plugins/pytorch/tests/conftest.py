@@ -100,33 +100,41 @@ def taskdrun_exe() -> str:
     return str(Path(sys.executable).with_name("taskdrun"))
 
 
-@pytest.fixture
-def launch(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
-    """Start ``taskdrun`` processes; at teardown kill what is left of them and of every worker they recorded.
+class Launcher:
+    """Starts ``taskdrun`` processes in ``root``; :meth:`cleanup` kills what is left of them and of their workers.
 
     Workers run in sessions of their own, so their pids are collected from the
     records they write (``*.json`` of ``idle.py``, ``pid`` of progress lines).
     """
-    started: list[subprocess.Popen[bytes]] = []
 
-    def start(*argv: str, log: str = "taskdrun") -> subprocess.Popen[bytes]:
-        out = open(tmp_path / f"{log}.{len(started)}.log", "wb")  # noqa: SIM115  # closed with the process
-        proc = subprocess.Popen(
-            [taskdrun_exe(), "--taskd-log-level", "INFO", *argv], stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, cwd=tmp_path,
-        )
-        out.close()
-        started.append(proc)
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def __call__(self, *argv: str, log: str = "taskdrun") -> subprocess.Popen[bytes]:
+        with open(self.root / f"{log}.{len(self.started)}.log", "wb") as out:
+            proc = subprocess.Popen(
+                [taskdrun_exe(), "--taskd-log-level", "INFO", *argv], stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, cwd=self.root,
+            )
+        self.started.append(proc)
         return proc
 
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    for pid in worker_pids(tmp_path):
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+    def cleanup(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        for pid in worker_pids(self.root):
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Launcher]:
+    launcher = Launcher(tmp_path)
+    yield launcher
+    launcher.cleanup()
 
 
 def worker_pids(root: Path) -> set[int]:

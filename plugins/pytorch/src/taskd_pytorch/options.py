@@ -26,42 +26,48 @@ _POLICY = JobPolicy()
 T = TypeVar("T")
 
 
-def _check(parse: Callable[[str], T], rule: str, ok: Callable[[T], bool]) -> Callable[[str], T]:
-    """An argparse ``type=`` that converts with ``parse`` and accepts values for which ``ok`` holds."""
+def _arg(convert: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type=`` from a converter that raises ``ValueError``/``ConfigError`` with the reason."""
+
+    def checked(text: str) -> T:
+        try:
+            return convert(text)
+        except (ValueError, ConfigError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return checked
+
+
+def _bounded(parse: Callable[[str], T], rule: str, ok: Callable[[T], bool]) -> Callable[[str], T]:
+    """Parse with ``parse`` and accept only values for which ``ok`` holds."""
 
     def convert(text: str) -> T:
         try:
             value = parse(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+            value = None
+        if value is None or not ok(value):
+            raise ValueError(f"{text!r} is not {rule}")
         return value
 
-    return convert
-
-
-_COUNT = _check(int, "a whole number >= 0", lambda v: v >= 0)
-_SECONDS = _check(float, "a finite number of seconds > 0", lambda v: v > 0 and math.isfinite(v))
-_PORT = _check(int, "a TCP port (0..65535)", lambda v: 0 <= v <= 65535)
+    return _arg(convert)
 
 
 def _address(text: str) -> str:
-    try:
-        parse_address(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    parse_address(text)
     return text
 
 
 def _strategies(text: str) -> tuple[Strategy, ...]:
-    try:
-        chosen = parse_strategies(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    chosen = parse_strategies(text)
     if not chosen:
-        raise argparse.ArgumentTypeError("name at least one strategy")
+        raise ValueError("name at least one strategy")
     return chosen
+
+
+_COUNT = _bounded(int, "a whole number >= 0", lambda v: v >= 0)
+_SECONDS = _bounded(float, "a finite number of seconds > 0", lambda v: v > 0 and math.isfinite(v))
+_PORT = _bounded(int, "a TCP port (0..65535)", lambda v: 0 <= v <= 65535)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(max_restarts=_POLICY.max_cycles)
     g = parser.add_argument_group("TaskD fault recovery")
     g.add_argument(
-        "--taskd-controller", type=_address, default=os.environ.get("TASKD_CONTROLLER"), metavar="HOST:PORT",
+        "--taskd-controller", type=_arg(_address), default=os.environ.get("TASKD_CONTROLLER"), metavar="HOST:PORT",
         help="a running TaskD controller (default: $TASKD_CONTROLLER; without one, node 0 hosts an embedded "
         "controller and the other nodes reach it at the master address)",
     )
@@ -101,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{_POLICY.max_cycles})",
     )
     g.add_argument(
-        "--taskd-strategies", type=_strategies, default=_POLICY.strategies, metavar="LIST",
+        "--taskd-strategies", type=_arg(_strategies), default=_POLICY.strategies, metavar="LIST",
         help="strategies the embedded controller may choose, comma separated (default: "
         + ",".join(s.value for s in _POLICY.strategies) + ")",
     )
