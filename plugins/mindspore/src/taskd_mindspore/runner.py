@@ -22,6 +22,8 @@ embedded policy            ``TASKD_STRATEGIES`` (comma list), ``TASKD_MAX_CYCLES
 stop deadline              ``TASKD_STOP_TIMEOUT`` seconds (default 30)
 scheduler grace            ``TASKD_SCHEDULER_GRACE`` seconds (default 30) the scheduler gets to
                            exit by itself after the job succeeded
+controller linger          ``TASKD_LINGER`` seconds (default 60) node 0 keeps its embedded
+                           controller for the other nodes' agents to finish
 =========================  ======================================================================
 """
 
@@ -37,10 +39,10 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import FrameType
 
-from taskd_core.agent.node_agent import AgentConfig, NodeAgent
+from taskd_core.agent.node_agent import AgentConfig, NodeAgent, Outcome
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address
+from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address, wait_for_agents
 from taskd_core.models import JobPolicy, WorkerState, WorkerStatus
 from taskd_core.plugins import load_adapter
 
@@ -101,6 +103,7 @@ class MsrunSettings:
     policy: JobPolicy
     stop_timeout: float
     scheduler_grace: float
+    linger: float
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], statuses: Mapping[int, WorkerStatus]) -> MsrunSettings:
@@ -132,6 +135,7 @@ class MsrunSettings:
             policy=policy,
             stop_timeout=_number(env, "TASKD_STOP_TIMEOUT", 30.0),
             scheduler_grace=_number(env, "TASKD_SCHEDULER_GRACE", 30.0),
+            linger=_number(env, "TASKD_LINGER", 60.0),
         )
 
 
@@ -179,20 +183,24 @@ def run_node(callbacks: MsrunCallbacks, env: Mapping[str, str]) -> int:
             master_addr=settings.master_addr,
             controller_port=settings.controller_port,
             policy=settings.policy,
-        ) as address:
+        ) as endpoint:
             config = AgentConfig(
                 job_id=settings.job_id,
-                controller=address,
+                controller=endpoint.address,
                 node_rank=settings.node_rank,
                 stop_timeout=settings.stop_timeout,
             )
             agent = NodeAgent(config, adapter)
             logger.info(
                 "msrun node %s/%s of job %s under TaskD (controller %s, recover-in-place %s)",
-                settings.node_rank, settings.nnodes, settings.job_id, address, settings.recover_in_place,
+                settings.node_rank, settings.nnodes, settings.job_id, endpoint.address, settings.recover_in_place,
             )
             with _signals_to(agent.shutdown):
-                exit_code = agent.run().exit_code
+                outcome = agent.run()
+            exit_code = outcome.exit_code
+            if endpoint.embedded and settings.nnodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
+                # The other nodes' agents may still be finishing; they need this controller until they end.
+                wait_for_agents(endpoint.address, settings.job_id, settings.nnodes, settings.linger)
     finally:
         # The agent stops workers on every way out; this catches an exception before or around it.
         if any(s.pid is not None and s.state is WorkerState.RUNNING for s in impl.statuses().values()):
