@@ -215,7 +215,7 @@ async def run(args: argparse.Namespace, pid: int, address: str) -> dict[str, Any
         report["memory_kib"]["after_single"] = memory_kib(pid)
         report["fan_out_stop_train"] = []
         for n in args.fanout:
-            cycles = max(3, min(args.cycles, 2000 // n))
+            cycles = max(5, min(args.cycles, 2000 // n))
             report["fan_out_stop_train"].append(await fan_out(bench, n, cycles))
             report["memory_kib"][f"after_fanout_{n}"] = memory_kib(pid)
         if args.jobs:

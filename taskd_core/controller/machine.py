@@ -283,6 +283,13 @@ class Snapshot:
         )
 
 
+def brief(names: Iterable[str], most: int = 5) -> str:
+    """A readable list of agent names for messages, cut short for big jobs."""
+    items = list(names)
+    more = f" ... ({len(items)} in all)" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
+
+
 def merge_faults(into: dict[int, FaultType], faults: Iterable[FaultRank]) -> None:
     """Add faults; a rank once seen with a normal (non-retryable) fault stays normal."""
     for fault in faults:
@@ -316,6 +323,9 @@ class JobMachine:
         self.policy = policy
         self.agents = agents
         self.snap = snapshot or Snapshot()
+        # Membership is checked on every report; a set keeps that O(1) for big jobs.
+        self._members_of: list[str] | None = None
+        self._member_set: frozenset[str] = frozenset()
 
     @property
     def state(self) -> State:
@@ -400,7 +410,13 @@ class JobMachine:
         return [m for m in self.snap.members if m not in answers]
 
     def _complete(self, answers: Mapping[str, object]) -> bool:
-        return not self._silent(answers) and len(answers) >= self.policy.expected_agents
+        # Only members' answers are recorded, so counting is enough.
+        return len(answers) >= max(len(self.snap.members), self.policy.expected_agents)
+
+    def _is_member(self, agent: str) -> bool:
+        if self._members_of is not self.snap.members:
+            self._members_of, self._member_set = self.snap.members, frozenset(self.snap.members)
+        return agent in self._member_set
 
     def _shortfall(self, answers: Mapping[str, object]) -> list[str]:
         """Who failed to answer; a missing expected agent counts as one more."""
@@ -412,9 +428,9 @@ class JobMachine:
         s = self.snap
         if event.uuid and event.uuid != s.uuid:
             return self._order_mix(f"stale uuid {event.uuid!r}: the report belongs to another cycle; state")
-        if event.agent not in s.members:
+        if not self._is_member(event.agent):
             return self._order_mix(
-                f"agent {event.agent!r} is not part of the cycle in flight (members: {', '.join(s.members)}); state"
+                f"agent {event.agent!r} is not part of the cycle in flight (members: {brief(s.members)}); state"
             )
         return None
 

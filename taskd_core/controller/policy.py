@@ -68,15 +68,17 @@ def parse_strategies(value: str | Iterable[str], *, key: str = "strategies") -> 
 
 
 def _number(key: str, value: object, *, minimum: float, integer: bool, exclusive: bool = False) -> float:
-    kind = "an integer" if integer else "a number"
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or not math.isfinite(float(value)):  # type: ignore[arg-type]
-        raise ConfigError(f"{key}: expected {kind}, got {value!r}")
-    number = float(value)  # type: ignore[arg-type]
-    if number < minimum or (exclusive and number == minimum):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (integer and not isinstance(value, int))
+        or not math.isfinite(value)
+    ):
+        raise ConfigError(f"{key}: expected {'an integer' if integer else 'a number'}, got {value!r}")
+    if value < minimum or (exclusive and value == minimum):
         bound = f"greater than {minimum:g}" if exclusive else f"at least {minimum:g}"
         raise ConfigError(f"{key}: must be {bound}, got {value!r}")
-    return number
+    return float(value)
 
 
 def updated_policy(

@@ -27,6 +27,7 @@ from taskd_core.controller.machine import (
     Reply,
     Snapshot,
     State,
+    brief,
 )
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.store import EventRecord, JobRow, Store
@@ -304,7 +305,7 @@ class Controller:
             return next(iter(job.agents))
         raise RequestRejected(
             Code.INVALID_PARAM,
-            f"jobId={job.job_id} has {len(job.agents)} agents ({', '.join(sorted(job.agents))}); "
+            f"jobId={job.job_id} has {len(job.agents)} agents ({brief(sorted(job.agents))}); "
             "set agentId (field 100) in the report so the controller knows which agent answers",
         )
 

@@ -120,7 +120,7 @@ class Store:
         with self._transaction():
             self._db.execute(
                 "INSERT OR REPLACE INTO jobs (job_id, inited, policy, snapshot, updated) VALUES (?, ?, ?, ?, ?)",
-                (row.job_id, int(row.inited), json.dumps(row.policy), json.dumps(row.snapshot), now),
+                (row.job_id, int(row.inited), json.dumps(row.policy), json.dumps(row.snapshot, separators=(",", ":")), now),
             )
             self._db.executemany(
                 "INSERT OR REPLACE INTO agents (job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen)"
