@@ -511,16 +511,20 @@ class JobMachine:
         _CONCLUDE[self.snap.state](self, fx)
         return Reply()
 
-    def _on_stop(self, event: StopReported, fx: _Effects) -> Reply:
-        early = self._accepted(event, self.snap.stops)
+    def _take(self, event: Report, fx: _Effects, answers: dict[str, Any], value: object, **detail: Any) -> Reply:
+        """Record one agent's answer; the last one concludes the wait."""
+        early = self._accepted(event, answers)
         if early is not None:
             return early
-        self.snap.stops[event.agent] = event.code
-        self._journal(fx, "report", step="stop", agent=event.agent, code=event.code)
+        answers[event.agent] = value
+        self._journal(fx, "report", agent=event.agent, **detail)
         receipt = self._receipt(event)
-        if self._complete(self.snap.stops):
-            self._conclude_stop(fx)
+        if self._complete(answers):
+            _CONCLUDE[self.snap.state](self, fx)
         return receipt
+
+    def _on_stop(self, event: StopReported, fx: _Effects) -> Reply:
+        return self._take(event, fx, self.snap.stops, event.code, step="stop", code=event.code)
 
     def _conclude_stop(self, fx: _Effects) -> None:
         s = self.snap
@@ -535,33 +539,18 @@ class JobMachine:
         self._enter(fx, State.WAIT_STRATEGIES, self.policy.report_timeout)
 
     def _on_strategies(self, event: StrategiesReported, fx: _Effects) -> Reply:
-        early = self._accepted(event, self.snap.strategies)
-        if early is not None:
-            return early
-        self.snap.strategies[event.agent] = list(event.strategies)
-        self._journal(fx, "report", step="strategies", agent=event.agent, strategies=list(event.strategies))
-        receipt = self._receipt(event)
-        if self._complete(self.snap.strategies):
-            self._decide(fx, after=None)
-        return receipt
+        names = list(event.strategies)
+        return self._take(event, fx, self.snap.strategies, names, step="strategies", strategies=names)
 
     def _conclude_strategies(self, fx: _Effects) -> None:
         self._decide(fx, after=None)
 
     def _on_status(self, event: StatusReported, fx: _Effects) -> Reply:
-        early = self._accepted(event, self.snap.statuses)
-        if early is not None:
-            return early
         if not _same_strategy(event.strategy, self.snap.strategy):
             return self._order_mix(f"a result for strategy {event.strategy!r} does not fit state")
-        self.snap.statuses[event.agent] = event.code
-        self._journal(
-            fx, "report", step="status", agent=event.agent, code=event.code, strategy=event.strategy,
+        return self._take(
+            event, fx, self.snap.statuses, event.code, step="status", code=event.code, strategy=event.strategy
         )
-        receipt = self._receipt(event)
-        if self._complete(self.snap.statuses):
-            self._conclude_status(fx)
-        return receipt
 
     def _conclude_status(self, fx: _Effects) -> None:
         s = self.snap
