@@ -114,3 +114,14 @@ def test_adapter_without_agent_declares_strategies_but_controls_nothing() -> Non
     )
     with pytest.raises(WorkerControlError, match="only inside taskdrun"):
         adapter.restart_all()
+
+
+def test_torchs_own_run_loop_still_works_with_the_subclass(make_agent, out_dir: Path) -> None:
+    from torch.distributed.elastic.agent.server.api import WorkerState as TorchState
+
+    agent = make_agent(str(out_dir), "--after", "0", "--only-rank", "1", "--exit-code", "5")
+
+    result = agent.run()
+
+    assert result.state is TorchState.FAILED
+    assert {rank: f.exitcode for rank, f in result.failures.items()} == {1: 5}
