@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         "max_cycles": args.max_cycles,
     }
     policies = load_policies(args.policy, **{k: v for k, v in flags.items() if v is not None})
+    logger.info("default policy: %s; %d job-specific policies", policies.defaults, len(policies.jobs))
     config = ControllerConfig(
         listen=args.listen,
         state=args.state,

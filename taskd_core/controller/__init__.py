@@ -10,6 +10,25 @@ machine, no I/O), ``store`` (SQLite), ``subscriber`` (one signal stream),
 ``runtime`` (jobs, agents, timers), ``service`` (protobuf <-> runtime, status
 codes), ``server`` (gRPC server, ``serve``, ``EmbeddedController``).
 
+Embedding
+---------
+``EmbeddedController(listen="127.0.0.1:0", state=":memory:", defaults=JobPolicy(...), *,
+policies=None, keepalive_interval=5.0, grace=1.0, start_timeout=10.0)`` starts a
+controller on its own event loop in a daemon thread and returns once it
+serves; ``.address`` ("127.0.0.1:PORT"), ``.port``, ``.stop(timeout=5.0)``
+(graceful, bounded, idempotent); also a context manager. ``serve(config, *,
+stop=None, on_ready=None, handle_signals=False)`` is the same server for an
+existing event loop.
+
+The recovery cycle
+------------------
+States (``machine.State``): idle, flushing, wait-stop, wait-strategies,
+wait-status, finished, given-up. Events: a fault, each agent's stop / strategy
+/ status report, a deadline, an agent's exit. ``machine._TABLE`` maps
+``(state, event)`` to its handler; anything else is ORDER_MIX (401).
+``finished`` and ``given-up`` are final: a given-up job keeps re-sending
+``killMaster`` to agents that subscribe again, and takes no more faults (401).
+
 Agent identity and report attribution
 -------------------------------------
 A job may have several agents (one per node). An agent is known by

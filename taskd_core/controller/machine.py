@@ -24,7 +24,6 @@ gets ``Code.ORDER_MIX`` with an info saying what the controller expects.
 
 from __future__ import annotations
 
-import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -45,8 +44,6 @@ from taskd_core.models import (
     SignalType,
     Strategy,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class State(str, Enum):

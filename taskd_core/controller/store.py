@@ -106,6 +106,7 @@ class Store:
         ):
             row = JobRow(job_id, bool(inited), json.loads(policy), json.loads(snapshot))
             jobs.append(StoredJob(row, tuple(agents.get(job_id, ()))))
+        logger.info("state file %s: %d job(s), %d agent(s)", self.path, len(jobs), sum(map(len, agents.values())))
         return jobs
 
     def commit(
