@@ -201,7 +201,3 @@ class RankProcesses:
         self._ended[rank] = ended
         logger.info("%s local rank %s (pid %s) ended with exit code %s", self.name, rank, ended.pid, ended.exit_code)
         return ended
-
-    @property
-    def local_ranks(self) -> list[int]:
-        return sorted(self._launches)
