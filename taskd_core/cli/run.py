@@ -76,6 +76,12 @@ def _address(text: str) -> str:
     return text
 
 
+def _reference_controller() -> str | None:
+    """The controller the reference's environment names: ClusterD at ``$MINDX_SERVER_IP`` on its fixed port."""
+    host = os.environ.get("MINDX_SERVER_IP")
+    return f"{host}:{DEFAULT_CONTROLLER_PORT}" if host else None
+
+
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "run",
@@ -101,7 +107,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="workers are independent: a faulty one may be restarted alone (recover-in-place)",
     )
     ctl = p.add_argument_group("controller")
-    ctl.add_argument("--controller", type=_address, default=None, help="HOST:PORT of a running controller")
+    ctl.add_argument(
+        "--controller", type=_address, default=_reference_controller(),
+        help="HOST:PORT of a running controller (default: $MINDX_SERVER_IP:8899 when set, as ClusterD's clients do)",
+    )
     ctl.add_argument(
         "--controller-port", type=int, default=None,
         help=f"port of node 0's embedded controller (default: any free port on one node, {DEFAULT_CONTROLLER_PORT} on several)",

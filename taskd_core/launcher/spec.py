@@ -31,7 +31,7 @@ def check_host(host: str, what: str) -> None:
         pass
     labels = host.split(".")
     if not host or len(host) > 253 or not all(
-        label and len(label) <= 63 and label.replace("-", "").isalnum() and not label.startswith("-")
+        label and len(label) <= 63 and label.replace("-", "").replace("_", "").isalnum() and label[0] != "-"
         for label in labels
     ):
         raise ConfigError(f"{what}: {host!r} is neither an IP address nor a host name")
