@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,6 +31,7 @@ from taskd_core.rpc import recover_pb2_grpc
 
 #: Generous ceiling for anything a test waits for; never an assertion on speed.
 WAIT = 20.0
+ROOT = Path(__file__).resolve().parent.parent
 
 #: Short deadlines so cycles end quickly in tests.
 TEST_POLICY = JobPolicy(
@@ -221,3 +226,45 @@ def make_agent() -> Iterator[Callable[..., RawAgent]]:
     yield make
     for agent in agents:
         agent.close()
+
+
+class ControllerProcess:
+    """``python -m taskd_core controller`` as a child process, its output in a log file."""
+
+    def __init__(self, state: Path, args: tuple[str, ...], log: Path) -> None:
+        port_file = log.with_suffix(".port")
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "taskd_core", "controller", "--listen", "127.0.0.1:0", "--state", str(state),
+                 "--port-file", str(port_file), *args],
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            )
+        wait_until(lambda: port_file.exists() or self.proc.poll() is not None, what="controller port file")
+        assert self.proc.poll() is None, f"controller exited at start:\n{log.read_text()}"
+        self.address = port_file.read_text().strip()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(WAIT)
+
+    def terminate(self) -> int:
+        """SIGTERM, then the exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(WAIT)
+
+
+@pytest.fixture
+def controller_process(tmp_path: Path) -> Iterator[Callable[..., ControllerProcess]]:
+    """``controller_process(state_path, *extra_args)`` starts a controller child; all are killed at teardown."""
+    started: list[ControllerProcess] = []
+
+    def start(state: Path, *args: str) -> ControllerProcess:
+        started.append(ControllerProcess(state, args, tmp_path / f"controller-{len(started)}.log"))
+        return started[-1]
+
+    yield start
+    for child in started:
+        if child.proc.poll() is None:
+            child.kill()
+

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
+import grpc
 import pytest
 
-from conftest import WAIT, wait_until
 from taskd_core.cli import main
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_status_prints_jobs_agents_cycle_and_events(controller, make_agent, capsys):
@@ -54,24 +48,11 @@ def test_controller_rejects_a_bad_policy_file_with_exit_2(tmp_path, caplog):
     assert "max_cycles" in caplog.records[-1].getMessage()
 
 
-def test_controller_daemon_stops_gracefully_on_sigterm(tmp_path, make_agent):
-    port_file = tmp_path / "port"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "taskd_core", "controller", "--listen", "127.0.0.1:0", "--state",
-         str(tmp_path / "s.db"), "--port-file", str(port_file)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    try:
-        wait_until(lambda: port_file.exists() or proc.poll() is not None, what="port file")
-        address = port_file.read_text().strip()
-        agent = make_agent(address, "job-t").join()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(WAIT) == 0
-        end = agent.stream_end()
-        assert end is None or "UNAVAILABLE" in str(end.code())
-        assert f"listening on {address}" in proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(WAIT)
-        proc.stdout.close()
+def test_controller_daemon_stops_gracefully_on_sigterm(tmp_path, make_agent, controller_process):
+    child = controller_process(tmp_path / "s.db")
+    agent = make_agent(child.address, "job-t").join()
+    assert child.terminate() == 0
+    end = agent.stream_end()
+    assert end is None or end.code() == grpc.StatusCode.UNAVAILABLE
+    log = child.log.read_text()
+    assert f"listening on {child.address}" in log and "stopped" in log

@@ -15,8 +15,6 @@ import textwrap
 
 from grpc_tools import protoc
 
-from conftest import WAIT
-
 LEGACY_PROTO = """
 syntax = "proto3";
 service Recover {
@@ -81,7 +79,7 @@ def test_a_legacy_client_completes_a_recover_cycle(controller, make_agent, tmp_p
                         str(tmp_path / "legacy_recover.proto")]) == 0
     (tmp_path / "client.py").write_text(textwrap.dedent(LEGACY_CLIENT))
     done = subprocess.run([sys.executable, str(tmp_path / "client.py"), controller.address, "legacy-job"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=WAIT * 3)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["codes"] == [0] * 6

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import WAIT, wait_until
 from taskd_core.controller.machine import AgentInfo, JournalEntry
 from taskd_core.controller.store import JobRow, Store
 from taskd_core.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
 JOB = "job-p"
 
 
@@ -64,45 +57,32 @@ def test_a_restarted_controller_resumes_the_cycle_and_re_arms_its_deadline(contr
     assert (sig.changeStrategy, sig.uuid, sig.signalSeq) == ("dump", change.uuid, change.signalSeq + 1)
 
 
-def _start_controller(state: Path, port_file: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port_file.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "taskd_core", "controller", "--listen", "127.0.0.1:0", "--state", str(state),
-         "--port-file", str(port_file), "--report-timeout", "60", "--flush-seconds", "0",
-         "--strategies", "recover,dump,exit", "--keepalive-interval", "0.5"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    wait_until(lambda: port_file.exists() or proc.poll() is not None, what="controller port file")
-    assert proc.poll() is None, "controller exited at start"
-    return proc, port_file.read_text().strip()
+def test_sigkill_mid_cycle_then_restart_completes_the_cycle_with_each_event_once(
+    tmp_path, make_agent, controller_process
+):
+    state = tmp_path / "state.db"
+    args = ("--report-timeout", "60", "--flush-seconds", "0", "--strategies", "recover,dump,exit",
+            "--keepalive-interval", "0.5")
+    child = controller_process(state, *args)
+    agents = [make_agent(child.address, JOB, f"n{i}").join() for i in range(2)]
+    agents[0].fault({1: 1})
+    for a in agents:
+        a.expect("stopTrain")
+        a.stopped()
+    glob = [a.expect("globalFault") for a in agents][0]
+    child.kill()
 
-
-def test_sigkill_mid_cycle_then_restart_completes_the_cycle_with_each_event_once(tmp_path, make_agent):
-    state, port_file = tmp_path / "state.db", tmp_path / "port"
-    proc, address = _start_controller(state, port_file)
-    try:
-        agents = [make_agent(address, JOB, f"n{i}").join() for i in range(2)]
-        agents[0].fault({1: 1})
-        for a in agents:
-            a.expect("stopTrain")
-            a.stopped()
-        glob = [a.expect("globalFault") for a in agents][0]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(WAIT)
-
-        proc, address = _start_controller(state, port_file)
-        agents = [make_agent(address, JOB, f"n{i}").join() for i in range(2)]
-        for a in agents:
-            resent = a.expect("globalFault")
-            assert (resent.signalSeq, resent.uuid) == (glob.signalSeq, glob.uuid)
-            assert a.strategies(["recover", "exit"]).code == 0
-        for a in agents:
-            a.expect("changeStrategy", changeStrategy="recover", uuid=glob.uuid)
-            assert a.status(0, "recover").code == 0
-        view = agents[0].job(events=1000)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(WAIT) == 0
+    child = controller_process(state, *args)
+    agents = [make_agent(child.address, JOB, f"n{i}").join() for i in range(2)]
+    for a in agents:
+        resent = a.expect("globalFault")
+        assert (resent.signalSeq, resent.uuid) == (glob.signalSeq, glob.uuid)
+        assert a.strategies(["recover", "exit"]).code == 0
+    for a in agents:
+        a.expect("changeStrategy", changeStrategy="recover", uuid=glob.uuid)
+        assert a.status(0, "recover").code == 0
+    view = agents[0].job(events=1000)
+    assert child.terminate() == 0
 
     assert view.state == "idle" and view.cycle == 1
     kinds = collections.Counter(e.kind for e in view.events)
