@@ -42,6 +42,8 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     # The reference pings idle clients after a minute and drops them 5 s later.
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # Without this a second controller could bind the same port and split the agents between them.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", 4 * 1024 * 1024),
     ("grpc.max_send_message_length", 8 * 1024 * 1024),
 )

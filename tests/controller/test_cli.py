@@ -41,6 +41,11 @@ def test_controller_rejects_bad_arguments_with_exit_2(argv, caplog):
     assert caplog.records and caplog.records[-1].levelname == "ERROR"
 
 
+def test_controller_refuses_a_port_another_controller_holds(controller, caplog):
+    assert main(["controller", "--state", ":memory:", "--listen", controller.address]) == 2
+    assert "cannot bind" in caplog.records[-1].getMessage()
+
+
 def test_controller_rejects_a_bad_policy_file_with_exit_2(tmp_path, caplog):
     policy = tmp_path / "policy.toml"
     policy.write_text("[defaults]\nmax_cycles = -1\n")
