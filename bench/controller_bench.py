@@ -105,7 +105,9 @@ class Agent:
         if sig.signalType == "stopTrain":
             await self.stub.ReportStopComplete(pb.StopCompleteRequest(status=pb.Status(), **who))
         elif sig.signalType == "globalFault":
-            await self.stub.ReportRecoverStrategy(pb.RecoverStrategyRequest(strategies=["recover", "exit"], **who))
+            await self.stub.ReportRecoverStrategy(
+                pb.RecoverStrategyRequest(strategies=["recover", "exit"], **who)
+            )
         elif sig.signalType == "changeStrategy":
             await self.stub.ReportRecoverStatus(
                 pb.RecoverStatusRequest(status=pb.Status(), strategy=sig.changeStrategy, **who)
@@ -123,7 +125,9 @@ class Bench:
     def stub(self, index: int) -> recover_pb2_grpc.RecoverStub:
         while len(self.channels) <= index // STREAMS_PER_CHANNEL:
             # A local subchannel pool gives each channel its own TCP connection.
-            self.channels.append(grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)]))
+            self.channels.append(
+                grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
+            )
         return recover_pb2_grpc.RecoverStub(self.channels[index // STREAMS_PER_CHANNEL])
 
     async def start_agents(self, specs: list[tuple[str, str]]) -> list[Agent]:
@@ -145,7 +149,9 @@ class Bench:
     async def cycle(self, agents: list[Agent], cycle: int, stub: recover_pb2_grpc.RecoverStub) -> float:
         """Report a fault for the agents' job; wait for the cycle to end; return the start time."""
         t0 = time.perf_counter()
-        reply = await stub.ReportProcessFault(pb.ProcessFaultRequest(jobId=agents[0].job_id, faultRanks=FAULT))
+        reply = await stub.ReportProcessFault(
+            pb.ProcessFaultRequest(jobId=agents[0].job_id, faultRanks=FAULT)
+        )
         if reply.code != 0:
             raise RuntimeError(f"fault report refused: {reply.info}")
         await asyncio.wait_for(asyncio.gather(*(a.done(cycle).wait() for a in agents)), self.timeout)
@@ -177,7 +183,12 @@ async def fan_out(bench: Bench, agents_n: int, cycles: int) -> dict[str, Any]:
         arrivals = [a.arrivals[(c, "stopTrain")] - t0 for a in agents]
         each += arrivals
         last.append(max(arrivals))
-    return {"agents": agents_n, "cycles": cycles, "per_agent": summary_ms(each), "all_agents": summary_ms(last)}
+    return {
+        "agents": agents_n,
+        "cycles": cycles,
+        "per_agent": summary_ms(each),
+        "all_agents": summary_ms(last),
+    }
 
 
 async def many_jobs(bench: Bench, jobs_n: int) -> dict[str, Any]:
@@ -185,16 +196,35 @@ async def many_jobs(bench: Bench, jobs_n: int) -> dict[str, Any]:
     agents = await bench.start_agents([(f"bench-job-{i}", "a0") for i in range(jobs_n)])
     joined = time.perf_counter() - t_join
     starts = await asyncio.gather(*(bench.cycle([a], 1, a.stub) for a in agents))
-    latencies = [a.arrivals[(1, "changeStrategy")] - t0 for a, t0 in zip(agents, starts)]
+    latencies = [a.arrivals[(1, "changeStrategy")] - t0 for a, t0 in zip(agents, starts, strict=True)]
     return {"jobs": jobs_n, "join_all_s": round(joined, 2), "fault_to_change_strategy": summary_ms(latencies)}
 
 
 def start_controller(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port_file = workdir / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "taskd_core", "--log-level", "WARNING", "controller", "--listen", "127.0.0.1:0",
-         "--state", ":memory:", "--port-file", str(port_file), "--flush-seconds", "0", "--report-timeout", "120",
-         "--max-cycles", "1000000", "--strategies", "recover,exit"],
+        [
+            sys.executable,
+            "-m",
+            "taskd_core",
+            "--log-level",
+            "WARNING",
+            "controller",
+            "--listen",
+            "127.0.0.1:0",
+            "--state",
+            ":memory:",
+            "--port-file",
+            str(port_file),
+            "--flush-seconds",
+            "0",
+            "--report-timeout",
+            "120",
+            "--max-cycles",
+            "1000000",
+            "--strategies",
+            "recover,exit",
+        ],
         cwd=ROOT,
     )
     deadline = time.monotonic() + 30
@@ -228,21 +258,30 @@ async def run(args: argparse.Namespace, pid: int, address: str) -> dict[str, Any
 
 def render(report: dict[str, Any]) -> str:
     single = report["single_agent_fault_to_change_strategy"]
-    lines = [f"1 agent, fault -> changeStrategy over {single['n']} cycles: "
-             f"p50 {single['p50_ms']} ms, p99 {single['p99_ms']} ms"]
+    lines = [
+        f"1 agent, fault -> changeStrategy over {single['n']} cycles: "
+        f"p50 {single['p50_ms']} ms, p99 {single['p99_ms']} ms"
+    ]
     for row in report["fan_out_stop_train"]:
         each, last = row["per_agent"], row["all_agents"]
-        lines.append(f"{row['agents']:>5} agents, fault -> stopTrain ({row['cycles']} cycles): per agent p50 "
-                     f"{each['p50_ms']} ms p99 {each['p99_ms']} ms; last agent p50 {last['p50_ms']} ms "
-                     f"p99 {last['p99_ms']} ms")
+        lines.append(
+            f"{row['agents']:>5} agents, fault -> stopTrain ({row['cycles']} cycles): per agent p50 "
+            f"{each['p50_ms']} ms p99 {each['p99_ms']} ms; last agent p50 {last['p50_ms']} ms "
+            f"p99 {last['p99_ms']} ms"
+        )
     if "many_jobs" in report:
         mj = report["many_jobs"]
         lat = mj["fault_to_change_strategy"]
-        lines.append(f"{mj['jobs']} jobs x 1 agent: joined in {mj['join_all_s']} s; all faulting at once, "
-                     f"fault -> changeStrategy p50 {lat['p50_ms']} ms p99 {lat['p99_ms']} ms")
+        lines.append(
+            f"{mj['jobs']} jobs x 1 agent: joined in {mj['join_all_s']} s; all faulting at once, "
+            f"fault -> changeStrategy p50 {lat['p50_ms']} ms p99 {lat['p99_ms']} ms"
+        )
     mem = report["memory_kib"]
-    lines.append("controller RSS (MiB): " + ", ".join(
-        f"{k} {v['VmRSS'] / 1024:.1f}" for k, v in mem.items()) + f"; peak {max(v['VmHWM'] for v in mem.values()) / 1024:.1f}")
+    lines.append(
+        "controller RSS (MiB): "
+        + ", ".join(f"{k} {v['VmRSS'] / 1024:.1f}" for k, v in mem.items())
+        + f"; peak {max(v['VmHWM'] for v in mem.values()) / 1024:.1f}"
+    )
     return "\n".join(lines)
 
 

@@ -58,8 +58,13 @@ class RawAgent:
     """One agent of a job, driven by a test through the generated stub."""
 
     def __init__(
-        self, address: str, job_id: str, agent_id: str = "", role: str = "taskd",
-        node_rank: int = 0, rank_ids: tuple[int, ...] = (),
+        self,
+        address: str,
+        job_id: str,
+        agent_id: str = "",
+        role: str = "taskd",
+        node_rank: int = 0,
+        rank_ids: tuple[int, ...] = (),
     ) -> None:
         self.job_id = job_id
         self.agent_id = agent_id
@@ -106,8 +111,10 @@ class RawAgent:
     def resubscribe(self) -> None:
         """Subscribe again once the controller has noticed the old stream is gone."""
         me = self.agent_id or self.info.role
-        wait_until(lambda: not any(a.subscribed for a in self.job().agents if a.agentId == me),
-                   what=f"controller to drop {me}'s old stream")
+        wait_until(
+            lambda: not any(a.subscribed for a in self.job().agents if a.agentId == me),
+            what=f"controller to drop {me}'s old stream",
+        )
         self.subscribe()
 
     def next_signal(self, timeout: float = WAIT, keepalive: bool = False) -> pb.ProcessManageSignal:
@@ -151,7 +158,9 @@ class RawAgent:
 
     def stopped(self, code: int = 0, uuid: str = "") -> pb.Status:
         return self.stub.ReportStopComplete(
-            pb.StopCompleteRequest(jobId=self.job_id, status=pb.Status(code=code), agentId=self.agent_id, uuid=uuid),
+            pb.StopCompleteRequest(
+                jobId=self.job_id, status=pb.Status(code=code), agentId=self.agent_id, uuid=uuid
+            ),
             timeout=WAIT,
         )
 
@@ -164,15 +173,20 @@ class RawAgent:
     def status(self, code: int = 0, strategy: str = "", uuid: str = "") -> pb.Status:
         return self.stub.ReportRecoverStatus(
             pb.RecoverStatusRequest(
-                jobId=self.job_id, status=pb.Status(code=code), strategy=strategy, agentId=self.agent_id, uuid=uuid
+                jobId=self.job_id,
+                status=pb.Status(code=code),
+                strategy=strategy,
+                agentId=self.agent_id,
+                uuid=uuid,
             ),
             timeout=WAIT,
         )
 
     def exited(self, code: int = 0) -> pb.Status:
         return self.stub.ReportAgentExit(
-            pb.AgentExitRequest(jobId=self.job_id, agentId=self.agent_id, role=self.info.role,
-                                status=pb.Status(code=code)),
+            pb.AgentExitRequest(
+                jobId=self.job_id, agentId=self.agent_id, role=self.info.role, status=pb.Status(code=code)
+            ),
             timeout=WAIT,
         )
 
@@ -192,7 +206,9 @@ def controller_factory() -> Iterator[Callable[..., EmbeddedController]]:
     started: list[EmbeddedController] = []
 
     def start(
-        state: str = ":memory:", keepalive_interval: float = 0.5, policies: PolicyBook | None = None,
+        state: str = ":memory:",
+        keepalive_interval: float = 0.5,
+        policies: PolicyBook | None = None,
         **policy: Any,
     ) -> EmbeddedController:
         defaults = dataclasses.replace(TEST_POLICY, **policy)
@@ -236,9 +252,22 @@ class ControllerProcess:
         self.log = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "taskd_core", "controller", "--listen", "127.0.0.1:0", "--state", str(state),
-                 "--port-file", str(port_file), *args],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "taskd_core",
+                    "controller",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--state",
+                    str(state),
+                    "--port-file",
+                    str(port_file),
+                    *args,
+                ],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         wait_until(lambda: port_file.exists() or self.proc.poll() is not None, what="controller port file")
         assert self.proc.poll() is None, f"controller exited at start:\n{log.read_text()}"
@@ -256,7 +285,10 @@ class ControllerProcess:
 
 @pytest.fixture
 def controller_process(tmp_path: Path) -> Iterator[Callable[..., ControllerProcess]]:
-    """``controller_process(state_path, *extra_args)`` starts a controller child; all are killed at teardown."""
+    """``controller_process(state_path, *extra_args)`` starts a controller child.
+
+    Children still running at teardown are killed.
+    """
     started: list[ControllerProcess] = []
 
     def start(state: Path, *args: str) -> ControllerProcess:
@@ -267,4 +299,3 @@ def controller_process(tmp_path: Path) -> Iterator[Callable[..., ControllerProce
     for child in started:
         if child.proc.poll() is None:
             child.kill()
-

@@ -20,17 +20,30 @@ def add_parser(subparsers: Any) -> None:
         help="run the recovery controller (gRPC service Recover)",
         description="Run the ClusterD-compatible recovery controller until SIGTERM/SIGINT.",
     )
-    p.add_argument("--listen", default="0.0.0.0:8899", help="HOST:PORT to serve on; port 0 picks one "
-                   "(default: %(default)s)")
-    p.add_argument("--state", default="./taskd-state.db",
-                   help="SQLite state file; ':memory:' keeps nothing (default: %(default)s)")
-    p.add_argument("--policy", type=Path, help="TOML policy file with [defaults] and [jobs.\"<id>\"] tables")
+    p.add_argument(
+        "--listen",
+        default="0.0.0.0:8899",
+        help="HOST:PORT to serve on; port 0 picks one (default: %(default)s)",
+    )
+    p.add_argument(
+        "--state",
+        default="./taskd-state.db",
+        help="SQLite state file; ':memory:' keeps nothing (default: %(default)s)",
+    )
+    p.add_argument("--policy", type=Path, help='TOML policy file with [defaults] and [jobs."<id>"] tables')
     p.add_argument("--strategies", help="default strategies, comma-separated, e.g. recover,dump,exit")
     p.add_argument("--report-timeout", type=float, metavar="S", help="deadline of each wait for reports")
-    p.add_argument("--flush-seconds", type=float, metavar="S", help="fault flush window before stopping training")
+    p.add_argument(
+        "--flush-seconds", type=float, metavar="S", help="fault flush window before stopping training"
+    )
     p.add_argument("--max-cycles", type=int, metavar="N", help="recovery cycles a job may use")
-    p.add_argument("--keepalive-interval", type=float, default=5.0, metavar="S",
-                   help="seconds between keep-alive signals (default: %(default)s)")
+    p.add_argument(
+        "--keepalive-interval",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds between keep-alive signals (default: %(default)s)",
+    )
     p.add_argument("--port-file", type=Path, help="write the bound HOST:PORT here once serving")
     p.set_defaults(func=run)
 

@@ -18,15 +18,21 @@ from taskd_core.rpc import recover_pb2_grpc
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "status", help="show a controller's jobs, agents, cycles and events",
+        "status",
+        help="show a controller's jobs, agents, cycles and events",
         description="Ask a running controller for its jobs, their agents, cycle state and latest events.",
     )
-    p.add_argument("--controller", default=os.environ.get("TASKD_CONTROLLER", "127.0.0.1:8899"),
-                   help="controller HOST:PORT (default: %(default)s, or $TASKD_CONTROLLER)")
+    p.add_argument(
+        "--controller",
+        default=os.environ.get("TASKD_CONTROLLER", "127.0.0.1:8899"),
+        help="controller HOST:PORT (default: %(default)s, or $TASKD_CONTROLLER)",
+    )
     p.add_argument("--job", default="", help="only this job id")
     p.add_argument("--events", type=int, default=10, metavar="N", help="latest journal events per job")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="RPC deadline (default: %(default)s)")
+    p.add_argument(
+        "--timeout", type=float, default=5.0, metavar="S", help="RPC deadline (default: %(default)s)"
+    )
     p.set_defaults(func=run)
 
 
@@ -38,10 +44,12 @@ def query(address: str, job: str, events: int, timeout: float) -> dict[str, Any]
                 pb.StatusQuery(jobId=job, events=events), timeout=timeout
             )
         except grpc.RpcError as exc:
-            raise ControllerUnavailableError(address, timeout, exc.details()) from None  # type: ignore[attr-defined]
+            cause = ConnectionError(exc.details())
+            raise ControllerUnavailableError(address, timeout, cause) from None
     if reply.status.code != 0:
         raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
-    return json_format.MessageToDict(reply, always_print_fields_with_no_presence=True)
+    status: dict[str, Any] = json_format.MessageToDict(reply, always_print_fields_with_no_presence=True)
+    return status
 
 
 def _when(stamp: float) -> str:
@@ -56,20 +64,26 @@ def render(status: dict[str, Any]) -> str:
     for job in jobs:
         faults = ", ".join(f"{f['rankId']}:{f['faultType']}" for f in job["faultRanks"]) or "-"
         lines.append(f"job {job['jobId']}")
-        lines.append(f"  state      {job['state']}  cycle {job['cycle']} (used {job['cyclesUsed']} of "
-                     f"{job['maxCycles']})  strategy {job['strategy'] or '-'}")
+        lines.append(
+            f"  state      {job['state']}  cycle {job['cycle']} (used {job['cyclesUsed']} of "
+            f"{job['maxCycles']})  strategy {job['strategy'] or '-'}"
+        )
         lines.append(f"  faults     {faults}")
         lines.append(f"  policy     {', '.join(job['strategies'])}")
         lines.append(f"  outcome    {job['outcome'] or '-'}")
         lines.append(f"  {'AGENT':<20} {'ROLE':<16} {'NODE':>4}  {'STREAM':<6}  {'EXIT':<10} LAST SEEN")
         for a in job["agents"]:
             node = "-" if a["nodeRank"] < 0 else str(a["nodeRank"])
-            lines.append(f"  {a['agentId']:<20} {a['role']:<16} {node:>4}  {'up' if a['subscribed'] else 'down':<6}"
-                         f"  {a['exitState'] or '-':<10} {_when(a['lastSeen'])}")
+            lines.append(
+                f"  {a['agentId']:<20} {a['role']:<16} {node:>4}  {'up' if a['subscribed'] else 'down':<6}"
+                f"  {a['exitState'] or '-':<10} {_when(a['lastSeen'])}"
+            )
         if job["events"]:
             lines.append("  events")
         for e in job["events"]:
-            lines.append(f"  {e['seq']:>6}  {_when(e['time'])}  c{e['cycle']:<3} {e['kind']:<16} {e['detail']}")
+            lines.append(
+                f"  {e['seq']:>6}  {_when(e['time'])}  c{e['cycle']:<3} {e['kind']:<16} {e['detail']}"
+            )
     return "\n".join(lines)
 
 

@@ -390,8 +390,13 @@ class JobMachine:
         s.last_signal = signal
         fx.signals.append(signal)
         self._journal(
-            fx, "signal", type=signal.signal_type, seq=signal.seq, actions=list(signal.actions),
-            strategy=strategy, extra=extra,
+            fx,
+            "signal",
+            type=signal.signal_type,
+            seq=signal.seq,
+            actions=list(signal.actions),
+            strategy=strategy,
+            extra=extra,
         )
 
     def _fault_nodes(self) -> tuple[str, ...]:
@@ -427,7 +432,8 @@ class JobMachine:
             return self._order_mix(f"stale uuid {event.uuid!r}: the report belongs to another cycle; state")
         if not self._is_member(event.agent):
             return self._order_mix(
-                f"agent {event.agent!r} is not part of the cycle in flight (members: {brief(s.members)}); state"
+                f"agent {event.agent!r} is not part of the cycle in flight "
+                f"(members: {brief(s.members)}); state"
             )
         return None
 
@@ -449,7 +455,10 @@ class JobMachine:
     def _fault_accepted(self, event: FaultReported, fx: _Effects, *, pending: bool = False) -> Reply:
         merge_faults(self.snap.pending if pending else self.snap.faults, event.faults)
         self._journal(
-            fx, "fault", agent=event.agent, pending=pending,
+            fx,
+            "fault",
+            agent=event.agent,
+            pending=pending,
             ranks={str(f.rank): f.fault_type.value for f in event.faults},
         )
         return Reply(Code.OK, f"jobId={self.job_id}, receive ReportProcessFault")
@@ -488,7 +497,10 @@ class JobMachine:
         s.stops, s.strategies, s.statuses = {}, {}, {}
         s.strategy, s.tried = "", []
         self._journal(
-            fx, "cycle started", uuid=s.uuid, members=s.members,
+            fx,
+            "cycle started",
+            uuid=s.uuid,
+            members=s.members,
             faults=_faults_to_json(s.faults),
         )
         self._send(fx, SignalType.STOP_TRAIN, [Action.STOP_TRAIN])
@@ -499,16 +511,19 @@ class JobMachine:
     def _on_deadline(self, event: DeadlinePassed, fx: _Effects) -> Reply:
         if event.step != self.snap.step:
             return Reply()
-        answers = {
+        waits: dict[State, Mapping[str, object]] = {
             State.WAIT_STOP: self.snap.stops,
             State.WAIT_STRATEGIES: self.snap.strategies,
             State.WAIT_STATUS: self.snap.statuses,
-        }[self.snap.state]
+        }
+        answers = waits[self.snap.state]
         self._journal(fx, "deadline", state=self.snap.state.value, silent=self._shortfall(answers))
         _CONCLUDE[self.snap.state](self, fx)
         return Reply()
 
-    def _take(self, event: Report, fx: _Effects, answers: dict[str, Any], value: object, **detail: Any) -> Reply:
+    def _take(
+        self, event: Report, fx: _Effects, answers: dict[str, Any], value: object, **detail: Any
+    ) -> Reply:
         """Record one agent's answer; the last one concludes the wait."""
         early = self._accepted(event, answers)
         if early is not None:
@@ -555,8 +570,13 @@ class JobMachine:
         failed = self._shortfall(s.statuses) + [a for a, code in s.statuses.items() if code != Code.OK]
         if strategy is Strategy.DUMP:
             self._journal(fx, "strategy result", strategy=strategy.value, failed=failed)
-            self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY],
-                       strategy=Strategy.EXIT.value, extra=EXTRA_DUMP_EXIT)
+            self._send(
+                fx,
+                SignalType.CHANGE_STRATEGY,
+                [Action.CHANGE_STRATEGY],
+                strategy=Strategy.EXIT.value,
+                extra=EXTRA_DUMP_EXIT,
+            )
             self._give_up(fx, f"dump {'failed' if failed else 'done'}, job exits")
         elif failed:
             self._journal(fx, "strategy failed", strategy=strategy.value, failed=failed)
@@ -598,8 +618,13 @@ class JobMachine:
             ):
                 choice = rung
                 break
-        self._journal(fx, "strategy chosen", strategy=choice.value, reported=sorted(common),
-                      after=after.value if after else "")
+        self._journal(
+            fx,
+            "strategy chosen",
+            strategy=choice.value,
+            reported=sorted(common),
+            after=after.value if after else "",
+        )
         if choice is Strategy.EXIT:
             self._exit(fx, "exit chosen: no allowed strategy was left to try" if s.tried else "exit chosen")
             return
@@ -607,8 +632,13 @@ class JobMachine:
         s.tried.append(choice.value)
         s.statuses = {}
         if choice is Strategy.RECOVER_IN_PLACE:
-            self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY, Action.FAULT_NODES_RESTART],
-                       strategy=Strategy.RECOVER.value, extra=EXTRA_RECOVER_IN_PLACE)
+            self._send(
+                fx,
+                SignalType.CHANGE_STRATEGY,
+                [Action.CHANGE_STRATEGY, Action.FAULT_NODES_RESTART],
+                strategy=Strategy.RECOVER.value,
+                extra=EXTRA_RECOVER_IN_PLACE,
+            )
         else:
             self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY], strategy=choice.value)
         self._enter(fx, State.WAIT_STATUS, self.policy.report_timeout)

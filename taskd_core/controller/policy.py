@@ -63,7 +63,7 @@ def parse_strategies(value: str | Iterable[str], *, key: str = "strategies") -> 
                 f"{key}: unknown strategy {name!r}; use names from: {', '.join(s.value for s in LADDER)}"
             ) from None
     if not chosen:
-        raise ConfigError(f"{key}: no strategy given; name at least one, e.g. \"recover,exit\"")
+        raise ConfigError(f'{key}: no strategy given; name at least one, e.g. "recover,exit"')
     return tuple(s for s in LADDER if s in chosen)
 
 
@@ -82,7 +82,11 @@ def _number(key: str, value: object, *, minimum: float, integer: bool, exclusive
 
 
 def updated_policy(
-    base: JobPolicy, where: str = "", labels: Mapping[str, str] | None = None, **changes: object
+    base: JobPolicy,
+    changes: Mapping[str, object],
+    *,
+    where: str = "",
+    labels: Mapping[str, str] | None = None,
 ) -> JobPolicy:
     """``base`` with ``changes`` (JobPolicy attribute names) applied after validation.
 
@@ -117,7 +121,7 @@ def _from_table(base: JobPolicy, table: object, where: str) -> JobPolicy:
         if key not in _FILE_KEYS:
             raise ConfigError(f"{where}{key}: unknown policy key; known keys: {', '.join(_FILE_KEYS)}")
         changes[_FILE_KEYS[key]] = value
-    return updated_policy(base, where, _FILE_LABELS, **changes)
+    return updated_policy(base, changes, where=where, labels=_FILE_LABELS)
 
 
 def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
@@ -133,12 +137,14 @@ def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
 
 
 def policy_from_dict(data: Mapping[str, Any]) -> JobPolicy:
-    return updated_policy(JobPolicy(), "state file: ", **data)
+    return updated_policy(JobPolicy(), data, where="state file: ")
 
 
 def validated(policy: JobPolicy, where: str = "") -> JobPolicy:
     """A policy built in code, checked like a file's (strategy names become Strategy)."""
-    return updated_policy(JobPolicy(), where, **{name: getattr(policy, name) for name in _FILE_KEYS.values()})
+    return updated_policy(
+        JobPolicy(), {name: getattr(policy, name) for name in _FILE_KEYS.values()}, where=where
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +170,9 @@ def load_policies(path: str | Path | None = None, **overrides: object) -> Policy
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
         except OSError as exc:
-            raise ConfigError(f"policy file {path}: cannot read it ({exc.strerror}); check --policy") from None
+            raise ConfigError(
+                f"policy file {path}: cannot read it ({exc.strerror}); check --policy"
+            ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"policy file {path}: not valid TOML ({exc}); fix the syntax") from None
     unknown = set(data) - {"defaults", "jobs"}
@@ -174,7 +182,7 @@ def load_policies(path: str | Path | None = None, **overrides: object) -> Policy
             'only [defaults] and [jobs."<job id>"] are allowed'
         )
     defaults = _from_table(JobPolicy(), data.get("defaults", {}), "[defaults] ")
-    defaults = updated_policy(defaults, **overrides)
+    defaults = updated_policy(defaults, overrides)
     jobs_table = data.get("jobs", {})
     if not isinstance(jobs_table, dict):
         raise ConfigError('jobs: expected tables like [jobs."<job id>"], got a plain value')

@@ -84,7 +84,9 @@ class JobStatus:
 
 def check_job_id(job_id: str) -> str:
     if not job_id:
-        raise RequestRejected(Code.INVALID_PARAM, "jobId is empty; set ClientInfo.jobId to the job's unique id")
+        raise RequestRejected(
+            Code.INVALID_PARAM, "jobId is empty; set ClientInfo.jobId to the job's unique id"
+        )
     if len(job_id) > MAX_JOB_ID or not job_id.isprintable():
         raise RequestRejected(
             Code.INVALID_PARAM,
@@ -143,8 +145,12 @@ class Controller:
             self._jobs[row.job_id] = job
             self._arm(job)
             if job.machine.state not in (State.IDLE, State.FINISHED, State.GIVEN_UP):
-                logger.info("job %s resumes in state %s (cycle %d)", row.job_id, job.machine.state.value,
-                            job.machine.snap.cycle)
+                logger.info(
+                    "job %s resumes in state %s (cycle %d)",
+                    row.job_id,
+                    job.machine.state.value,
+                    job.machine.snap.cycle,
+                )
         self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
 
     def end_streams(self) -> None:
@@ -173,7 +179,9 @@ class Controller:
             return Reply(Code.RECOVERY_OFF, f"jobId={job_id}: process recovery is off in the job's policy")
         if job is None:
             if len(self._jobs) >= self._max_jobs:
-                return Reply(Code.OUT_OF_MAX_JOBS, f"jobId={job_id}: the controller serves {self._max_jobs} jobs")
+                return Reply(
+                    Code.OUT_OF_MAX_JOBS, f"jobId={job_id}: the controller serves {self._max_jobs} jobs"
+                )
             job = self._jobs[job_id] = _Job(job_id, policy)
         if not job.inited:
             job.inited = True
@@ -188,7 +196,10 @@ class Controller:
         agent = job.agents.get(who.key)
         fresh = AgentInfo(who.key, who.role, who.node_rank, who.rank_ids, None, self._clock())
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
-            fresh.role, fresh.node_rank, fresh.rank_ids, None
+            fresh.role,
+            fresh.node_rank,
+            fresh.rank_ids,
+            None,
         ):
             kind = "agent registered" if agent is None or agent.exit_code is not None else "agent updated"
             job.agents[who.key] = fresh
@@ -203,7 +214,8 @@ class Controller:
         if who.key not in job.agents:
             raise RequestRejected(
                 Code.UNREGISTERED,
-                f"jobId={job.job_id}: agent {who.key!r} did not Register; call Register with the same ClientInfo",
+                f"jobId={job.job_id}: agent {who.key!r} did not Register; "
+                "call Register with the same ClientInfo",
             )
         if who.key in job.subscribers:
             raise DuplicateSubscriberError(
@@ -215,8 +227,13 @@ class Controller:
         job.agents[who.key].last_seen = self._clock()
         last = job.machine.snap.last_signal
         if last is not None:
-            logger.info("job %s: re-sending signal %s (seq %d) to agent %s", job.job_id, last.signal_type,
-                        last.seq, who.key)
+            logger.info(
+                "job %s: re-sending signal %s (seq %d) to agent %s",
+                job.job_id,
+                last.signal_type,
+                last.seq,
+                who.key,
+            )
             sub.offer(last)
         return sub
 
@@ -251,7 +268,7 @@ class Controller:
         job_id = check_job_id(job_id)
         job = self._jobs.get(job_id)
         base = job.machine.policy if job else self._policies.for_job(job_id)
-        policy = updated_policy(base, **changes)
+        policy = updated_policy(base, changes)
         if job is None:
             job = self._jobs[job_id] = _Job(job_id, policy)
         job.machine.policy = policy
@@ -260,14 +277,18 @@ class Controller:
 
     def status(self, job_id: str = "", events: int = 10) -> list[JobStatus]:
         if job_id and job_id not in self._jobs:
-            raise RequestRejected(Code.UNREGISTERED, f"jobId={job_id[:MAX_JOB_ID]} is not known to this controller")
+            raise RequestRejected(
+                Code.UNREGISTERED, f"jobId={job_id[:MAX_JOB_ID]} is not known to this controller"
+            )
         jobs = [self._jobs[job_id]] if job_id else [self._jobs[j] for j in sorted(self._jobs)]
         return [self._job_status(job, max(0, events)) for job in jobs]
 
     def _job_status(self, job: _Job, events: int) -> JobStatus:
         snap = job.machine.snap
         agents = tuple(
-            AgentStatus(a.agent_id, a.role, a.agent_id in job.subscribers, a.node_rank, a.exit_code, a.last_seen)
+            AgentStatus(
+                a.agent_id, a.role, a.agent_id in job.subscribers, a.node_rank, a.exit_code, a.last_seen
+            )
             for a in sorted(job.agents.values(), key=lambda a: a.agent_id)
         )
         return JobStatus(
@@ -315,8 +336,13 @@ class Controller:
             self._save(job, reaction.journal, agents)
         for signal in reaction.signals:
             logger.info(
-                "job %s: signal %s seq %d %s%s to %d agent(s)", job.job_id, signal.signal_type, signal.seq,
-                signal.change_strategy, list(signal.actions), len(job.subscribers),
+                "job %s: signal %s seq %d %s%s to %d agent(s)",
+                job.job_id,
+                signal.signal_type,
+                signal.seq,
+                signal.change_strategy,
+                list(signal.actions),
+                len(job.subscribers),
             )
             self._broadcast(job, signal)
         self._arm(job)
@@ -380,4 +406,3 @@ def policy_changes(
     if max_cycles >= 0:
         changes["max_cycles"] = max_cycles
     return changes
-

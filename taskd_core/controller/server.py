@@ -104,7 +104,9 @@ class ControllerServer:
             self.port = server.add_insecure_port(self.config.listen)
         except RuntimeError as exc:
             self._store.close()
-            raise ConfigError(f"--listen {self.config.listen}: cannot bind ({exc}); pick a free port") from None
+            raise ConfigError(
+                f"--listen {self.config.listen}: cannot bind ({exc}); pick a free port"
+            ) from None
         self._server = server
         self._controller.start()
         await server.start()
@@ -188,7 +190,9 @@ class EmbeddedController:
             self.address = self._ready.result(timeout=start_timeout)
         except concurrent.futures.TimeoutError:
             self.stop()
-            raise ConfigError(f"embedded controller on {listen} did not start within {start_timeout}s") from None
+            raise ConfigError(
+                f"embedded controller on {listen} did not start within {start_timeout}s"
+            ) from None
         self.port = split_listen(self.address)[1]
 
     def _run(self) -> None:

@@ -16,7 +16,13 @@ import grpc
 
 from taskd_core.controller.machine import Reply, StatusReported, StopReported, StrategiesReported
 from taskd_core.controller.runtime import AgentIdentity, Controller, JobStatus, policy_changes
-from taskd_core.errors import ConfigError, DuplicateSubscriberError, ProtocolError, RequestRejected, TaskdError
+from taskd_core.errors import (
+    ConfigError,
+    DuplicateSubscriberError,
+    ProtocolError,
+    RequestRejected,
+    TaskdError,
+)
 from taskd_core.models import Code, FaultRank
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
@@ -83,7 +89,9 @@ def identity(info: pb.ClientInfo) -> AgentIdentity:
 
 def _strategies(names: Sequence[str]) -> tuple[str, ...]:
     if len(names) > MAX_STRATEGIES:
-        raise ProtocolError(f"strategies has {len(names)} entries; at most {MAX_STRATEGIES}", field="strategies")
+        raise ProtocolError(
+            f"strategies has {len(names)} entries; at most {MAX_STRATEGIES}", field="strategies"
+        )
     return tuple(names)
 
 
@@ -187,7 +195,9 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
         def call() -> Reply:
             faults = _faults(request.faultRanks)
             if not faults:
-                raise ProtocolError("faultRanks is empty; report at least one faulty rank", field="faultRanks")
+                raise ProtocolError(
+                    "faultRanks is empty; report at least one faulty rank", field="faultRanks"
+                )
             return self._ctl.process_fault(request.jobId, request.agentId, faults)
 
         return _answer(call)
@@ -202,7 +212,9 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
         who = AgentIdentity(request.jobId, request.role, request.agentId)
         return _answer(lambda: self._ctl.agent_exit(who, request.status.code))
 
-    async def SetJobPolicy(self, request: pb.JobPolicyRequest, context: grpc.aio.ServicerContext) -> pb.Status:
+    async def SetJobPolicy(
+        self, request: pb.JobPolicyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Status:
         changes = policy_changes(
             request.strategies,
             request.recoveryEnabled,

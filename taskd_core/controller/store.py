@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from taskd_core.errors import ConfigError
 from taskd_core.controller.machine import AgentInfo, JournalEntry
+from taskd_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,9 @@ class Store:
         ):
             row = JobRow(job_id, bool(inited), json.loads(policy), json.loads(snapshot))
             jobs.append(StoredJob(row, tuple(agents.get(job_id, ()))))
-        logger.info("state file %s: %d job(s), %d agent(s)", self.path, len(jobs), sum(map(len, agents.values())))
+        logger.info(
+            "state file %s: %d job(s), %d agent(s)", self.path, len(jobs), sum(map(len, agents.values()))
+        )
         return jobs
 
     def commit(
@@ -120,15 +122,30 @@ class Store:
         """Write the job, changed agents and new journal entries atomically."""
         with self._transaction():
             self._db.execute(
-                "INSERT OR REPLACE INTO jobs (job_id, inited, policy, snapshot, updated) VALUES (?, ?, ?, ?, ?)",
-                (row.job_id, int(row.inited), json.dumps(row.policy), json.dumps(row.snapshot, separators=(",", ":")), now),
+                "INSERT OR REPLACE INTO jobs (job_id, inited, policy, snapshot, updated)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (
+                    row.job_id,
+                    int(row.inited),
+                    json.dumps(row.policy),
+                    json.dumps(row.snapshot, separators=(",", ":")),
+                    now,
+                ),
             )
             self._db.executemany(
-                "INSERT OR REPLACE INTO agents (job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen)"
+                "INSERT OR REPLACE INTO agents"
+                " (job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [
-                    (row.job_id, a.agent_id, a.role, a.node_rank, json.dumps(list(a.rank_ids)), a.exit_code,
-                     a.last_seen)
+                    (
+                        row.job_id,
+                        a.agent_id,
+                        a.role,
+                        a.node_rank,
+                        json.dumps(list(a.rank_ids)),
+                        a.exit_code,
+                        a.last_seen,
+                    )
                     for a in agents
                 ],
             )
@@ -145,7 +162,8 @@ class Store:
     def events(self, job_id: str, limit: int) -> list[EventRecord]:
         """The newest ``limit`` journal entries of a job, oldest first."""
         rows = self._db.execute(
-            "SELECT seq, time, job_id, cycle, kind, detail FROM events WHERE job_id = ? ORDER BY seq DESC LIMIT ?",
+            "SELECT seq, time, job_id, cycle, kind, detail FROM events"
+            " WHERE job_id = ? ORDER BY seq DESC LIMIT ?",
             (job_id, limit),
         ).fetchall()
         return [EventRecord(*r) for r in reversed(rows)]

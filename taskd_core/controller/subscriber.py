@@ -32,7 +32,9 @@ class Subscriber:
             return False
         if self._queue.qsize() >= self._max_backlog:
             logger.warning(
-                "job %s agent %s: %d signals unread, ending its stream", self.job_id, self.agent_id,
+                "job %s agent %s: %d signals unread, ending its stream",
+                self.job_id,
+                self.agent_id,
                 self._queue.qsize(),
             )
             self.close()

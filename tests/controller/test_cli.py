@@ -30,12 +30,15 @@ def test_status_of_an_unknown_job_or_a_missing_controller_exits_2(controller, ca
     assert main(["status", "--controller", "127.0.0.1:1", "--timeout", "0.5"]) == 2
 
 
-@pytest.mark.parametrize("argv", [
-    ["--listen", "nonsense"],
-    ["--listen", "127.0.0.1:99999"],
-    ["--strategies", "teleport"],
-    ["--report-timeout", "0"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--listen", "nonsense"],
+        ["--listen", "127.0.0.1:99999"],
+        ["--strategies", "teleport"],
+        ["--report-timeout", "0"],
+    ],
+)
 def test_controller_rejects_bad_arguments_with_exit_2(argv, caplog):
     assert main(["controller", "--state", ":memory:", *argv]) == 2
     assert caplog.records and caplog.records[-1].levelname == "ERROR"
@@ -49,7 +52,9 @@ def test_controller_refuses_a_port_another_controller_holds(controller, caplog):
 def test_controller_rejects_a_bad_policy_file_with_exit_2(tmp_path, caplog):
     policy = tmp_path / "policy.toml"
     policy.write_text("[defaults]\nmax_cycles = -1\n")
-    assert main(["controller", "--state", ":memory:", "--listen", "127.0.0.1:0", "--policy", str(policy)]) == 2
+    assert (
+        main(["controller", "--state", ":memory:", "--listen", "127.0.0.1:0", "--policy", str(policy)]) == 2
+    )
     assert "max_cycles" in caplog.records[-1].getMessage()
 
 

@@ -35,7 +35,9 @@ message ProcessManageSignal {
   repeated FaultRank faultRanks = 5; string changeStrategy = 6; int64 timeout = 7;
 }
 message StopCompleteRequest { string jobId = 1; Status status = 2; repeated FaultRank faultRanks = 3; }
-message RecoverStrategyRequest { string jobId = 1; repeated FaultRank faultRanks = 2; repeated string strategies = 3; }
+message RecoverStrategyRequest {
+  string jobId = 1; repeated FaultRank faultRanks = 2; repeated string strategies = 3;
+}
 message RecoverStatusRequest { string jobId = 1; Status status = 2; string strategy = 3; }
 message ProcessFaultRequest { string jobId = 1; repeated FaultRank faultRanks = 2; }
 """
@@ -75,11 +77,26 @@ print(json.dumps({"codes": codes, "seen": seen}))
 
 def test_a_legacy_client_completes_a_recover_cycle(controller, make_agent, tmp_path):
     (tmp_path / "legacy_recover.proto").write_text(LEGACY_PROTO)
-    assert protoc.main(["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-                        str(tmp_path / "legacy_recover.proto")]) == 0
+    assert (
+        protoc.main(
+            [
+                "protoc",
+                f"-I{tmp_path}",
+                f"--python_out={tmp_path}",
+                f"--grpc_python_out={tmp_path}",
+                str(tmp_path / "legacy_recover.proto"),
+            ]
+        )
+        == 0
+    )
     (tmp_path / "client.py").write_text(textwrap.dedent(LEGACY_CLIENT))
-    done = subprocess.run([sys.executable, str(tmp_path / "client.py"), controller.address, "legacy-job"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "client.py"), controller.address, "legacy-job"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["codes"] == [0] * 6

@@ -28,8 +28,9 @@ ALL = tuple(Strategy)
 
 def machine(*agents: str, **policy) -> JobMachine:
     table = {a: AgentInfo(a) for a in agents or ("a",)}
-    return JobMachine("job", JobPolicy(**{"strategies": ALL, "flush_seconds": 0, "report_timeout": 5, **policy}),
-                      table)
+    return JobMachine(
+        "job", JobPolicy(**{"strategies": ALL, "flush_seconds": 0, "report_timeout": 5, **policy}), table
+    )
 
 
 def fault(m: JobMachine, *faults: tuple[int, str], agent: str = "a"):
@@ -112,15 +113,27 @@ def test_expected_agents_keep_a_wait_open_until_its_deadline():
     assert kinds(r) == ["changeStrategy", "killMaster"] and m.state is State.GIVEN_UP
 
 
-@pytest.mark.parametrize(("faults", "reported", "policy", "wire"), [
-    (((0, "0"),), ("retry", "recover"), ALL, ("retry", "", ("change_strategy",))),
-    (((0, "2"), (1, "2")), ("retry",), ALL, ("retry", "", ("change_strategy",))),
-    (((0, "1"),), ("recover-in-place", "recover"), ALL,
-     ("recover", "recover-in-place", ("change_strategy", "fault_nodes_restart"))),
-    (((0, "1"),), ("retry", "recover-in-place", "recover"), ("recover", "exit"), ("recover", "", ("change_strategy",))),
-    (((0, "0"), (1, "2")), ("retry", "recover"), ALL, ("recover", "", ("change_strategy",))),
-    (((0, "1"),), ("dump", "recover"), ("dump", "exit"), ("dump", "", ("change_strategy",))),
-])
+@pytest.mark.parametrize(
+    ("faults", "reported", "policy", "wire"),
+    [
+        (((0, "0"),), ("retry", "recover"), ALL, ("retry", "", ("change_strategy",))),
+        (((0, "2"), (1, "2")), ("retry",), ALL, ("retry", "", ("change_strategy",))),
+        (
+            ((0, "1"),),
+            ("recover-in-place", "recover"),
+            ALL,
+            ("recover", "recover-in-place", ("change_strategy", "fault_nodes_restart")),
+        ),
+        (
+            ((0, "1"),),
+            ("retry", "recover-in-place", "recover"),
+            ("recover", "exit"),
+            ("recover", "", ("change_strategy",)),
+        ),
+        (((0, "0"), (1, "2")), ("retry", "recover"), ALL, ("recover", "", ("change_strategy",))),
+        (((0, "1"),), ("dump", "recover"), ("dump", "exit"), ("dump", "", ("change_strategy",))),
+    ],
+)
 def test_strategy_choice_follows_the_ladder(faults, reported, policy, wire):
     m = machine(strategies=policy)
     r = to_decision(m, reported, faults)
@@ -156,7 +169,9 @@ def test_failures_walk_down_the_ladder_to_kill_master():
     assert steps == [("recover", "recover-in-place"), ("recover", ""), ("dump", "")]
     r = m.handle(StatusReported("a", 0, "dump"), NOW)
     assert [(s.signal_type, s.change_strategy, s.extra_params) for s in r.signals] == [
-        ("changeStrategy", "exit", "dump_exit"), ("killMaster", "", "")]
+        ("changeStrategy", "exit", "dump_exit"),
+        ("killMaster", "", ""),
+    ]
     assert m.state is State.GIVEN_UP and m.snap.tried == ["retry", "recover-in-place", "recover", "dump"]
 
 

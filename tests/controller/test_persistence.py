@@ -18,8 +18,12 @@ def test_store_round_trips_jobs_agents_and_the_journal(tmp_path):
     path = str(tmp_path / "state.db")
     store = Store(path)
     row = JobRow(JOB, True, {"max_cycles": 2}, {"state": "idle"})
-    store.commit(row, [JournalEntry("a", 0, {"x": 1}), JournalEntry("b", 1, {})], [AgentInfo("n0", "taskd", 0, (0, 1))],
-                 now=5.0)
+    store.commit(
+        row,
+        [JournalEntry("a", 0, {"x": 1}), JournalEntry("b", 1, {})],
+        [AgentInfo("n0", "taskd", 0, (0, 1))],
+        now=5.0,
+    )
     store.commit(row, [JournalEntry("c", 1, {})], now=6.0)
     store.close()
     again = Store(path)
@@ -37,7 +41,9 @@ def test_a_state_file_that_is_not_sqlite_is_a_config_error(tmp_path):
         Store(str(bad)).load()
 
 
-def test_a_restarted_controller_resumes_the_cycle_and_re_arms_its_deadline(controller_factory, make_agent, tmp_path):
+def test_a_restarted_controller_resumes_the_cycle_and_re_arms_its_deadline(
+    controller_factory, make_agent, tmp_path
+):
     state = str(tmp_path / "state.db")
     ctl = controller_factory(state=state, report_timeout=0.5)
     agent = make_agent(ctl.address, JOB).join()
@@ -61,8 +67,16 @@ def test_sigkill_mid_cycle_then_restart_completes_the_cycle_with_each_event_once
     tmp_path, make_agent, controller_process
 ):
     state = tmp_path / "state.db"
-    args = ("--report-timeout", "60", "--flush-seconds", "0", "--strategies", "recover,dump,exit",
-            "--keepalive-interval", "0.5")
+    args = (
+        "--report-timeout",
+        "60",
+        "--flush-seconds",
+        "0",
+        "--strategies",
+        "recover,dump,exit",
+        "--keepalive-interval",
+        "0.5",
+    )
     child = controller_process(state, *args)
     agents = [make_agent(child.address, JOB, f"n{i}").join() for i in range(2)]
     agents[0].fault({1: 1})
@@ -90,6 +104,12 @@ def test_sigkill_mid_cycle_then_restart_completes_the_cycle_with_each_event_once
     assert kinds["cycle started"] == 1 and kinds["cycle succeeded"] == 1
     seqs = [json.loads(e.detail)["seq"] for e in view.events if e.kind == "signal"]
     assert seqs == [1, 2, 3]
-    reports = [(json.loads(e.detail)["step"], json.loads(e.detail)["agent"]) for e in view.events if e.kind == "report"]
-    assert sorted(reports) == sorted((step, f"n{i}") for step in ("stop", "strategies", "status") for i in range(2))
+    reports = [
+        (json.loads(e.detail)["step"], json.loads(e.detail)["agent"])
+        for e in view.events
+        if e.kind == "report"
+    ]
+    assert sorted(reports) == sorted(
+        (step, f"n{i}") for step in ("stop", "strategies", "status") for i in range(2)
+    )
     assert [e.seq for e in view.events] == sorted({e.seq for e in view.events})

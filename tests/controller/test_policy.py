@@ -10,7 +10,11 @@ from taskd_core.models import JobPolicy, Strategy
 
 
 def test_strategies_are_deduplicated_and_put_in_ladder_order():
-    assert parse_strategies("exit, recover,retry,recover") == (Strategy.RETRY, Strategy.RECOVER, Strategy.EXIT)
+    assert parse_strategies("exit, recover,retry,recover") == (
+        Strategy.RETRY,
+        Strategy.RECOVER,
+        Strategy.EXIT,
+    )
     assert parse_strategies([Strategy.DUMP, "recover-in-place"]) == (Strategy.RECOVER_IN_PLACE, Strategy.DUMP)
 
 
@@ -24,20 +28,25 @@ def test_file_defaults_flags_and_job_tables_layer_in_that_order(tmp_path):
     assert book.defaults.strategies == (Strategy.RECOVER, Strategy.EXIT)
     assert (book.defaults.report_timeout, book.defaults.max_cycles) == (30, 9)
     job = book.for_job("job-a")
-    assert job.strategies == (Strategy.DUMP, Strategy.EXIT) and not job.recovery_enabled and job.max_cycles == 9
+    assert (
+        job.strategies == (Strategy.DUMP, Strategy.EXIT) and not job.recovery_enabled and job.max_cycles == 9
+    )
     assert book.for_job("other") == book.defaults
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("[defaults]\nstrategies = [\"teleport\"]\n", r"\[defaults\] strategies: unknown strategy 'teleport'"),
-    ("[defaults]\nreport_timeout = 0\n", r"\[defaults\] report_timeout: must be greater than 0"),
-    ("[defaults]\nmax_cycles = 1.5\n", r"max_cycles: expected an integer"),
-    ("[defaults]\nrecovery = \"yes\"\n", r"recovery: expected true or false"),
-    ("[defaults]\nflush = 1\n", r"\[defaults\] flush: unknown policy key; known keys: strategies"),
-    ('[jobs."j"]\nexpected_agents = -1\n', r'\[jobs."j"\] expected_agents: must be at least 0'),
-    ("[default]\n", r"unknown table\(s\) default"),
-    ("[defaults\n", r"not valid TOML"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[defaults]\nstrategies = ["teleport"]\n', r"\[defaults\] strategies: unknown strategy 'teleport'"),
+        ("[defaults]\nreport_timeout = 0\n", r"\[defaults\] report_timeout: must be greater than 0"),
+        ("[defaults]\nmax_cycles = 1.5\n", r"max_cycles: expected an integer"),
+        ('[defaults]\nrecovery = "yes"\n', r"recovery: expected true or false"),
+        ("[defaults]\nflush = 1\n", r"\[defaults\] flush: unknown policy key; known keys: strategies"),
+        ('[jobs."j"]\nexpected_agents = -1\n', r'\[jobs."j"\] expected_agents: must be at least 0'),
+        ("[default]\n", r"unknown table\(s\) default"),
+        ("[defaults\n", r"not valid TOML"),
+    ],
+)
 def test_bad_policy_files_name_the_key_and_the_fix(tmp_path, text, message):
     path = tmp_path / "policy.toml"
     path.write_text(text)
@@ -51,6 +60,9 @@ def test_a_missing_file_is_a_config_error(tmp_path):
 
 
 def test_policies_built_in_code_are_validated():
-    assert validated(JobPolicy(strategies=("recover", "exit"))).strategies == (Strategy.RECOVER, Strategy.EXIT)  # type: ignore[arg-type]
+    assert validated(JobPolicy(strategies=("recover", "exit"))).strategies == (
+        Strategy.RECOVER,
+        Strategy.EXIT,
+    )  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="flush_seconds"):
-        updated_policy(JobPolicy(), flush_seconds=float("nan"))
+        updated_policy(JobPolicy(), {"flush_seconds": float("nan")})

@@ -71,8 +71,11 @@ def test_init_answers_403_when_the_policy_turns_recovery_off(controller_factory,
 
 def test_set_job_policy_turns_recovery_off_and_validates(controller, make_agent):
     agent = make_agent(controller.address, JOB)
-    ok = agent.stub.SetJobPolicy(pb.JobPolicyRequest(jobId=JOB, strategies=["recover", "exit"], recoveryEnabled=False,
-                                                     flushSeconds=-1, maxCycles=-1))
+    ok = agent.stub.SetJobPolicy(
+        pb.JobPolicyRequest(
+            jobId=JOB, strategies=["recover", "exit"], recoveryEnabled=False, flushSeconds=-1, maxCycles=-1
+        )
+    )
     assert ok.code == 0, ok
     assert agent.stub.Init(agent.info).code == Code.RECOVERY_OFF
     bad = agent.stub.SetJobPolicy(pb.JobPolicyRequest(jobId=JOB, strategies=["teleport"], maxCycles=-1))
@@ -84,16 +87,25 @@ def test_set_job_policy_turns_recovery_off_and_validates(controller, make_agent)
     assert view.maxCycles == 7 and list(view.strategies) == ["recover", "exit"]
 
 
-@pytest.mark.parametrize("rpc", ["ReportStopComplete", "ReportRecoverStrategy", "ReportRecoverStatus",
-                                 "ReportProcessFault", "ReportAgentExit"])
+@pytest.mark.parametrize(
+    "rpc",
+    [
+        "ReportStopComplete",
+        "ReportRecoverStrategy",
+        "ReportRecoverStatus",
+        "ReportProcessFault",
+        "ReportAgentExit",
+    ],
+)
 def test_reports_for_an_unregistered_job_answer_400(controller, make_agent, rpc):
     agent = make_agent(controller.address, "ghost")
     request = {
         "ReportStopComplete": pb.StopCompleteRequest(jobId="ghost"),
         "ReportRecoverStrategy": pb.RecoverStrategyRequest(jobId="ghost", strategies=["exit"]),
         "ReportRecoverStatus": pb.RecoverStatusRequest(jobId="ghost"),
-        "ReportProcessFault": pb.ProcessFaultRequest(jobId="ghost", faultRanks=[pb.FaultRank(rankId="0",
-                                                                                            faultType="1")]),
+        "ReportProcessFault": pb.ProcessFaultRequest(
+            jobId="ghost", faultRanks=[pb.FaultRank(rankId="0", faultType="1")]
+        ),
         "ReportAgentExit": pb.AgentExitRequest(jobId="ghost", role="taskd"),
     }[rpc]
     reply = getattr(agent.stub, rpc)(request)
@@ -134,12 +146,15 @@ def test_bad_job_ids_answer_409(controller, make_agent, job_id):
     _healthy(agent)
 
 
-@pytest.mark.parametrize(("faults", "field"), [
-    ([pb.FaultRank(rankId="abc", faultType="1")], "rankId"),
-    ([pb.FaultRank(rankId="1", faultType="7")], "faultType"),
-    ([pb.FaultRank(rankId=str(i), faultType="1") for i in range(100_000)], "faultRanks"),
-    ([], "faultRanks"),
-])
+@pytest.mark.parametrize(
+    ("faults", "field"),
+    [
+        ([pb.FaultRank(rankId="abc", faultType="1")], "rankId"),
+        ([pb.FaultRank(rankId="1", faultType="7")], "faultType"),
+        ([pb.FaultRank(rankId=str(i), faultType="1") for i in range(100_000)], "faultRanks"),
+        ([], "faultRanks"),
+    ],
+)
 def test_bad_fault_reports_answer_409(controller, make_agent, faults, field):
     agent = make_agent(controller.address, JOB).join()
     reply = agent.stub.ReportProcessFault(pb.ProcessFaultRequest(jobId=JOB, faultRanks=faults))
@@ -202,12 +217,18 @@ def test_signals_carry_uuid_seq_cycle_and_fault_nodes(controller, make_agent):
     assert (keepalive.signalSeq, list(keepalive.actions)) == (0, [])
 
 
-@pytest.mark.parametrize(("faults", "reported", "wire"), [
-    ({0: 0}, ["retry", "recover", "exit"], ("retry", "", ["change_strategy"])),
-    ({0: 1}, ["recover-in-place", "recover", "exit"],
-     ("recover", "recover-in-place", ["change_strategy", "fault_nodes_restart"])),
-    ({0: 1}, ["recover", "exit"], ("recover", "", ["change_strategy"])),
-])
+@pytest.mark.parametrize(
+    ("faults", "reported", "wire"),
+    [
+        ({0: 0}, ["retry", "recover", "exit"], ("retry", "", ["change_strategy"])),
+        (
+            {0: 1},
+            ["recover-in-place", "recover", "exit"],
+            ("recover", "recover-in-place", ["change_strategy", "fault_nodes_restart"]),
+        ),
+        ({0: 1}, ["recover", "exit"], ("recover", "", ["change_strategy"])),
+    ],
+)
 def test_a_successful_cycle_per_strategy(controller, make_agent, faults, reported, wire):
     agent = make_agent(controller.address, JOB).join()
     (change,) = _to_decision([agent], faults, reported)
