@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import kill, pid_alive, records, wait_for
+from pt_support import kill, pid_alive, records, wait_for
 
 from taskd_core.errors import WorkerControlError
 from taskd_core.models import WorkerState

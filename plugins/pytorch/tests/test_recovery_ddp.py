@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Launcher, free_port, kill, pid_alive, wait_for
+from pt_support import Launcher, free_port, kill, pid_alive, wait_for
 
 TRAIN = str(Path(__file__).resolve().parents[3] / "examples" / "train_ddp.py")
 STEPS = 30

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import WORKERS, free_port, kill, pid_alive, records, taskdrun_exe, wait_for
+from pt_support import WORKERS, free_port, kill, pid_alive, records, taskdrun_exe, wait_for
 
 IDLE = str(WORKERS / "idle.py")
 

@@ -1,0 +1,92 @@
+"""Helpers shared by the pytorch adapter's tests (kept out of conftest so they import by a unique name)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def records(out: Path) -> list[dict[str, str]]:
+    """What every worker started so far wrote about itself (``workers/idle.py``)."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def taskdrun_exe() -> str:
+    return str(Path(sys.executable).with_name("taskdrun"))
+
+
+class Launcher:
+    """Starts ``taskdrun`` processes in ``root``; :meth:`cleanup` kills what is left of them and of their workers.
+
+    Workers run in sessions of their own, so their pids are collected from the
+    records they write (``*.json`` of ``idle.py``, ``pid`` of progress lines).
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def __call__(self, *argv: str, log: str = "taskdrun") -> subprocess.Popen[bytes]:
+        with open(self.root / f"{log}.{len(self.started)}.log", "wb") as out:
+            proc = subprocess.Popen(
+                [taskdrun_exe(), "--taskd-log-level", "INFO", *argv], stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, cwd=self.root,
+            )
+        self.started.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        for pid in worker_pids(self.root):
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def worker_pids(root: Path) -> set[int]:
+    """Every worker pid any test file under ``root`` recorded."""
+    pids = {int(json.loads(p.read_text())["pid"]) for p in root.rglob("rank*.json")}
+    for progress in root.rglob("*.jsonl"):
+        pids |= {int(json.loads(line)["pid"]) for line in progress.read_text().splitlines() if line.strip()}
+    return pids
