@@ -88,7 +88,6 @@ class WorkerProcess:
     ) -> None:
         self.name = name
         self.args = tuple(args)
-        self.log_path = log_path
         self._log: IO[bytes] | None = None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
