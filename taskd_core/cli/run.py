@@ -229,8 +229,13 @@ def run(args: argparse.Namespace) -> int:
             "job %s node %s/%s: %s workers of %s, controller %s",
             spec.job_id, spec.node_rank, spec.nnodes, spec.nproc, " ".join(spec.command), endpoint.address,
         )
-        with _signals_stop(agent.shutdown):
-            outcome = agent.run()
+        try:
+            with _signals_stop(agent.shutdown):
+                outcome = agent.run()
+        finally:
+            # Workers that exited 0 may leave children behind (the agent is done with
+            # them once the leaders ended): taskd run leaves no process of the job running.
+            adapter.stop(None, args.stop_timeout)
         if endpoint.embedded and spec.nnodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
             # The other nodes' agents may still be finishing; they need this controller until they end.
             wait_for_agents(endpoint.address, spec.job_id, spec.nnodes, args.linger)

@@ -113,8 +113,8 @@ class Cluster:
             run.stop()
         for pid in job_processes(self.job_id):
             try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
 
     def diagnostics(self) -> str:

@@ -14,7 +14,8 @@ import pytest
 from .harness import DEADLINE, REPO, Cluster, job_processes, wait_until
 
 #: argv: OUT MODE. Records each start as OUT/start-<rank>-<restart>-<pid>, then
-#: "finish": exits 0; "crash": exits 1; "wait": runs until OUT/finish appears.
+#: "finish": exits 0; "crash": exits 1; "orphan": starts a long-lived child and exits 0;
+#: "wait": runs until OUT/finish appears.
 WORKER = textwrap.dedent(
     """
     import os, pathlib, sys, time
@@ -23,6 +24,10 @@ WORKER = textwrap.dedent(
     if mode == "crash":
         time.sleep(0.3)
         sys.exit(1)
+    if mode == "orphan":  # leaves a child behind and exits 0
+        import subprocess
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(200)"])
+        sys.exit(0)
     deadline = time.monotonic() + (0.5 if mode == "finish" else 200)
     while time.monotonic() < deadline and not (out / "finish").exists():
         time.sleep(0.05)
@@ -58,6 +63,13 @@ def test_all_workers_finish(tmp_path: Path, cluster: Cluster) -> None:
     assert cluster.wait_all() == [0, 0], cluster.diagnostics()
     assert set(starts(tmp_path)) == {(r, 0) for r in range(4)}
     assert "job finished" in kinds(cluster)
+    assert job_processes(cluster.job_id) == []
+
+
+def test_children_left_by_finished_workers_are_stopped(tmp_path: Path, cluster: Cluster) -> None:
+    """Workers that exit 0 but leave children running: `taskd run` exits 0 and leaves no process of the job."""
+    run = cluster.node(0, 1, 2, worker(tmp_path, "orphan"))
+    assert run.wait() == 0, run.output()
     assert job_processes(cluster.job_id) == []
 
 
