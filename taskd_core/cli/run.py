@@ -20,14 +20,12 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address, parse_address, wait_for_agents
+from taskd_core.launcher.interrupt import forward_stop_signals
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import DEFAULT_MASTER_PORT, LaunchSpec
 from taskd_core.models import JobPolicy
@@ -180,22 +178,6 @@ def build_policy(args: argparse.Namespace, nnodes: int) -> JobPolicy:
     )
 
 
-@contextmanager
-def _signals_stop(stop: Callable[[int], None]) -> Iterator[None]:
-    """Route SIGTERM / SIGINT to ``stop(signum)`` while the block runs (main thread only)."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        logger.warning("received %s: stopping every worker", signal.Signals(signum).name)
-        stop(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def run(args: argparse.Namespace) -> int:
     # Imported here: the agent pulls in the gRPC client, which `taskd run --help` does not need.
     from taskd_core.agent.node_agent import AgentConfig, NodeAgent, Outcome
@@ -230,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
             spec.job_id, spec.node_rank, spec.nnodes, spec.nproc, " ".join(spec.command), endpoint.address,
         )
         try:
-            with _signals_stop(agent.shutdown):
+            with forward_stop_signals(agent.shutdown, "taskd run"):
                 outcome = agent.run()
         finally:
             # Workers that exited 0 may leave children behind (the agent is done with

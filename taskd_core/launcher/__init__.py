@@ -5,6 +5,7 @@
 - :mod:`~taskd_core.launcher.spec`: :class:`LaunchSpec`, what one node runs.
 - :mod:`~taskd_core.launcher.process_adapter`: :class:`ProcessAdapter`, the hooks over the supervisor.
 - :mod:`~taskd_core.launcher.embedded`: which controller a launcher talks to.
+- :mod:`~taskd_core.launcher.interrupt`: SIGTERM / SIGINT turned into an orderly stop.
 """
 
 from __future__ import annotations

@@ -1,0 +1,46 @@
+"""Turning SIGTERM / SIGINT into an orderly stop of a launcher's workers.
+
+Every launcher (``taskd run``, ``msrun`` through ``MSRunPlugin``, ``taskdrun``)
+needs the same thing: while its agent runs, SIGTERM and SIGINT must stop the
+workers and end the agent (exit 143 / 130), not kill the launcher and orphan
+the workers. Handlers can only be installed from the main thread (torch
+elastic checks the same); elsewhere the caller keeps its own signal handling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+
+logger = logging.getLogger(__name__)
+
+#: The signals that mean "stop the job" to a launcher.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def forward_stop_signals(stop: Callable[[int], None], who: str = "launcher") -> Iterator[None]:
+    """Route SIGTERM / SIGINT to ``stop(signum)`` while the block runs; the previous handlers come back after.
+
+    :param stop: called in the main thread with the signal number; it must be
+        safe there (for example ``NodeAgent.shutdown``, which only sets a flag).
+    :param who: how the log line names the receiver.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        logger.warning("%s received %s: stopping every worker", who, signal.Signals(signum).name)
+        stop(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
