@@ -41,8 +41,9 @@ STALE_MONITOR_CALLS = 1
 WORKER = r"""
 import os, sys, time
 d, rank = sys.argv[1], sys.argv[2]
-with open(os.path.join(d, "starts.log"), "a") as f:
-    f.write(f"{rank} {os.getpid()} {os.environ.get('TASKD_RESTART_COUNT', '-')}\n")
+if rank != "-1":  # the scheduler's start is not a worker's
+    with open(os.path.join(d, "starts.log"), "a") as f:
+        f.write(f"{rank} {os.getpid()} {os.environ.get('TASKD_RESTART_COUNT', '-')}\n")
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline:
     if os.path.exists(os.path.join(d, f"crash-{rank}")):
