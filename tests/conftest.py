@@ -190,6 +190,17 @@ class RawAgent:
             timeout=WAIT,
         )
 
+    def set_report_timeout(self, seconds: float) -> None:
+        """Waits the job enters from now on end after ``seconds``; armed ones keep their deadline."""
+        request = pb.JobPolicyRequest(
+            jobId=self.job_id,
+            recoveryEnabled=True,
+            reportTimeoutSeconds=seconds,
+            flushSeconds=-1,
+            maxCycles=-1,
+        )
+        assert self.stub.SetJobPolicy(request, timeout=WAIT).code == 0
+
     def job(self, events: int = 0) -> pb.JobView:
         reply = self.stub.QueryStatus(pb.StatusQuery(jobId=self.job_id, events=events), timeout=WAIT)
         assert reply.status.code == 0, reply.status

@@ -45,16 +45,17 @@ def test_a_restarted_controller_resumes_the_cycle_and_re_arms_its_deadline(
     controller_factory, make_agent, tmp_path
 ):
     state = str(tmp_path / "state.db")
-    ctl = controller_factory(state=state, report_timeout=0.5)
+    ctl = controller_factory(state=state)
     agent = make_agent(ctl.address, JOB).join()
     agent.fault()
     agent.expect("stopTrain")
     agent.stopped()
     agent.expect("globalFault")
+    agent.set_report_timeout(2.0)
     agent.strategies(["recover", "dump", "exit"])
     change = agent.expect("changeStrategy", changeStrategy="recover")
     ctl.stop()
-    ctl = controller_factory(state=state, report_timeout=0.5)
+    ctl = controller_factory(state=state)
     again = make_agent(ctl.address, JOB).join()
     # The status deadline (stored as wall-clock time) passes with nobody answering: dump is next.
     sig = again.next_signal()

@@ -20,8 +20,12 @@ def _healthy(agent) -> None:
     assert agent.stub.Init(pb.ClientInfo(jobId="probe-job", role="x"), timeout=10).code == 0
 
 
-def _to_decision(agents, faults=None, reported=("recover", "dump", "exit")):
-    """Fault -> stopTrain -> stopped -> globalFault -> strategies; returns the changeStrategy signals."""
+def _to_decision(agents, faults=None, reported=("recover", "dump", "exit"), status_timeout=None):
+    """Fault -> stopTrain -> stopped -> globalFault -> strategies; returns the changeStrategy signals.
+
+    ``status_timeout`` shortens only the wait for the recovery results, so the
+    earlier waits cannot time out on a busy machine.
+    """
     assert agents[0].fault(faults).code == 0
     for a in agents:
         a.expect("stopTrain", actions=["stop_train"])
@@ -29,6 +33,8 @@ def _to_decision(agents, faults=None, reported=("recover", "dump", "exit")):
         assert a.stopped().code == 0
     for a in agents:
         a.expect("globalFault")
+    if status_timeout is not None:
+        agents[0].set_report_timeout(status_timeout)
     for a in agents:
         assert a.strategies(list(reported)).code == 0
     return [a.expect("changeStrategy") for a in agents]
@@ -279,10 +285,9 @@ def test_recover_failure_escalates_to_dump_then_exit(controller, make_agent):
     agent.expect("killMaster")
 
 
-def test_a_status_deadline_escalates(controller_factory, make_agent):
-    ctl = controller_factory(report_timeout=0.3)
-    agent = make_agent(ctl.address, JOB).join()
-    (change,) = _to_decision([agent])
+def test_a_status_deadline_escalates(controller, make_agent):
+    agent = make_agent(controller.address, JOB).join()
+    (change,) = _to_decision([agent], status_timeout=0.3)
     assert change.changeStrategy == "recover"
     # no status report: the deadline counts the agent as failed
     agent.expect("changeStrategy", changeStrategy="dump")
@@ -328,11 +333,10 @@ def test_a_fault_during_wait_status_starts_the_next_cycle(controller, make_agent
     assert nxt.cycle == 2 and nxt.uuid != change.uuid and [f.rankId for f in nxt.faultRanks] == ["5"]
 
 
-def test_two_agents_one_silent_the_deadline_escalates(controller_factory, make_agent):
-    ctl = controller_factory(report_timeout=0.5)
-    a = make_agent(ctl.address, JOB, "n0").join()
-    b = make_agent(ctl.address, JOB, "n1").join()
-    changes = _to_decision([a, b])
+def test_two_agents_one_silent_the_deadline_escalates(controller, make_agent):
+    a = make_agent(controller.address, JOB, "n0").join()
+    b = make_agent(controller.address, JOB, "n1").join()
+    changes = _to_decision([a, b], status_timeout=0.5)
     assert [c.changeStrategy for c in changes] == ["recover", "recover"]
     assert a.status(0, "recover").code == 0  # b never answers
     for x in (a, b):
