@@ -52,8 +52,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="training steps in total")
     p.add_argument("--ckpt-dir", type=Path, required=True, help="directory of the checkpoint")
     p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every K steps")
-    p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (makes kill timing easy)")
-    p.add_argument("--progress", type=Path, default=os.environ.get("TRAIN_PROGRESS"), help="JSON-lines event log")
+    p.add_argument(
+        "--step-time", type=float, default=0.0, help="extra seconds per step (makes kill timing easy)"
+    )
+    p.add_argument(
+        "--progress", type=Path, default=os.environ.get("TRAIN_PROGRESS"), help="JSON-lines event log"
+    )
     p.add_argument("--result", type=Path, default=None, help="rank 0 writes the final parameters here (JSON)")
     p.add_argument("--fail-at-step", type=int, default=None, help="fail once when this step begins")
     p.add_argument("--fail-rank", type=int, default=0, help="global rank that fails")
@@ -62,7 +66,7 @@ def parse_args() -> argparse.Namespace:
 
 
 class Progress:
-    """Append-only JSON-lines log shared by every rank (one short write per line stays whole under O_APPEND)."""
+    """Append-only JSON-lines log shared by every rank (a short O_APPEND write stays whole)."""
 
     def __init__(self, path: Path | None, rank: int, restart: int) -> None:
         self.path, self.rank, self.restart = path, rank, restart
@@ -71,8 +75,14 @@ class Progress:
         if self.path is None:
             return
         line = json.dumps(
-            {"event": event, "rank": self.rank, "step": step, "pid": os.getpid(), "restart": self.restart,
-             "time": time.time()}
+            {
+                "event": event,
+                "rank": self.rank,
+                "step": step,
+                "pid": os.getpid(),
+                "restart": self.restart,
+                "time": time.time(),
+            }
         )
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
@@ -84,7 +94,7 @@ def make_model() -> nn.Module:
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The data of ``rank`` at ``step``: a function of those two numbers only, so a replayed step is identical."""
+    """The data of ``rank`` at ``step``: depends on nothing else, so a replayed step is identical."""
     g = torch.Generator().manual_seed(step * 100_003 + rank)
     x = torch.randn(BATCH, IN_FEATURES, generator=g)
     y = x.sum(dim=1, keepdim=True).sin()
@@ -92,7 +102,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def save_checkpoint(path: Path, step: int, model: nn.Module, velocity: list[torch.Tensor]) -> None:
-    """Write atomically: readers (and a resume after a kill) see the old file or the new one, never a torn one."""
+    """Write atomically: a reader (or a resume after a kill) sees the old file or the new one, never half."""
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save({"step": step, "model": model.state_dict(), "velocity": velocity}, tmp)
     os.replace(tmp, path)
@@ -167,7 +177,9 @@ def main() -> int:
             if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
                 inject_fault(args.fail_mode, step)
             if args.step_time:
-                time.sleep(args.step_time)  # stands for compute: the window in which a peer's fault is handled
+                time.sleep(
+                    args.step_time
+                )  # stands for compute: the window in which a peer's fault is handled
             if dump_requested:
                 break
             model.zero_grad()

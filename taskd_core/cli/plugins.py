@@ -1,4 +1,4 @@
-"""``taskd plugins``: the installed framework adapters, their distributions and strategies, and broken ones."""
+"""``taskd plugins``: installed framework adapters with their distributions and strategies; broken ones."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     adapters = list_adapters()
     if not adapters:
-        print("no TaskD adapters installed (entry-point group 'taskd'); install taskd-core or an adapter distribution")
+        print(
+            "no TaskD adapters installed (entry-point group 'taskd'); "
+            "install taskd-core or an adapter distribution"
+        )
         return 0
     rows = [("NAME", "DISTRIBUTION", "STRATEGIES")]
     rows += [(a.name, a.distribution, ",".join(a.strategies) if not a.error else "BROKEN") for a in adapters]

@@ -24,7 +24,12 @@ from pathlib import Path
 
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address, parse_address, wait_for_agents
+from taskd_core.launcher.embedded import (
+    DEFAULT_CONTROLLER_PORT,
+    controller_address,
+    parse_address,
+    wait_for_agents,
+)
 from taskd_core.launcher.interrupt import forward_stop_signals
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import DEFAULT_MASTER_PORT, LaunchSpec
@@ -61,7 +66,11 @@ def _signal(text: str) -> signal.Signals:
     """A signal by name (``USR1``, ``SIGUSR1``) or number."""
     name = text.strip().upper()
     try:
-        return signal.Signals(int(name)) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        return (
+            signal.Signals(int(name))
+            if name.isdigit()
+            else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+        )
     except (KeyError, ValueError):
         raise argparse.ArgumentTypeError(f"unknown signal {text!r}") from None
 
@@ -75,7 +84,7 @@ def _address(text: str) -> str:
 
 
 def _reference_controller() -> str | None:
-    """The controller the reference's environment names: ClusterD at ``$MINDX_SERVER_IP`` on its fixed port."""
+    """The controller the reference's environment names: ClusterD at ``$MINDX_SERVER_IP``, fixed port."""
     host = os.environ.get("MINDX_SERVER_IP")
     return f"{host}:{DEFAULT_CONTROLLER_PORT}" if host else None
 
@@ -87,49 +96,101 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     topo = p.add_argument_group("workers")
-    topo.add_argument("--nproc", "--nproc-per-node", type=_positive_int, default=1, help="workers on this node")
+    topo.add_argument(
+        "--nproc", "--nproc-per-node", type=_positive_int, default=1, help="workers on this node"
+    )
     topo.add_argument("--nnodes", type=_positive_int, default=1, help="nodes in the job")
     topo.add_argument("--node-rank", type=_non_negative_int, default=0, help="this node's rank (0..nnodes-1)")
-    topo.add_argument("--master-addr", default="127.0.0.1", help="host of rank 0 and of the embedded controller")
     topo.add_argument(
-        "--master-port", type=int, default=None,
-        help=f"rendezvous port for the workers (default: a free port on one node, {DEFAULT_MASTER_PORT} on several)",
+        "--master-addr", default="127.0.0.1", help="host of rank 0 and of the embedded controller"
     )
     topo.add_argument(
-        "--job-id", default=os.environ.get("TASKD_JOB_ID") or os.environ.get("MINDX_TASK_ID") or "default",
+        "--master-port",
+        type=int,
+        default=None,
+        help=f"workers' rendezvous port (default: free port on one node, {DEFAULT_MASTER_PORT} on several)",
+    )
+    topo.add_argument(
+        "--job-id",
+        default=os.environ.get("TASKD_JOB_ID") or os.environ.get("MINDX_TASK_ID") or "default",
         help="job id, the same on every node (default: $TASKD_JOB_ID, $MINDX_TASK_ID or 'default')",
     )
-    topo.add_argument("--log-dir", type=Path, default=None, help="write each worker's output to <dir>/rank<R>/restart<K>.log")
     topo.add_argument(
-        "--in-place", action="store_true",
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="write each worker's output to <dir>/rank<R>/restart<K>.log",
+    )
+    topo.add_argument(
+        "--in-place",
+        action="store_true",
         help="workers are independent: a faulty one may be restarted alone (recover-in-place)",
     )
     ctl = p.add_argument_group("controller")
     ctl.add_argument(
-        "--controller", type=_address, default=_reference_controller(),
-        help="HOST:PORT of a running controller (default: $MINDX_SERVER_IP:8899 when set, as ClusterD's clients do)",
+        "--controller",
+        type=_address,
+        default=_reference_controller(),
+        help="HOST:PORT of a running controller (default: $MINDX_SERVER_IP:8899 if set, as in ClusterD)",
     )
     ctl.add_argument(
-        "--controller-port", type=int, default=None,
-        help=f"port of node 0's embedded controller (default: any free port on one node, {DEFAULT_CONTROLLER_PORT} on several)",
+        "--controller-port",
+        type=int,
+        default=None,
+        help=f"port of node 0's embedded controller "
+        f"(default: any free port on one node, {DEFAULT_CONTROLLER_PORT} on several)",
     )
-    ctl.add_argument("--controller-state", default=":memory:", help="SQLite state file of the embedded controller")
     ctl.add_argument(
-        "--linger", type=_seconds, default=60.0,
+        "--controller-state", default=":memory:", help="SQLite state file of the embedded controller"
+    )
+    ctl.add_argument(
+        "--linger",
+        type=_seconds,
+        default=60.0,
         help="node 0 with the embedded controller: seconds to wait for the other nodes' agents to end",
     )
-    ctl.add_argument("--connect-timeout", type=_seconds, default=60.0, help="seconds to keep trying to reach the controller")
+    ctl.add_argument(
+        "--connect-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds to keep trying to reach the controller",
+    )
     pol = p.add_argument_group("recovery policy (embedded controller only)")
     pol.add_argument(
-        "--strategies", default=None,
-        help="allowed strategies, comma separated (default: " + ",".join(s.value for s in _DEFAULTS.strategies) + ")",
+        "--strategies",
+        default=None,
+        help="allowed strategies, comma separated (default: "
+        + ",".join(s.value for s in _DEFAULTS.strategies)
+        + ")",
     )
-    pol.add_argument("--max-cycles", type=_non_negative_int, default=_DEFAULTS.max_cycles, help="recovery cycles before giving up")
-    pol.add_argument("--report-timeout", type=_seconds, default=_DEFAULTS.report_timeout, help="deadline of each wait for the agents")
-    pol.add_argument("--flush-seconds", type=_seconds, default=_DEFAULTS.flush_seconds, help="window collecting faults that arrive together")
+    pol.add_argument(
+        "--max-cycles",
+        type=_non_negative_int,
+        default=_DEFAULTS.max_cycles,
+        help="recovery cycles before giving up",
+    )
+    pol.add_argument(
+        "--report-timeout",
+        type=_seconds,
+        default=_DEFAULTS.report_timeout,
+        help="deadline of each wait for the agents",
+    )
+    pol.add_argument(
+        "--flush-seconds",
+        type=_seconds,
+        default=_DEFAULTS.flush_seconds,
+        help="window collecting faults that arrive together",
+    )
     act = p.add_argument_group("stopping")
-    act.add_argument("--stop-timeout", type=_seconds, default=30.0, help="seconds between SIGTERM and SIGKILL")
-    act.add_argument("--dump-signal", type=_signal, default=signal.SIGUSR1, help="signal asking workers to save (default: SIGUSR1)")
+    act.add_argument(
+        "--stop-timeout", type=_seconds, default=30.0, help="seconds between SIGTERM and SIGKILL"
+    )
+    act.add_argument(
+        "--dump-signal",
+        type=_signal,
+        default=signal.SIGUSR1,
+        help="signal asking workers to save (default: SIGUSR1)",
+    )
     act.add_argument("--dump-grace", type=_seconds, default=30.0, help="seconds workers get to save on dump")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]: what each worker runs")
     p.set_defaults(func=run)
@@ -143,7 +204,7 @@ def _free_port(host: str) -> int:
 
 
 def build_spec(args: argparse.Namespace) -> LaunchSpec:
-    """The :class:`LaunchSpec` the flags describe; raises :class:`ConfigError` for combinations that cannot work."""
+    """The :class:`LaunchSpec` the flags describe; :class:`ConfigError` for combinations that cannot work."""
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.master_port is None:
         one_node = args.nnodes == 1
@@ -209,7 +270,12 @@ def run(args: argparse.Namespace) -> int:
         agent = NodeAgent(config, adapter)
         logger.info(
             "job %s node %s/%s: %s workers of %s, controller %s",
-            spec.job_id, spec.node_rank, spec.nnodes, spec.nproc, " ".join(spec.command), endpoint.address,
+            spec.job_id,
+            spec.node_rank,
+            spec.nnodes,
+            spec.nproc,
+            " ".join(spec.command),
+            endpoint.address,
         )
         try:
             with forward_stop_signals(agent.shutdown, "taskd run"):

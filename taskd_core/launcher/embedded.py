@@ -123,6 +123,8 @@ def wait_for_agents(address: str, job_id: str, agents: int, timeout: float) -> b
             if ended >= agents:
                 return True
             if remaining <= 0:
-                logger.warning("only %s of %s agents of job %s ended within %.1fs", ended, agents, job_id, timeout)
+                logger.warning(
+                    "only %s of %s agents of job %s ended within %.1fs", ended, agents, job_id, timeout
+                )
                 return False
             time.sleep(min(_AGENT_POLL, remaining))

@@ -38,7 +38,9 @@ class ProcessAdapter:
 
     def _spec(self) -> LaunchSpec:
         if self.spec is None:
-            raise ConfigError("the process adapter was created without a LaunchSpec; it cannot control workers")
+            raise ConfigError(
+                "the process adapter was created without a LaunchSpec; it cannot control workers"
+            )
         return self.spec
 
     def _check_ranks(self, local_ranks: Sequence[int]) -> None:

@@ -30,9 +30,16 @@ def check_host(host: str, what: str) -> None:
     except ValueError:
         pass
     labels = host.split(".")
-    if not host or len(host) > 253 or not all(
-        label and len(label) <= 63 and label.replace("-", "").replace("_", "").isalnum() and label[0] != "-"
-        for label in labels
+    if (
+        not host
+        or len(host) > 253
+        or not all(
+            label
+            and len(label) <= 63
+            and label.replace("-", "").replace("_", "").isalnum()
+            and label[0] != "-"
+            for label in labels
+        )
     ):
         raise ConfigError(f"{what}: {host!r} is neither an IP address nor a host name")
 
@@ -77,7 +84,9 @@ class LaunchSpec:
         if self.nnodes < 1:
             raise ConfigError(f"nnodes must be at least 1, not {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"node rank {self.node_rank} is outside 0..{self.nnodes - 1} (nnodes {self.nnodes})")
+            raise ConfigError(
+                f"node rank {self.node_rank} is outside 0..{self.nnodes - 1} (nnodes {self.nnodes})"
+            )
         if not self.job_id:
             raise ConfigError("job id must not be empty")
         if self.stop_timeout < 0:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,11 +50,18 @@ class TaskdRun:
 
     def __init__(self, argv: list[str], log: Path) -> None:
         self.log = log
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        }
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "taskd_core", "--log-level", "INFO", "run", *argv],
-                stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=env,
+                start_new_session=True,
             )
 
     def wait(self, timeout: float = DEADLINE) -> int:
@@ -74,7 +82,7 @@ class TaskdRun:
 
 
 class Cluster:
-    """The ``taskd run`` processes of one test, all with the same job id; :meth:`close` leaves nothing running."""
+    """The ``taskd run`` processes of one test, sharing one job id; :meth:`close` leaves nothing running."""
 
     def __init__(self, tmp_path: Path, job_id: str) -> None:
         self.tmp_path = tmp_path
@@ -86,11 +94,35 @@ class Cluster:
 
     def node(self, node_rank: int, nnodes: int, nproc: int, command: list[str], *extra: str) -> TaskdRun:
         argv = [
-            "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--nproc", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(self.master_port),
-            "--controller-port", str(self.controller_port), "--controller-state", str(self.state),
-            "--job-id", self.job_id, "--log-dir", str(self.tmp_path / "logs"), "--flush-seconds", "0.3",
-            "--stop-timeout", "10", "--report-timeout", "60", "--connect-timeout", "60", *extra, "--", *command,
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node_rank),
+            "--nproc",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(self.master_port),
+            "--controller-port",
+            str(self.controller_port),
+            "--controller-state",
+            str(self.state),
+            "--job-id",
+            self.job_id,
+            "--log-dir",
+            str(self.tmp_path / "logs"),
+            "--flush-seconds",
+            "0.3",
+            "--stop-timeout",
+            "10",
+            "--report-timeout",
+            "60",
+            "--connect-timeout",
+            "60",
+            *extra,
+            "--",
+            *command,
         ]
         run = TaskdRun(argv, self.tmp_path / f"node{node_rank}.log")
         self.runs.append(run)
@@ -112,10 +144,8 @@ class Cluster:
         for run in self.runs:
             run.stop()
         for pid in job_processes(self.job_id):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def diagnostics(self) -> str:
         return "\n".join(f"--- {run.log.name}\n{run.output()[-6000:]}" for run in self.runs)
@@ -134,8 +164,10 @@ def wait_until(what: str, check: Callable[[], bool], cluster: Cluster, deadline:
     while not check():
         ended = [r.log.name for r in cluster.runs if r.proc.poll() is not None]
         if ended or time.monotonic() > end:
-            raise AssertionError(f"{what}: not reached ({'ended: ' + str(ended) if ended else 'deadline'})\n"
-                                 f"{cluster.diagnostics()}")
+            raise AssertionError(
+                f"{what}: not reached ({'ended: ' + str(ended) if ended else 'deadline'})\n"
+                f"{cluster.diagnostics()}"
+            )
         time.sleep(0.05)
 
 

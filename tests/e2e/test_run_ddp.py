@@ -1,4 +1,4 @@
-"""The issue's acceptance tests: examples/train_ddp.py on 2 nodes x 2 workers under two ``taskd run`` processes.
+"""The issue's acceptance tests: examples/train_ddp.py on 2 nodes x 2 workers, two ``taskd run`` processes.
 
 Node 0 hosts the embedded controller (journal in a state file the tests read
 afterwards). Training is deterministic, so a recovered run must end with the
@@ -70,8 +70,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ob
 def test_faulty_worker_is_recovered_with_identical_result(
     tmp_path: Path, cluster: Cluster, reference: dict[str, object], fault: str
 ) -> None:
-    """One worker dies mid-training (SIGKILL from outside, or an exception): one `recover` cycle restarts every
-    worker, training resumes from the last checkpoint and ends with the fault-free run's parameters."""
+    """One worker dies mid-training (SIGKILL from outside, or an exception): one `recover` cycle restarts
+    every worker, training resumes from the last checkpoint and ends with the fault-free run's parameters."""
     progress = tmp_path / "progress.jsonl"
     extra = ["--step-time", "0.1"]
     if fault == "raise":
@@ -97,8 +97,8 @@ def test_faulty_worker_is_recovered_with_identical_result(
 
 
 def test_dump_then_exit_policy(tmp_path: Path, cluster: Cluster) -> None:
-    """With --strategies dump,exit the surviving workers get the save signal, save and exit; the job ends non-zero
-    and the controller's journal shows dump, then exit."""
+    """With --strategies dump,exit the surviving workers get the save signal, save and exit; the job ends
+    non-zero and the controller's journal shows dump, then exit."""
     progress = tmp_path / "progress.jsonl"
     # A long step leaves the healthy ranks in their compute (not in a collective
     # the dead peer breaks) while the controller negotiates the dump.

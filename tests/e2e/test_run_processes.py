@@ -1,4 +1,4 @@
-"""``taskd run`` end to end with plain Python workers: finish, give-up, recover-in-place, signals, adapters."""
+"""``taskd run`` end to end with plain Python workers: finish, give-up, in-place, signals, adapters."""
 
 from __future__ import annotations
 
@@ -67,14 +67,14 @@ def test_all_workers_finish(tmp_path: Path, cluster: Cluster) -> None:
 
 
 def test_children_left_by_finished_workers_are_stopped(tmp_path: Path, cluster: Cluster) -> None:
-    """Workers that exit 0 but leave children running: `taskd run` exits 0 and leaves no process of the job."""
+    """Workers that exit 0 but leave children running: `taskd run` exits 0 and leaves no process behind."""
     run = cluster.node(0, 1, 2, worker(tmp_path, "orphan"))
     assert run.wait() == 0, run.output()
     assert job_processes(cluster.job_id) == []
 
 
 def test_repeated_faults_give_the_job_up(tmp_path: Path, cluster: Cluster) -> None:
-    """Workers that crash after every restart exhaust --max-cycles: every agent exits non-zero, nothing is left."""
+    """Workers crashing after every restart exhaust --max-cycles: every agent exits non-zero, nothing left."""
     command = worker(tmp_path, "crash")
     for node in (0, 1):
         cluster.node(node, 2, 2, command, "--max-cycles", "2", "--strategies", "recover,exit")
@@ -99,7 +99,9 @@ def test_in_place_restarts_only_the_faulty_rank(tmp_path: Path, cluster: Cluster
     after = starts(tmp_path)
     assert set(after) == {(0, 0), (1, 0), (2, 0), (3, 0), (3, 1)}
     assert after[3, 1] != first[3, 0]
-    assert sorted(job_processes(cluster.job_id)) == sorted([first[0, 0], first[1, 0], first[2, 0], after[3, 1]])
+    assert sorted(job_processes(cluster.job_id)) == sorted(
+        [first[0, 0], first[1, 0], first[2, 0], after[3, 1]]
+    )
     (tmp_path / "out" / "finish").touch()
     assert cluster.wait_all() == [0, 0], cluster.diagnostics()
     journal = cluster.journal()
@@ -159,7 +161,7 @@ AGENT_SCRIPT = textwrap.dedent(
 
 
 def lay_out_dist(root: Path, name: str, source: str, entry: str) -> None:
-    """An unpacked distribution on a path entry: the module, METADATA and entry_points.txt (group ``taskd``)."""
+    """An unpacked distribution on a path entry: module, METADATA and entry_points.txt (group ``taskd``)."""
     (root / f"{name}.py").write_text(source)
     info = root / f"{name}-2.0.dist-info"
     info.mkdir()
@@ -171,8 +173,12 @@ def lay_out_dist(root: Path, name: str, source: str, entry: str) -> None:
     ("frame", "code", "expected"),
     [
         ("tracing", 0, "outcome succeeded 0"),
-        ("brokenframe", 2, "PluginLoadError: TaskD adapter 'brokenframe' from distribution tdent_broken 2.0 failed"
-                           " to load: ModuleNotFoundError: No module named 'no_such_framework'"),
+        (
+            "brokenframe",
+            2,
+            "PluginLoadError: TaskD adapter 'brokenframe' from distribution tdent_broken 2.0 failed"
+            " to load: ModuleNotFoundError: No module named 'no_such_framework'",
+        ),
         ("nosuchframe", 2, "AdapterNotFoundError: no TaskD adapter named 'nosuchframe' is installed"),
     ],
 )
@@ -183,8 +189,13 @@ def test_agent_uses_adapter_from_entry_point(tmp_path: Path, frame: str, code: i
     trace = tmp_path / "trace.txt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "TRACE_FILE": str(trace)}
     result = subprocess.run(
-        [sys.executable, "-c", AGENT_SCRIPT, frame], env=env, cwd=tmp_path, capture_output=True, text=True,
-        timeout=DEADLINE, check=False,
+        [sys.executable, "-c", AGENT_SCRIPT, frame],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
     )
     assert result.returncode == code, result.stdout + result.stderr
     assert expected in result.stdout
@@ -193,14 +204,23 @@ def test_agent_uses_adapter_from_entry_point(tmp_path: Path, frame: str, code: i
 
 
 def test_plugins_lists_adapters_and_broken_ones(tmp_path: Path) -> None:
-    """`python -m taskd_core plugins` shows each adapter's distribution and strategies, and why a broken one failed."""
-    lay_out_dist(tmp_path, "tdent_good", "from taskd_core.launcher import ProcessAdapter as Adapter\n",
-                 "goodframe = tdent_good:Adapter")
+    """`python -m taskd_core plugins` shows adapters' distributions and strategies, and why one is broken."""
+    lay_out_dist(
+        tmp_path,
+        "tdent_good",
+        "from taskd_core.launcher import ProcessAdapter as Adapter\n",
+        "goodframe = tdent_good:Adapter",
+    )
     lay_out_dist(tmp_path, "tdent_broken", "import no_such_framework\n", "brokenframe = tdent_broken:Adapter")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     result = subprocess.run(
-        [sys.executable, "-m", "taskd_core", "plugins"], env=env, cwd=tmp_path, capture_output=True, text=True,
-        timeout=DEADLINE, check=False,
+        [sys.executable, "-m", "taskd_core", "plugins"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()]

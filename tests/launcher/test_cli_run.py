@@ -42,7 +42,9 @@ def test_run_rejects_bad_flags(argv: list[str], message: str, capsys: pytest.Cap
         (["--nnodes", "2", "--node-rank", "1", "--controller-port", "0", "--", "true"], "controller port"),
     ],
 )
-def test_run_rejects_inconsistent_input(argv: list[str], message: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_run_rejects_inconsistent_input(
+    argv: list[str], message: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Combinations that cannot work end with a clear logged message and exit 2, before any worker starts."""
     assert main(["run", *argv]) == 2
     assert message in caplog.text

@@ -6,7 +6,12 @@ import grpc
 import pytest
 
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.embedded import ControllerEndpoint, controller_address, parse_address, wait_for_agents
+from taskd_core.launcher.embedded import (
+    ControllerEndpoint,
+    controller_address,
+    parse_address,
+    wait_for_agents,
+)
 from taskd_core.models import JobPolicy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
@@ -15,25 +20,30 @@ POLICY = JobPolicy(max_cycles=7)
 
 
 def test_explicit_address_wins() -> None:
-    with controller_address("ctl.example:9000", node_rank=0, master_addr="10.0.0.1", controller_port=1,
-                            policy=POLICY) as endpoint:
+    with controller_address(
+        "ctl.example:9000", node_rank=0, master_addr="10.0.0.1", controller_port=1, policy=POLICY
+    ) as endpoint:
         assert endpoint == ControllerEndpoint("ctl.example:9000", embedded=False)
 
 
 def test_other_nodes_reach_master_addr() -> None:
-    with controller_address(None, node_rank=3, master_addr="10.0.0.1", controller_port=8899, policy=POLICY) as ep:
+    with controller_address(
+        None, node_rank=3, master_addr="10.0.0.1", controller_port=8899, policy=POLICY
+    ) as ep:
         assert ep == ControllerEndpoint("10.0.0.1:8899", embedded=False)
 
 
 def test_other_nodes_need_a_fixed_port() -> None:
-    with pytest.raises(ConfigError, match="controller port"):
-        with controller_address(None, node_rank=1, master_addr="10.0.0.1", controller_port=0, policy=POLICY):
-            pass
+    endpoint = controller_address(None, node_rank=1, master_addr="10.0.0.1", controller_port=0, policy=POLICY)
+    with pytest.raises(ConfigError, match="controller port"), endpoint:
+        pass
 
 
 def test_node_zero_embeds_a_controller_with_the_policy() -> None:
     """Node 0 serves a real controller on loopback for a loopback master; it stops with the block."""
-    with controller_address(None, node_rank=0, master_addr="127.0.0.1", controller_port=0, policy=POLICY) as ep:
+    with controller_address(
+        None, node_rank=0, master_addr="127.0.0.1", controller_port=0, policy=POLICY
+    ) as ep:
         assert ep.embedded and ep.address.startswith("127.0.0.1:")
         with grpc.insecure_channel(ep.address) as channel:
             reply = recover_pb2_grpc.RecoverStub(channel).QueryStatus(pb.StatusQuery(), timeout=30)

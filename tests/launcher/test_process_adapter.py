@@ -32,7 +32,8 @@ WORKER = textwrap.dedent(
     with open(out + ".tmp", "w") as f:
         json.dump(env, f)
     os.replace(out + ".tmp", out)
-    code = {int(r): int(c) for r, c in (x.split("=") for x in sys.argv[2].split(",") if x)}.get(int(env["LOCAL_RANK"]))
+    codes = {int(r): int(c) for r, c in (x.split("=") for x in sys.argv[2].split(",") if x)}
+    code = codes.get(int(env["LOCAL_RANK"]))
     if code is None:
         time.sleep(120)
     sys.exit(code)
@@ -43,8 +44,15 @@ WORKER = textwrap.dedent(
 def make_spec(tmp_path: Path, exits: str = "", **kw: object) -> LaunchSpec:
     fields: dict[str, object] = dict(
         command=(sys.executable, "-c", WORKER, str(tmp_path), exits),
-        nproc=2, nnodes=3, node_rank=1, master_addr="10.1.2.3", master_port=4242, job_id="job-7",
-        log_dir=tmp_path / "logs", env={"EXTRA": "x", "RANK": "overridden"}, stop_timeout=5.0,
+        nproc=2,
+        nnodes=3,
+        node_rank=1,
+        master_addr="10.1.2.3",
+        master_port=4242,
+        job_id="job-7",
+        log_dir=tmp_path / "logs",
+        env={"EXTRA": "x", "RANK": "overridden"},
+        stop_timeout=5.0,
     )
     fields.update(kw)
     return LaunchSpec(**fields)  # type: ignore[arg-type]
@@ -87,13 +95,24 @@ def test_restart_all_sets_rank_environment(tmp_path: Path, adapters: list[Adapte
     adapter.restart_all()
     env = read_env(tmp_path, 1, 0)
     assert env == {
-        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-        "NODE_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "4242", "TASKD_RESTART_COUNT": "0",
-        "TORCHELASTIC_RESTART_COUNT": "0", "TASKD_JOB_ID": "job-7", "EXTRA": "x", "pid": env["pid"],
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "6",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "10.1.2.3",
+        "MASTER_PORT": "4242",
+        "TASKD_RESTART_COUNT": "0",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TASKD_JOB_ID": "job-7",
+        "EXTRA": "x",
+        "pid": env["pid"],
     }
     statuses = adapter.monitor()
     assert [(s.local_rank, s.global_rank, s.state) for s in statuses.values()] == [
-        (0, 2, WorkerState.RUNNING), (1, 3, WorkerState.RUNNING)
+        (0, 2, WorkerState.RUNNING),
+        (1, 3, WorkerState.RUNNING),
     ]
     assert statuses[1].pid == env["pid"]
     assert (tmp_path / "logs" / "rank3" / "restart0.log").exists()
@@ -159,7 +178,9 @@ def test_successful_worker_is_reported_succeeded(tmp_path: Path, adapters: list[
 def test_strategies_offer_in_place_only_for_independent_workers(
     tmp_path: Path, independent: bool, expected: tuple[Strategy, ...]
 ) -> None:
-    adapter = load_adapter("process", instance=ProcessAdapter(make_spec(tmp_path, independent_workers=independent)))
+    adapter = load_adapter(
+        "process", instance=ProcessAdapter(make_spec(tmp_path, independent_workers=independent))
+    )
     assert adapter.strategies() == expected
 
 

@@ -40,7 +40,10 @@ PARENT = textwrap.dedent(
 def spawn(tmp_path: Path, name: str, script: str, *args: str) -> tuple[WorkerProcess, Path]:
     pid_file = tmp_path / f"{name}.pid"
     proc = WorkerProcess(
-        name, [sys.executable, "-c", script, str(pid_file), *args], {"TASKD_TEST": name}, tmp_path / name / "out.log"
+        name,
+        [sys.executable, "-c", script, str(pid_file), *args],
+        {"TASKD_TEST": name},
+        tmp_path / name / "out.log",
     )
     return proc, pid_file
 
@@ -68,7 +71,7 @@ def test_graceful_stop_reaps_and_closes_logs(tmp_path: Path, started: list[Worke
 
 
 def test_sigterm_ignoring_worker_is_killed_at_deadline(tmp_path: Path, started: list[WorkerProcess]) -> None:
-    """A worker that ignores SIGTERM gets SIGKILL once the shared deadline passes; the polite one keeps SIGTERM's code."""
+    """A worker ignoring SIGTERM gets SIGKILL at the shared deadline; the polite one keeps SIGTERM's code."""
     stubborn, stubborn_pid = spawn(tmp_path, "stubborn", SLEEPER, "ignore-term")
     polite, polite_pid = spawn(tmp_path, "polite", SLEEPER, "normal")
     started.extend([stubborn, polite])
@@ -81,7 +84,9 @@ def test_sigterm_ignoring_worker_is_killed_at_deadline(tmp_path: Path, started: 
 
 
 @pytest.mark.parametrize("grandchild_mode", ["normal", "ignore-term"])
-def test_stop_leaves_no_grandchild(tmp_path: Path, started: list[WorkerProcess], grandchild_mode: str) -> None:
+def test_stop_leaves_no_grandchild(
+    tmp_path: Path, started: list[WorkerProcess], grandchild_mode: str
+) -> None:
     """Stopping a worker also ends the grandchild it spawned, even one that ignores SIGTERM."""
     proc, pid_file = spawn(tmp_path, "parent", PARENT, grandchild_mode, SLEEPER)
     started.append(proc)
@@ -93,7 +98,9 @@ def test_stop_leaves_no_grandchild(tmp_path: Path, started: list[WorkerProcess],
     assert not is_unreaped_child(proc.pid)
 
 
-def test_orphaned_grandchild_is_killed_after_leader_exit(tmp_path: Path, started: list[WorkerProcess]) -> None:
+def test_orphaned_grandchild_is_killed_after_leader_exit(
+    tmp_path: Path, started: list[WorkerProcess]
+) -> None:
     """A group whose leader already exited is still signalled: its orphan does not survive the stop."""
     script = PARENT.replace("time.sleep(120)", "sys.exit(3)")
     proc, pid_file = spawn(tmp_path, "leader", script, "ignore-term", SLEEPER)
@@ -118,8 +125,10 @@ def test_worker_sees_env_and_writes_log(tmp_path: Path, started: list[WorkerProc
     """The worker's environment is the launcher's plus the updates; its output lands in its log file."""
     log = tmp_path / "deep" / "dir" / "w.log"
     proc = WorkerProcess(
-        "env", [sys.executable, "-c", "import os; print(os.environ['TASKD_X'], os.environ['PATH'] != '')"],
-        {"TASKD_X": "hello"}, log,
+        "env",
+        [sys.executable, "-c", "import os; print(os.environ['TASKD_X'], os.environ['PATH'] != '')"],
+        {"TASKD_X": "hello"},
+        log,
     )
     started.append(proc)
     assert proc.wait(60) == 0
