@@ -169,6 +169,19 @@ def lay_out_dist(root: Path, name: str, source: str, entry: str) -> None:
     info.joinpath("entry_points.txt").write_text(f"[taskd]\n{entry}\n")
 
 
+def run_with_dists(dists: Path, args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` in a child whose path holds the distributions laid out in ``dists``."""
+    return subprocess.run(
+        [sys.executable, *args],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(dists), str(REPO)]), **env},
+        cwd=dists,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize(
     ("frame", "code", "expected"),
     [
@@ -187,16 +200,7 @@ def test_agent_uses_adapter_from_entry_point(tmp_path: Path, frame: str, code: i
     lay_out_dist(tmp_path, "tdent_tracing", TRACING_ADAPTER, "tracing = tdent_tracing:Adapter")
     lay_out_dist(tmp_path, "tdent_broken", "import no_such_framework\n", "brokenframe = tdent_broken:Adapter")
     trace = tmp_path / "trace.txt"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "TRACE_FILE": str(trace)}
-    result = subprocess.run(
-        [sys.executable, "-c", AGENT_SCRIPT, frame],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-        check=False,
-    )
+    result = run_with_dists(tmp_path, ["-c", AGENT_SCRIPT, frame], TRACE_FILE=str(trace))
     assert result.returncode == code, result.stdout + result.stderr
     assert expected in result.stdout
     if frame == "tracing":
@@ -212,16 +216,7 @@ def test_plugins_lists_adapters_and_broken_ones(tmp_path: Path) -> None:
         "goodframe = tdent_good:Adapter",
     )
     lay_out_dist(tmp_path, "tdent_broken", "import no_such_framework\n", "brokenframe = tdent_broken:Adapter")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    result = subprocess.run(
-        [sys.executable, "-m", "taskd_core", "plugins"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-        check=False,
-    )
+    result = run_with_dists(tmp_path, ["-m", "taskd_core", "plugins"])
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()]
     assert ["goodframe", "tdent_good", "2.0", "recover,dump,exit"] in rows
