@@ -26,6 +26,19 @@ from taskd_mindspore.runner import run_node
 logger = logging.getLogger(__name__)
 
 
+def _log_to_stderr(env: Mapping[str, str]) -> None:
+    # msrun configures no Python logging (MindSpore has its own logger), so without this TaskD's
+    # recovery steps would be invisible in msrun's output. start() is msrun's equivalent of a
+    # command line's main(), the one place allowed to configure logging; an embedding program
+    # that configured handlers itself keeps them.
+    if not logging.getLogger().handlers:
+        level = logging.getLevelName(env.get("TASKD_LOG_LEVEL", "INFO").upper())
+        logging.basicConfig(
+            level=level if isinstance(level, int) else logging.INFO,
+            format="%(asctime)s %(levelname)s [taskd pid %(process)d] %(name)s: %(message)s",
+        )
+
+
 class MSRunPlugin:
     """Takes over msrun's worker life cycle: the seed API, ``register_callbacks`` then ``start``.
 
@@ -60,6 +73,7 @@ class MSRunPlugin:
         process here. It is the one place that does: :meth:`run` and everything
         below return codes, and ``SystemExit`` still unwinds ``finally`` blocks.
         """
+        _log_to_stderr(os.environ if self._env is None else self._env)
         code = self.run()
         logger.info("msrun ends with exit code %s", code)
         raise SystemExit(code)

@@ -29,20 +29,15 @@ controller linger          ``TASKD_LINGER`` seconds (default 60) node 0 keeps it
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
-import signal as signals
-import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from types import FrameType
 
-from taskd_core.agent.node_agent import AgentConfig, NodeAgent, Outcome
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address, wait_for_agents
+from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT
+from taskd_core.launcher.node import NodeSettings, run_node_agent
 from taskd_core.models import JobPolicy, WorkerState, WorkerStatus
 from taskd_core.plugins import load_adapter
 
@@ -93,17 +88,9 @@ def _explicit_controller(env: Mapping[str, str]) -> str | None:
 class MsrunSettings:
     """Everything one node's TaskD needs, as msrun's environment gives it (table in the module docstring)."""
 
-    job_id: str
-    controller: str | None
-    node_rank: int
-    nnodes: int
-    master_addr: str
-    controller_port: int
+    node: NodeSettings
     recover_in_place: bool
-    policy: JobPolicy
-    stop_timeout: float
     scheduler_grace: float
-    linger: float
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], statuses: Mapping[int, WorkerStatus]) -> MsrunSettings:
@@ -122,44 +109,24 @@ class MsrunSettings:
         policy = JobPolicy(max_cycles=_integer(env, "TASKD_MAX_CYCLES", JobPolicy().max_cycles), expected_agents=nnodes)
         if env.get("TASKD_STRATEGIES"):
             policy = replace(policy, strategies=parse_strategies(env["TASKD_STRATEGIES"], key="TASKD_STRATEGIES"))
-        return cls(
+        node = NodeSettings(
             job_id=env.get("TASKD_JOB_ID") or env.get("MINDX_TASK_ID") or f"msrun-{host}-{sched_port}",
-            controller=_explicit_controller(env),
             node_rank=node_rank,
             nnodes=nnodes,
             master_addr=host,
+            controller=_explicit_controller(env),
             controller_port=_integer(env, "TASKD_CONTROLLER_PORT", sched_port + 1),
+            policy=policy,
+            stop_timeout=_number(env, "TASKD_STOP_TIMEOUT", 30.0),
+            linger=_number(env, "TASKD_LINGER", 60.0),
+        )
+        return cls(
+            node=node,
             recover_in_place=any(
                 env.get(k, "").strip().lower() in _TRUE for k in ("TASKD_RECOVER_IN_PLACE", "ENABLE_RESTART_FAULT_PROCESS")
             ),
-            policy=policy,
-            stop_timeout=_number(env, "TASKD_STOP_TIMEOUT", 30.0),
             scheduler_grace=_number(env, "TASKD_SCHEDULER_GRACE", 30.0),
-            linger=_number(env, "TASKD_LINGER", 60.0),
         )
-
-
-@contextlib.contextmanager
-def _signals_to(stop: Callable[[int], None]) -> Iterator[None]:
-    """Route SIGTERM / SIGINT to ``stop`` while the block runs, when this is the main thread.
-
-    msrun gives TaskD its main thread; called from any other thread (an
-    embedding program, a test) the caller keeps its own signal handling.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def forward(signum: int, frame: FrameType | None) -> None:
-        logger.warning("msrun received %s: stopping every worker", signals.Signals(signum).name)
-        stop(signum)
-
-    previous = {sig: signals.signal(sig, forward) for sig in (signals.SIGTERM, signals.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signals.signal(sig, handler)
 
 
 def run_node(callbacks: MsrunCallbacks, env: Mapping[str, str]) -> int:
@@ -172,39 +139,15 @@ def run_node(callbacks: MsrunCallbacks, env: Mapping[str, str]) -> int:
     before = impl.statuses()
     settings = MsrunSettings.from_env(env, before)
     impl.recover_in_place = settings.recover_in_place
-    impl.stop_timeout = settings.stop_timeout
-    impl.rank_offset = settings.node_rank * len(before)
-    adapter = load_adapter(FRAME, instance=impl)
+    impl.stop_timeout = settings.node.stop_timeout
+    impl.rank_offset = settings.node.node_rank * len(before)
     exit_code = 1
     try:
-        with controller_address(
-            settings.controller,
-            node_rank=settings.node_rank,
-            master_addr=settings.master_addr,
-            controller_port=settings.controller_port,
-            policy=settings.policy,
-        ) as endpoint:
-            config = AgentConfig(
-                job_id=settings.job_id,
-                controller=endpoint.address,
-                node_rank=settings.node_rank,
-                stop_timeout=settings.stop_timeout,
-            )
-            agent = NodeAgent(config, adapter)
-            logger.info(
-                "msrun node %s/%s of job %s under TaskD (controller %s, recover-in-place %s)",
-                settings.node_rank, settings.nnodes, settings.job_id, endpoint.address, settings.recover_in_place,
-            )
-            with _signals_to(agent.shutdown):
-                outcome = agent.run()
-            exit_code = outcome.exit_code
-            if endpoint.embedded and settings.nnodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
-                # The other nodes' agents may still be finishing; they need this controller until they end.
-                wait_for_agents(endpoint.address, settings.job_id, settings.nnodes, settings.linger)
+        exit_code = run_node_agent(load_adapter(FRAME, instance=impl), settings.node, who="msrun").exit_code
     finally:
         # The agent stops workers on every way out; this catches an exception before or around it.
         if any(s.pid is not None and s.state is WorkerState.RUNNING for s in impl.statuses().values()):
-            impl.taskd_stop_workers(None, settings.stop_timeout)
+            impl.taskd_stop_workers(None, settings.node.stop_timeout)
         # A failed job's scheduler waits for workers that will never come: no grace then.
-        scheduler.finish(settings.scheduler_grace if exit_code == 0 else 0.0, settings.stop_timeout)
+        scheduler.finish(settings.scheduler_grace if exit_code == 0 else 0.0, settings.node.stop_timeout)
     return exit_code
