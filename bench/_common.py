@@ -1,0 +1,331 @@
+"""Helpers shared by the bench scripts: statistics, tables, /proc readings, child processes, the controller journal.
+
+Not a benchmark itself. The scripts next to it import it as ``_common``
+(they are run as ``python bench/<name>.py``, so this directory is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+import grpc
+
+from taskd_core.rpc import recover_pb2 as pb
+from taskd_core.rpc import recover_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit in the main thread, so that ``finally`` blocks stop what the bench started."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+# --- statistics and tables ------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between closest ranks; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    n: int
+    median: float
+    p99: float
+    low: float
+    high: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"n": self.n, "median": self.median, "p99": self.p99, "min": self.low, "max": self.high}
+
+
+def summarize(values: Iterable[float | None]) -> Summary:
+    """Median, p99, min and max of the values that are not None (NaN for none)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return Summary(0, math.nan, math.nan, math.nan, math.nan)
+    return Summary(len(present), percentile(present, 50), percentile(present, 99), min(present), max(present))
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    if math.isnan(numerator) or math.isnan(denominator) or denominator == 0:
+        return math.nan
+    return numerator / denominator
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    if value is None or math.isnan(value):
+        return "N/A"
+    return f"{value:.{digits}f}"
+
+
+def fmt_range(summary: Summary, digits: int = 2) -> str:
+    """``median (min–max)``, or N/A."""
+    if summary.n == 0:
+        return "N/A"
+    return f"{fmt(summary.median, digits)} ({fmt(summary.low, digits)}–{fmt(summary.high, digits)})"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: Path | None, data: Mapping[str, Any]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+# --- the machine and /proc -------------------------------------------------------------------
+
+
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were taken on."""
+    model = "unknown"
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem_kib = 0
+    with open("/proc/meminfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+                break
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": model,
+        "memory_gib": round(mem_kib / 2**20, 1),
+        "kernel": platform.release(),
+        "loadavg_at_start": load_average(),
+    }
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """Fields of /proc/<pid>/stat after the command name; index 0 is field 3 (state)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+        stat = f.read()
+    return stat[stat.rfind(")") + 2 :].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` itself so far (threads included, children not)."""
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def _boot_time() -> float:
+    with open("/proc/stat", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    raise RuntimeError("/proc/stat has no btime")
+
+
+_BOOT_TIME = _boot_time()
+
+
+def start_time(pid: int) -> float | None:
+    """Wall-clock time ``pid`` was forked (resolution 1/CLK_TCK, i.e. 10 ms), or None when it is gone."""
+    try:
+        return _BOOT_TIME + int(_stat_fields(pid)[19]) / _CLK_TCK
+    except OSError:
+        return None
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmRSS")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.02) -> None:
+    """Poll ``predicate`` until it is true; TimeoutError naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
+        time.sleep(interval)
+
+
+# --- child processes ----------------------------------------------------------------------------
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return _stat_fields(pid)[0] != "Z"
+    except OSError:
+        return False
+
+
+class Children:
+    """Processes a benchmark starts, each leading its own process group; all are gone after :meth:`close`.
+
+    ``close`` sends SIGTERM to every group (launchers then stop their own
+    workers), waits up to ``grace`` seconds, SIGKILLs the groups still alive
+    and finally SIGKILLs any extra pid registered with :meth:`adopt`
+    (workers that a launcher started in their own sessions).
+    """
+
+    def __init__(self, grace: float = 10.0) -> None:
+        self.grace = grace
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+        self._adopted: set[int] = set()
+
+    def start(self, args: Sequence[str], *, log: Path | None = None, env: Mapping[str, str] | None = None,
+              cwd: Path | None = None) -> subprocess.Popen[bytes]:
+        out: IO[bytes] | int = subprocess.DEVNULL
+        if log is not None:
+            out = open(log, "ab")  # noqa: SIM115 - closed in close()
+            self._logs.append(out)
+        full_env = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(list(args), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                env=full_env, cwd=cwd, start_new_session=True)
+        logger.debug("started pid %s: %s", proc.pid, " ".join(args))
+        self._procs.append(proc)
+        return proc
+
+    def adopt(self, pids: Iterable[int]) -> None:
+        self._adopted.update(pids)
+
+    def terminate(self, proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+        """SIGTERM ``proc``'s group, wait up to ``timeout``, then SIGKILL; its exit code (None if unreaped)."""
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("pid %s ignored SIGTERM for %.0fs; SIGKILL", proc.pid, timeout)
+        _signal_group(proc.pid, signal.SIGKILL)
+        try:
+            return proc.wait(5.0)
+        except subprocess.TimeoutExpired:
+            logger.error("pid %s survived SIGKILL", proc.pid)
+            return None
+
+    def close(self) -> None:
+        live = [p for p in self._procs if p.poll() is None]
+        for proc in live:
+            _signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        for proc in live:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                logger.warning("pid %s still alive %.0fs after SIGTERM; SIGKILL", proc.pid, self.grace)
+        for proc in self._procs:
+            _signal_group(proc.pid, signal.SIGKILL)  # orphans keep the group id after their leader is gone
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                logger.error("pid %s survived SIGKILL", proc.pid)
+        for pid in self._adopted:
+            if pid_alive(pid):
+                logger.warning("leftover pid %s: SIGKILL", pid)
+                _signal_group(pid, signal.SIGKILL)
+                _kill(pid)
+        for log in self._logs:
+            log.close()
+        self._procs.clear()
+        self._logs.clear()
+        self._adopted.clear()
+
+    def __enter__(self) -> Children:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# --- the controller's journal -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEvent:
+    seq: int
+    time: float
+    cycle: int
+    kind: str
+    detail: dict[str, Any]
+
+
+def job_view(address: str, job_id: str, events: int = 100, timeout: float = 5.0) -> pb.JobView | None:
+    """The controller's view of ``job_id`` with its newest ``events`` journal entries (None: unknown job)."""
+    with grpc.insecure_channel(address) as channel:
+        reply = recover_pb2_grpc.RecoverStub(channel).QueryStatus(
+            pb.StatusQuery(jobId=job_id, events=events), timeout=timeout
+        )
+    jobs = [j for j in reply.jobs if j.jobId == job_id]
+    return jobs[0] if jobs else None
+
+
+def journal(view: pb.JobView | None) -> list[JournalEvent]:
+    if view is None:
+        return []
+    return [JournalEvent(e.seq, e.time, e.cycle, e.kind, json.loads(e.detail or "{}")) for e in view.events]
