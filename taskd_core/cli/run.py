@@ -24,13 +24,7 @@ from pathlib import Path
 
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.embedded import (
-    DEFAULT_CONTROLLER_PORT,
-    controller_address,
-    parse_address,
-    wait_for_agents,
-)
-from taskd_core.launcher.interrupt import forward_stop_signals
+from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, parse_address
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import DEFAULT_MASTER_PORT, LaunchSpec
 from taskd_core.models import JobPolicy
@@ -241,50 +235,34 @@ def build_policy(args: argparse.Namespace, nnodes: int) -> JobPolicy:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: the agent pulls in the gRPC client, which `taskd run --help` does not need.
-    from taskd_core.agent.node_agent import AgentConfig, NodeAgent, Outcome
+    from taskd_core.launcher.node import NodeSettings, run_node_agent
 
     spec = build_spec(args)
-    policy = build_policy(args, spec.nnodes)
     if args.controller_port is None:
         controller_port = 0 if spec.nnodes == 1 else DEFAULT_CONTROLLER_PORT
     else:
         controller_port = args.controller_port
-    with controller_address(
-        args.controller,
+    settings = NodeSettings(
+        job_id=spec.job_id,
         node_rank=spec.node_rank,
+        nnodes=spec.nnodes,
         master_addr=spec.master_addr,
+        controller=args.controller,
         controller_port=controller_port,
-        policy=policy,
-        state=args.controller_state,
-    ) as endpoint:
-        adapter = load_adapter("process", instance=ProcessAdapter(spec))
-        config = AgentConfig(
-            job_id=spec.job_id,
-            controller=endpoint.address,
-            node_rank=spec.node_rank,
-            stop_timeout=args.stop_timeout,
-            dump_signal=args.dump_signal,
-            dump_grace=args.dump_grace,
-            connect_timeout=args.connect_timeout,
-        )
-        agent = NodeAgent(config, adapter)
-        logger.info(
-            "job %s node %s/%s: %s workers of %s, controller %s",
-            spec.job_id,
-            spec.node_rank,
-            spec.nnodes,
-            spec.nproc,
-            " ".join(spec.command),
-            endpoint.address,
-        )
-        try:
-            with forward_stop_signals(agent.shutdown, "taskd run"):
-                outcome = agent.run()
-        finally:
-            # Workers that exited 0 may leave children behind (the agent is done with
-            # them once the leaders ended): taskd run leaves no process of the job running.
-            adapter.stop(None, args.stop_timeout)
-        if endpoint.embedded and spec.nnodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
-            # The other nodes' agents may still be finishing; they need this controller until they end.
-            wait_for_agents(endpoint.address, spec.job_id, spec.nnodes, args.linger)
+        controller_state=args.controller_state,
+        policy=build_policy(args, spec.nnodes),
+        stop_timeout=args.stop_timeout,
+        dump_signal=args.dump_signal,
+        dump_grace=args.dump_grace,
+        connect_timeout=args.connect_timeout,
+        linger=args.linger,
+    )
+    adapter = load_adapter("process", instance=ProcessAdapter(spec))
+    logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
+    try:
+        outcome = run_node_agent(adapter, settings, "taskd run")
+    finally:
+        # Workers that exited 0 may leave children behind (the agent is done with
+        # them once the leaders ended): taskd run leaves no process of the job running.
+        adapter.stop(None, args.stop_timeout)
     return outcome.exit_code

@@ -6,6 +6,7 @@
 - :mod:`~taskd_core.launcher.process_adapter`: :class:`ProcessAdapter`, the hooks over the supervisor.
 - :mod:`~taskd_core.launcher.embedded`: which controller a launcher talks to.
 - :mod:`~taskd_core.launcher.interrupt`: SIGTERM / SIGINT turned into an orderly stop.
+- :mod:`~taskd_core.launcher.node`: :func:`run_node_agent`, the end every launcher shares.
 """
 
 from __future__ import annotations

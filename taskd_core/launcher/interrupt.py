@@ -23,12 +23,15 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @contextlib.contextmanager
-def forward_stop_signals(stop: Callable[[int], None], who: str = "launcher") -> Iterator[None]:
-    """Route SIGTERM / SIGINT to ``stop(signum)`` while the block runs; the previous handlers come back after.
+def forward_stop_signals(
+    stop: Callable[[int], None], who: str = "launcher", signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+) -> Iterator[None]:
+    """Route ``signals`` (SIGTERM, SIGINT) to ``stop(signum)`` while the block runs, then restore.
 
     :param stop: called in the main thread with the signal number; it must be
         safe there (for example ``NodeAgent.shutdown``, which only sets a flag).
     :param who: how the log line names the receiver.
+    :param signals: the signals to forward.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -38,7 +41,7 @@ def forward_stop_signals(stop: Callable[[int], None], who: str = "launcher") -> 
         logger.warning("%s received %s: stopping every worker", who, signal.Signals(signum).name)
         stop(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
     try:
         yield
     finally:

@@ -1,0 +1,95 @@
+"""One node of a job under TaskD: the controller rule, the node agent and its signals, in one call.
+
+Every launcher (``taskd run``, the msrun plugin, ``taskdrun``) ends the same
+way once it has an adapter for its workers: find the controller (embedding it
+on node 0 when none is given), run a :class:`~taskd_core.agent.node_agent.NodeAgent`
+with SIGTERM / SIGINT forwarded to it, and on node 0 keep the embedded
+controller up until the other nodes' agents have ended. :func:`run_node_agent`
+is that sequence; the launcher only adds its own cleanup around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass, field
+
+from taskd_core.agent.node_agent import AgentConfig, AgentOutcome, NodeAgent, Outcome
+from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address, wait_for_agents
+from taskd_core.launcher.interrupt import STOP_SIGNALS, forward_stop_signals
+from taskd_core.models import JobPolicy
+from taskd_core.plugins import Adapter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """Where this node sits in its job, and how its agent reaches the controller and treats workers."""
+
+    job_id: str
+    node_rank: int = 0
+    nnodes: int = 1
+    #: the job's master host: where other nodes reach node 0's embedded controller.
+    master_addr: str = "127.0.0.1"
+    #: an explicit controller ``HOST:PORT``; None applies the embedding rule.
+    controller: str | None = None
+    controller_port: int = DEFAULT_CONTROLLER_PORT
+    #: SQLite state file of an embedded controller.
+    controller_state: str = ":memory:"
+    #: recovery policy of an embedded controller.
+    policy: JobPolicy = field(default_factory=JobPolicy)
+    stop_timeout: float = 30.0
+    dump_signal: signal.Signals = signal.SIGUSR1
+    dump_grace: float = 30.0
+    connect_timeout: float = 60.0
+    #: node 0 with an embedded controller: seconds to wait for the other agents to end.
+    linger: float = 60.0
+    #: signals that stop the job while the agent runs (``taskdrun`` adds SIGHUP, as torchrun does).
+    stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+
+
+def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launcher") -> AgentOutcome:
+    """Run this node's workers through ``adapter`` under a node agent until the job ends here.
+
+    Blocks; returns the agent's outcome (``exit_code`` is the launcher's exit
+    code). Stopping the workers on every way out stays the caller's job, in a
+    ``finally`` around this call: only the caller knows what else to clean.
+
+    :raises ConfigError: for a controller address or port that cannot work,
+        or an embedded controller that cannot bind.
+    """
+    with controller_address(
+        settings.controller,
+        node_rank=settings.node_rank,
+        master_addr=settings.master_addr,
+        controller_port=settings.controller_port,
+        policy=settings.policy,
+        state=settings.controller_state,
+    ) as endpoint:
+        config = AgentConfig(
+            job_id=settings.job_id,
+            controller=endpoint.address,
+            node_rank=settings.node_rank,
+            stop_timeout=settings.stop_timeout,
+            dump_signal=settings.dump_signal,
+            dump_grace=settings.dump_grace,
+            connect_timeout=settings.connect_timeout,
+        )
+        agent = NodeAgent(config, adapter)
+        logger.info(
+            "%s: job %s node %s/%s, adapter %s, controller %s%s",
+            who,
+            settings.job_id,
+            settings.node_rank,
+            settings.nnodes,
+            adapter.name,
+            endpoint.address,
+            " (embedded)" if endpoint.embedded else "",
+        )
+        with forward_stop_signals(agent.shutdown, who, settings.stop_signals):
+            outcome = agent.run()
+        if endpoint.embedded and settings.nnodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
+            # The other nodes' agents may still be finishing; they need this controller until they end.
+            wait_for_agents(endpoint.address, settings.job_id, settings.nnodes, settings.linger)
+    return outcome
