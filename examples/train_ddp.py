@@ -177,9 +177,8 @@ def main() -> int:
             if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
                 inject_fault(args.fail_mode, step)
             if args.step_time:
-                time.sleep(
-                    args.step_time
-                )  # stands for compute: the window in which a peer's fault is handled
+                # Stands for compute: the window in which a peer's fault is handled.
+                time.sleep(args.step_time)
             if dump_requested:
                 break
             model.zero_grad()
