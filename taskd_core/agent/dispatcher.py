@@ -85,11 +85,14 @@ class ActionDispatcher:
         self._on_stopping = on_stopping or (lambda statuses: None)
         self._lock = lock or threading.RLock()
         self.given_up = threading.Event()
+        #: the controller chose dump or exit: workers ending now, even with 0, are not a finished job.
+        self.ending = threading.Event()
 
     def handle(self, signal: Signal) -> None:
         with self._lock:
             if signal.signal_type == SignalType.KILL_MASTER:
                 logger.warning("controller gave the job up (killMaster): stopping every worker")
+                self.ending.set()
                 self._stop_quietly(None)
                 self.given_up.set()
                 return
@@ -146,6 +149,8 @@ class ActionDispatcher:
     def _change_strategy(self, signal: Signal) -> None:
         strategy = signal.strategy
         faults = fault_dict(signal.fault_ranks)
+        if strategy in (Strategy.DUMP, Strategy.EXIT):
+            self.ending.set()
         if strategy is Strategy.EXIT:
             self._stop_quietly(None)
             return

@@ -191,7 +191,9 @@ class NodeAgent:
                     return AgentOutcome(Outcome.FAILED, 1, f"ranks {[s.global_rank for s in failed]} failed")
                 self.client.report_process_fault({s.global_rank: int(FaultType.NORMAL.value) for s in failed})
                 continue
-            if statuses and all(s.succeeded for s in statuses.values()):
+            # After dump or exit the workers may end with 0, but the job is
+            # being given up: wait for killMaster instead of claiming success.
+            if statuses and all(s.succeeded for s in statuses.values()) and not self.dispatcher.ending.is_set():
                 self._final_report(0, "every worker exited 0")
                 return AgentOutcome(Outcome.SUCCEEDED, 0)
             running = [s.pid for s in statuses.values() if s.state is WorkerState.RUNNING and s.pid]
