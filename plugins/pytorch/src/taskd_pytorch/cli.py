@@ -22,7 +22,6 @@ import signal
 import sys
 import uuid
 from collections.abc import Sequence
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from taskd_core.errors import ConfigError, TaskdError
@@ -31,8 +30,6 @@ from taskd_pytorch.options import TaskdOptions, build_parser
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
-
-    from taskd_core.agent.node_agent import AgentOutcome, NodeAgent
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +80,8 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
     from torch.distributed.run import config_from_args
 
-    from taskd_core.agent.node_agent import AgentConfig, NodeAgent, Outcome
-    from taskd_core.launcher.embedded import controller_address, wait_for_agents
+    from taskd_core.agent.node_agent import Outcome
+    from taskd_core.launcher.node import NodeSettings, run_node_agent
     from taskd_core.plugins import load_adapter
 
     from taskd_pytorch.adapter import PytorchAdapter
@@ -130,56 +127,35 @@ def _launch(args: argparse.Namespace) -> int:
         log_line_prefix_template=config.log_line_prefix_template,
         stop_timeout=options.stop_timeout,
     )
+    logger.info(
+        "job %s node %s: %s workers of %s, rendezvous %s at %s",
+        options.job_id, args.node_rank, config.nproc_per_node, elastic.get_worker_group().spec.get_entrypoint_name(),
+        config.rdzv_backend, config.rdzv_endpoint,
+    )
+    settings = NodeSettings(
+        job_id=options.job_id,
+        node_rank=args.node_rank,
+        nnodes=config.max_nodes,
+        master_addr=master_host,
+        controller=options.controller,
+        controller_port=options.controller_port,
+        policy=options.policy,
+        stop_timeout=options.stop_timeout,
+        dump_grace=options.dump_grace,
+        connect_timeout=options.connect_timeout,
+        linger=options.linger,
+        stop_signals=_STOP_SIGNALS,
+    )
     outcome = None
     try:
-        with controller_address(
-            options.controller,
-            node_rank=args.node_rank,
-            master_addr=master_host,
-            controller_port=options.controller_port,
-            policy=options.policy,
-        ) as endpoint:
-            agent = NodeAgent(
-                AgentConfig(
-                    job_id=options.job_id,
-                    controller=endpoint.address,
-                    node_rank=args.node_rank,
-                    stop_timeout=options.stop_timeout,
-                    dump_grace=options.dump_grace,
-                    connect_timeout=options.connect_timeout,
-                ),
-                load_adapter("pytorch", instance=PytorchAdapter(elastic, in_place=options.in_place)),
-            )
-            logger.info(
-                "job %s node %s: %s workers of %s, rendezvous %s at %s, controller %s",
-                options.job_id, args.node_rank, config.nproc_per_node, elastic.get_worker_group().spec.get_entrypoint_name(),
-                config.rdzv_backend, config.rdzv_endpoint, endpoint.address,
-            )
-            outcome = _run_with_signals(agent)
-            if endpoint.embedded and config.max_nodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
-                # The other nodes' agents may still be finishing; they need this controller until they end.
-                wait_for_agents(endpoint.address, options.job_id, config.max_nodes, options.linger)
+        adapter = load_adapter("pytorch", instance=PytorchAdapter(elastic, in_place=options.in_place))
+        outcome = run_node_agent(adapter, settings, who="taskdrun")
     finally:
         # Whatever path the agent took, no worker outlives taskdrun.
         elastic.stop(None, options.stop_timeout)
         if outcome is not None and outcome.kind is not Outcome.INTERRUPTED:
             _close_rendezvous(rdzv)
     return outcome.exit_code
-
-
-def _run_with_signals(agent: NodeAgent) -> AgentOutcome:
-    """Run the node agent with SIGTERM/SIGINT/SIGHUP asking it to stop every worker."""
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        logger.warning("received %s: stopping every worker", signal.Signals(signum).name)
-        agent.shutdown(signum)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in _STOP_SIGNALS}
-    try:
-        return agent.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _close_rendezvous(rdzv: RendezvousHandler) -> None:
