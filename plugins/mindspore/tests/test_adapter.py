@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import FakeMsrun, alive, wait_until
+from ms_support import FakeMsrun, alive, wait_until
 
 from taskd_core.errors import WorkerControlError
 from taskd_core.models import Strategy, WorkerState

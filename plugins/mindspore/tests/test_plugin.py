@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
-from conftest import FakeMsrun, alive, wait_until
+from ms_support import FakeMsrun, alive, wait_until
 
 from taskd_mindspore import AgentApi, CallbackError, MSRunPlugin
 

@@ -29,7 +29,6 @@ controller linger          ``TASKD_LINGER`` seconds (default 60) node 0 keeps it
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -44,8 +43,6 @@ from taskd_core.plugins import load_adapter
 from taskd_mindspore.adapter import MSRunAdapter
 from taskd_mindspore.callbacks import MsrunCallbacks
 from taskd_mindspore.scheduler import Scheduler
-
-logger = logging.getLogger(__name__)
 
 FRAME = "mindspore"
 #: msrun's default ``--master_port``.
