@@ -93,11 +93,11 @@ def fmt(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
-def fmt_range(summary: Summary, digits: int = 2) -> str:
-    """``median (min–max)``, or N/A."""
-    if summary.n == 0:
+def fmt_range(summary: Mapping[str, float], digits: int = 2) -> str:
+    """``median (min–max)`` of a :meth:`Summary.as_dict`, or N/A."""
+    if not summary["n"]:
         return "N/A"
-    return f"{fmt(summary.median, digits)} ({fmt(summary.low, digits)}–{fmt(summary.high, digits)})"
+    return f"{fmt(summary['median'], digits)} ({fmt(summary['min'], digits)}–{fmt(summary['max'], digits)})"
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
@@ -158,12 +158,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid``'s threads by kind: ``main`` (the main thread), else the thread's name.
+
+    Python threads carry the process's name, gRPC's core threads their own
+    (``grpc_global_tim``, ``event_engine``, ...), so this is a cheap profile.
+    """
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = "main" if int(tid) == pid else stat[stat.index("(") + 1 : stat.rfind(")")]
+        fields = stat[stat.rfind(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return out
+
+
 def _boot_time() -> float:
-    with open("/proc/stat", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    raise RuntimeError("/proc/stat has no btime")
+    """Wall-clock time of boot, to the microsecond (``btime`` in /proc/stat is whole seconds only)."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 _BOOT_TIME = _boot_time()
@@ -211,12 +227,12 @@ def pid_alive(pid: int) -> bool:
 
 
 class Children:
-    """Processes a benchmark starts, each leading its own process group; all are gone after :meth:`close`.
+    """Processes a benchmark starts or is handed; all are gone after :meth:`close`.
 
-    ``close`` sends SIGTERM to every group (launchers then stop their own
-    workers), waits up to ``grace`` seconds, SIGKILLs the groups still alive
-    and finally SIGKILLs any extra pid registered with :meth:`adopt`
-    (workers that a launcher started in their own sessions).
+    ``close`` sends SIGTERM to each (to its whole process group when it leads
+    one; launchers then stop their own workers), waits up to ``grace`` seconds,
+    SIGKILLs what is left and finally SIGKILLs any extra pid registered with
+    :meth:`adopt` (workers that a launcher started in sessions of their own).
     """
 
     def __init__(self, grace: float = 10.0) -> None:
@@ -227,6 +243,7 @@ class Children:
 
     def start(self, args: Sequence[str], *, log: Path | None = None, env: Mapping[str, str] | None = None,
               cwd: Path | None = None) -> subprocess.Popen[bytes]:
+        """Start ``args`` in a new session, output to ``log`` (or nowhere)."""
         out: IO[bytes] | int = subprocess.DEVNULL
         if log is not None:
             out = open(log, "ab")  # noqa: SIM115 - closed in close()
@@ -235,38 +252,28 @@ class Children:
         proc = subprocess.Popen(list(args), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 env=full_env, cwd=cwd, start_new_session=True)
         logger.debug("started pid %s: %s", proc.pid, " ".join(args))
+        return self.own(proc)
+
+    def own(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        """Stop ``proc`` (started elsewhere) in :meth:`close` too."""
         self._procs.append(proc)
         return proc
 
     def adopt(self, pids: Iterable[int]) -> None:
         self._adopted.update(pids)
 
-    def terminate(self, proc: subprocess.Popen[bytes], timeout: float) -> int | None:
-        """SIGTERM ``proc``'s group, wait up to ``timeout``, then SIGKILL; its exit code (None if unreaped)."""
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            logger.warning("pid %s ignored SIGTERM for %.0fs; SIGKILL", proc.pid, timeout)
-        _signal_group(proc.pid, signal.SIGKILL)
-        try:
-            return proc.wait(5.0)
-        except subprocess.TimeoutExpired:
-            logger.error("pid %s survived SIGKILL", proc.pid)
-            return None
-
     def close(self) -> None:
         live = [p for p in self._procs if p.poll() is None]
         for proc in live:
-            _signal_group(proc.pid, signal.SIGTERM)
+            _signal_tree(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace
         for proc in live:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
-                logger.warning("pid %s still alive %.0fs after SIGTERM; SIGKILL", proc.pid, self.grace)
+                logger.warning("pid %s (%s) still alive %.0fs after SIGTERM; SIGKILL", proc.pid, proc.args, self.grace)
         for proc in self._procs:
-            _signal_group(proc.pid, signal.SIGKILL)  # orphans keep the group id after their leader is gone
+            _signal_tree(proc.pid, signal.SIGKILL)  # orphans keep the group id after their leader is gone
             try:
                 proc.wait(5.0)
             except subprocess.TimeoutExpired:
@@ -274,8 +281,7 @@ class Children:
         for pid in self._adopted:
             if pid_alive(pid):
                 logger.warning("leftover pid %s: SIGKILL", pid)
-                _signal_group(pid, signal.SIGKILL)
-                _kill(pid)
+                _signal_tree(pid, signal.SIGKILL)
         for log in self._logs:
             log.close()
         self._procs.clear()
@@ -289,16 +295,17 @@ class Children:
         self.close()
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
+def _signal_tree(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to ``pid``'s process group when ``pid`` leads one (even if it is gone), else to ``pid`` alone."""
     try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill(pid: int) -> None:
+        os.killpg(pid, sig)
+        return
+    except PermissionError:
+        return
+    except ProcessLookupError:
+        pass  # no group led by pid: a process started without a session of its own
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except ProcessLookupError:
         pass
 
