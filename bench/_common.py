@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, Self, TypeVar
 
 import grpc
 
@@ -28,6 +28,7 @@ from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -35,7 +36,9 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
 
 
 def exit_on_sigterm() -> None:
@@ -207,13 +210,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.02) -> None:
-    """Poll ``predicate`` until it is true; TimeoutError naming ``what`` at the deadline."""
+def poll_until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02) -> T:
+    """Call ``probe`` until it returns something truthy and return that; TimeoutError naming ``what`` at the deadline."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (value := probe()):
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{what} did not happen within {timeout:.0f}s")
         time.sleep(interval)
+    return value
 
 
 # --- child processes ----------------------------------------------------------------------------
@@ -229,10 +233,11 @@ def pid_alive(pid: int) -> bool:
 class Children:
     """Processes a benchmark starts or is handed; all are gone after :meth:`close`.
 
-    ``close`` sends SIGTERM to each (to its whole process group when it leads
-    one; launchers then stop their own workers), waits up to ``grace`` seconds,
-    SIGKILLs what is left and finally SIGKILLs any extra pid registered with
-    :meth:`adopt` (workers that a launcher started in sessions of their own).
+    ``close`` stops them in reverse order of start: SIGTERM to each (to its
+    whole process group when it leads one; launchers then stop their own
+    workers), up to ``grace`` seconds for it to end, SIGKILL to what is left;
+    finally SIGKILL to any extra pid registered with :meth:`adopt` (workers
+    that a launcher started in sessions of their own).
     """
 
     def __init__(self, grace: float = 10.0) -> None:
@@ -241,16 +246,29 @@ class Children:
         self._logs: list[IO[bytes]] = []
         self._adopted: set[int] = set()
 
-    def start(self, args: Sequence[str], *, log: Path | None = None, env: Mapping[str, str] | None = None,
-              cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self,
+        args: Sequence[str],
+        *,
+        log: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.Popen[bytes]:
         """Start ``args`` in a new session, output to ``log`` (or nowhere)."""
         out: IO[bytes] | int = subprocess.DEVNULL
         if log is not None:
             out = open(log, "ab")  # noqa: SIM115 - closed in close()
             self._logs.append(out)
         full_env = {**os.environ, **(env or {})}
-        proc = subprocess.Popen(list(args), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=full_env, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            list(args),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,
+        )
         logger.debug("started pid %s: %s", proc.pid, " ".join(args))
         return self.own(proc)
 
@@ -263,16 +281,19 @@ class Children:
         self._adopted.update(pids)
 
     def close(self) -> None:
-        live = [p for p in self._procs if p.poll() is None]
-        for proc in live:
-            _signal_tree(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
-        for proc in live:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:
-                logger.warning("pid %s (%s) still alive %.0fs after SIGTERM; SIGKILL", proc.pid, proc.args, self.grace)
-        for proc in self._procs:
+        # Last started, first stopped: a launcher that hosts the others' controller outlives them.
+        for proc in reversed(self._procs):
+            if proc.poll() is None:
+                _signal_tree(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(self.grace)
+                except subprocess.TimeoutExpired:
+                    logger.warning(
+                        "pid %s (%s) still alive %.0fs after SIGTERM; SIGKILL",
+                        proc.pid,
+                        proc.args,
+                        self.grace,
+                    )
             _signal_tree(proc.pid, signal.SIGKILL)  # orphans keep the group id after their leader is gone
             try:
                 proc.wait(5.0)
@@ -288,7 +309,7 @@ class Children:
         self._logs.clear()
         self._adopted.clear()
 
-    def __enter__(self) -> Children:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

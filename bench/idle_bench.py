@@ -12,7 +12,15 @@ sleeping workers: what is measured is the launcher's own cost):
 CPU is the ``utime + stime`` delta of each launcher's own pid in
 ``/proc/<pid>/stat`` (threads included, workers not), as % of one core.
 
-Part 2: a fresh ``taskd controller`` with ``--jobs`` jobs registered and
+Part 2, where an idle agent's CPU goes: one child process per mode holds a
+real ``DLRecoverManager`` against a ``taskd controller`` and measures its own
+``time.process_time()`` over ``--seconds / 4``: ``channel`` (Init + Register
+only: gRPC's threads and the channel's keep-alive pings), ``stream`` (+ the
+signal stream with the controller's keep-alive signals), ``stream+health``
+(+ the client's HealthCheck every second: what the node agent runs). The
+agent's own supervision loop is the ``main`` thread of part 1.
+
+Part 3: a fresh ``taskd controller`` with ``--jobs`` jobs registered and
 subscribed, one agent each (``Bench.start_agents`` of ``controller_bench.py``):
 its RSS before and after, and its CPU over ``--seconds / 4`` while it keeps
 those streams alive.
@@ -26,9 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
+import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +62,9 @@ from _common import (
     write_json,
 )
 
+from taskd_core.client.manager import DLRecoverManager
+from taskd_core.rpc import recover_pb2 as pb
+
 logger = logging.getLogger(__name__)
 
 BIN = Path(PYTHON).parent
@@ -58,6 +72,8 @@ BIN = Path(PYTHON).parent
 _SETTLE = 15.0
 #: The target: an idle agent's share of one core, in percent.
 AGENT_TARGET = 1.0
+#: Client modes of part 2: the HealthCheck interval of the subscription, None for no subscription.
+CLIENT_MODES: dict[str, float | None] = {"channel": None, "stream": 1e9, "stream+health": 1.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +88,40 @@ def _commands(address: str, workers: int) -> dict[str, list[str]]:
     sleeper = ["sleep", "100000"]
     n = str(workers)
     return {
-        "taskd-run": [str(BIN / "taskd"), "run", "--controller", address, "--job-id", "idle-taskd-run",
-                      "--nproc", n, "--", *sleeper],
-        "taskdrun": [str(BIN / "taskdrun"), "--standalone", "--nproc-per-node", n, "--taskd-controller", address,
-                     "--taskd-job-id", "idle-taskdrun", "--no-python", *sleeper],
-        "taskd-run-embedded": [str(BIN / "taskd"), "run", "--job-id", "idle-embedded", "--nproc", n, "--",
-                               *sleeper],
+        "taskd-run": [
+            str(BIN / "taskd"),
+            "run",
+            "--controller",
+            address,
+            "--job-id",
+            "idle-taskd-run",
+            "--nproc",
+            n,
+            "--",
+            *sleeper,
+        ],
+        "taskdrun": [
+            str(BIN / "taskdrun"),
+            "--standalone",
+            "--nproc-per-node",
+            n,
+            "--taskd-controller",
+            address,
+            "--taskd-job-id",
+            "idle-taskdrun",
+            "--no-python",
+            *sleeper,
+        ],
+        "taskd-run-embedded": [
+            str(BIN / "taskd"),
+            "run",
+            "--job-id",
+            "idle-embedded",
+            "--nproc",
+            n,
+            "--",
+            *sleeper,
+        ],
         "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", n, "--no-python", *sleeper],
     }
 
@@ -102,22 +146,68 @@ def _sample(pids: dict[str, int], seconds: float) -> dict[str, dict[str, Any]]:
         if not pid_alive(pid):
             raise RuntimeError(f"{name} (pid {pid}) ended during the measurement")
         after = thread_cpu_seconds(pid)
-        threads = {kind: 100.0 * (used - before[name].get(kind, 0.0)) / elapsed for kind, used in after.items()}
-        out[name] = {"cpu_percent": sum(threads.values()), "threads_cpu_percent": threads, "rss_mib": rss_mib(pid)}
+        threads = {
+            kind: 100.0 * (used - before[name].get(kind, 0.0)) / elapsed for kind, used in after.items()
+        }
+        out[name] = {
+            "cpu_percent": sum(threads.values()),
+            "threads_cpu_percent": threads,
+            "rss_mib": rss_mib(pid),
+        }
     return out
 
 
 def idle_launchers(workers: int, seconds: float, workdir: Path) -> dict[str, dict[str, Any]]:
-    # Two scopes: the launchers stop first, while the controller can still hear their agents' last report.
-    with Children() as controllers:
+    # The launchers are stopped first (last started), while the controller still hears their agents' last report.
+    with Children() as children:
         controller, address = controller_bench.start_controller(workdir)
-        controllers.own(controller)
-        with Children() as launchers:
-            pids = {"controller": controller.pid}
-            for name, cmd in _commands(address, workers).items():
-                pids[name] = launchers.start(cmd, log=workdir / f"{name}.log").pid
-            time.sleep(_SETTLE)
-            return _sample(pids, seconds)
+        children.own(controller)
+        pids = {"controller": controller.pid}
+        for name, cmd in _commands(address, workers).items():
+            pids[name] = children.start(cmd, log=workdir / f"{name}.log").pid
+        time.sleep(_SETTLE)
+        return _sample(pids, seconds)
+
+
+def client_child(mode: str, address: str, seconds: float) -> None:
+    """One client in ``mode``; prints its CPU % of one core over ``seconds`` as JSON (run by :func:`client_costs`)."""
+    interval = CLIENT_MODES[mode]
+    client = DLRecoverManager(
+        pb.ClientInfo(jobId=f"idle-client-{mode}", role="bench"),
+        address,
+        agent_id="a0",
+        handler=lambda signal: None,
+        health_interval=interval or 1.0,
+    )
+    try:
+        client.init_clusterd()
+        client.register()
+        if interval is not None:
+            threading.Thread(target=client.start_subscribe, name="subscriber", daemon=True).start()
+        time.sleep(2.0)  # connected and subscribed
+        cpu0, t0 = time.process_time(), time.monotonic()
+        time.sleep(seconds)
+        print(json.dumps({"cpu_percent": 100.0 * (time.process_time() - cpu0) / (time.monotonic() - t0)}))
+    finally:
+        client.close()
+
+
+def client_costs(seconds: float, workdir: Path) -> dict[str, float]:
+    workdir.mkdir()  # a fresh directory: start_controller waits for its port file to appear
+    out = {}
+    with Children() as children:
+        controller, address = controller_bench.start_controller(workdir)
+        children.own(controller)
+        for mode in CLIENT_MODES:
+            proc = subprocess.run(
+                [PYTHON, __file__, "--client-child", mode, address, str(seconds)],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=seconds + 60.0,
+            )
+            out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["cpu_percent"]
+    return out
 
 
 async def _hold_jobs(address: str, pid: int, jobs: int, seconds: float) -> dict[str, float]:
@@ -133,9 +223,15 @@ async def _hold_jobs(address: str, pid: int, jobs: int, seconds: float) -> dict[
         cpu_percent = 100.0 * (cpu_seconds(pid) - cpu0) / (time.monotonic() - t1)
     finally:
         await bench.close()
-    return {"jobs": jobs, "join_seconds": joined, "rss_mib_before": rss_before, "rss_mib_after": rss_after,
-            "rss_kib_per_job": (rss_after - rss_before) * 1024 / jobs, "cpu_percent": cpu_percent,
-            "cpu_window_seconds": seconds}
+    return {
+        "jobs": jobs,
+        "join_seconds": joined,
+        "rss_mib_before": rss_before,
+        "rss_mib_after": rss_after,
+        "rss_kib_per_job": (rss_after - rss_before) * 1024 / jobs,
+        "cpu_percent": cpu_percent,
+        "cpu_window_seconds": seconds,
+    }
 
 
 def many_jobs(jobs: int, seconds: float, workdir: Path) -> dict[str, float]:
@@ -146,7 +242,9 @@ def many_jobs(jobs: int, seconds: float, workdir: Path) -> dict[str, float]:
         return asyncio.run(_hold_jobs(address, controller.pid, jobs, seconds))
 
 
-def report(launchers: dict[str, dict[str, float]], jobs: dict[str, float] | None) -> str:
+def report(
+    launchers: dict[str, dict[str, Any]], clients: dict[str, float], jobs: dict[str, float] | None
+) -> str:
     rows = []
     for s in SUBJECTS:
         r = launchers[s.name]
@@ -157,13 +255,24 @@ def report(launchers: dict[str, dict[str, float]], jobs: dict[str, float] | None
     text = markdown_table(
         ["process", "CPU % of one core", "by thread (%)", "RSS MiB", f"target < {AGENT_TARGET:g} %"], rows
     )
+    text += "\n\n" + markdown_table(
+        ["client mode (one DLRecoverManager)", "CPU % of one core", "added by this part"],
+        [
+            [mode, fmt(pct, 2), fmt(pct - prev, 2)]
+            for (mode, pct), prev in zip(clients.items(), [0.0, *clients.values()], strict=False)
+        ],
+    )
     if jobs is not None:
         text += "\n\n" + markdown_table(
             ["controller with N subscribed jobs", "value"],
-            [["jobs", int(jobs["jobs"])], ["RSS before, MiB", fmt(jobs["rss_mib_before"], 1)],
-             ["RSS after, MiB", fmt(jobs["rss_mib_after"], 1)], ["per job, KiB", fmt(jobs["rss_kib_per_job"], 1)],
-             ["time to join all, s", fmt(jobs["join_seconds"], 1)],
-             [f"idle CPU % over {jobs['cpu_window_seconds']:.0f} s", fmt(jobs["cpu_percent"], 2)]],
+            [
+                ["jobs", int(jobs["jobs"])],
+                ["RSS before, MiB", fmt(jobs["rss_mib_before"], 1)],
+                ["RSS after, MiB", fmt(jobs["rss_mib_after"], 1)],
+                ["per job, KiB", fmt(jobs["rss_kib_per_job"], 1)],
+                ["time to join all, s", fmt(jobs["join_seconds"], 1)],
+                [f"idle CPU % over {jobs['cpu_window_seconds']:.0f} s", fmt(jobs["cpu_percent"], 2)],
+            ],
         )
     return text
 
@@ -171,11 +280,18 @@ def report(launchers: dict[str, dict[str, float]], jobs: dict[str, float] | None
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=60.0, help="measurement window (default: %(default)s)")
-    p.add_argument("--workers", type=int, default=8, help="sleeping workers per launcher (default: %(default)s)")
+    p.add_argument(
+        "--workers", type=int, default=8, help="sleeping workers per launcher (default: %(default)s)"
+    )
     p.add_argument("--jobs", type=int, default=1000, help="jobs registered for the memory part; 0 skips it")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--client-child", nargs=3, metavar=("MODE", "ADDRESS", "SECONDS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.client_child:
+        mode, address, seconds = args.client_child
+        client_child(mode, address, float(seconds))
+        return 0
     setup_logging(args.log_level)
     exit_on_sigterm()
     if args.seconds <= 0 or args.workers < 1 or args.jobs < 0:
@@ -183,15 +299,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = machine()
     with tempfile.TemporaryDirectory(prefix="idle-bench-") as tmp:
         launchers = idle_launchers(args.workers, args.seconds, Path(tmp))
+        clients = client_costs(args.seconds / 4, Path(tmp) / "clients")
         jobs = many_jobs(args.jobs, args.seconds / 4, Path(tmp) / "jobs") if args.jobs else None
-    print(report(launchers, jobs))
-    results: dict[str, Any] = {"launchers": launchers, "many_jobs": jobs}
-    write_json(args.json, {
-        "bench": "idle", "machine": info, "loadavg_at_end": os.getloadavg(), "seconds": args.seconds,
-        "workers": args.workers, "results": results,
-        "target": {"what": f"idle agent under {AGENT_TARGET:g} % of one core",
-                   "met": all(launchers[s.name]["cpu_percent"] < AGENT_TARGET for s in SUBJECTS if s.agent)},
-    })
+    print(report(launchers, clients, jobs))
+    results: dict[str, Any] = {"launchers": launchers, "clients": clients, "many_jobs": jobs}
+    write_json(
+        args.json,
+        {
+            "bench": "idle",
+            "machine": info,
+            "loadavg_at_end": os.getloadavg(),
+            "seconds": args.seconds,
+            "workers": args.workers,
+            "results": results,
+            "target": {
+                "what": f"idle agent under {AGENT_TARGET:g} % of one core",
+                "met": all(launchers[s.name]["cpu_percent"] < AGENT_TARGET for s in SUBJECTS if s.agent),
+            },
+        },
+    )
     return 0
 
 

@@ -60,6 +60,7 @@ from _common import (
     PYTHON,
     REPO,
     Children,
+    JournalEvent,
     exit_on_sigterm,
     fmt,
     fmt_range,
@@ -86,6 +87,7 @@ _POLL = 0.005
 #: The figures of a trial, in report order: key, label.
 FIGURES = (
     ("fault_known", "kill → fault known"),
+    ("restart_ordered", "kill → restart ordered (taskd: strategy chosen)"),
     ("first_fork", "kill → first replacement forked"),
     ("first_start", "kill → first replacement's `start` event"),
     ("all_resumed", "kill → every rank resumed (past init_process_group + ckpt load)"),
@@ -142,8 +144,18 @@ def _torchrun_args(topo: Topology, node: int, ports: Ports, job_id: str, restart
     if topo.nnodes == 1:
         placement = ["--standalone", "--nnodes", "1"]
     else:
-        placement = ["--nnodes", str(topo.nnodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
-                     "--rdzv-endpoint", f"127.0.0.1:{ports.rendezvous}", "--rdzv-id", job_id]
+        placement = [
+            "--nnodes",
+            str(topo.nnodes),
+            "--node-rank",
+            str(node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{ports.rendezvous}",
+            "--rdzv-id",
+            job_id,
+        ]
     return [*placement, "--nproc-per-node", str(topo.nproc), "--max-restarts", str(restarts)]
 
 
@@ -157,21 +169,50 @@ def _taskdrun(topo: Topology, node: int, ports: Ports, job_id: str, restarts: in
 
 
 def _taskd_run(topo: Topology, node: int, ports: Ports, job_id: str, restarts: int) -> list[str]:
-    return [str(BIN / "taskd"), "run", "--nproc", str(topo.nproc), "--nnodes", str(topo.nnodes),
-            "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(ports.rendezvous),
-            "--controller-port", str(ports.controller), "--job-id", job_id, "--max-cycles", str(restarts),
-            "--", PYTHON, str(EXAMPLE)]
+    return [
+        str(BIN / "taskd"),
+        "run",
+        "--nproc",
+        str(topo.nproc),
+        "--nnodes",
+        str(topo.nnodes),
+        "--node-rank",
+        str(node),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(ports.rendezvous),
+        "--controller-port",
+        str(ports.controller),
+        "--job-id",
+        job_id,
+        "--max-cycles",
+        str(restarts),
+        "--",
+        PYTHON,
+        str(EXAMPLE),
+    ]
 
 
 LAUNCHERS = {
     launcher.name: launcher
     for launcher in (
         Launcher("torchrun", "torchrun (as shipped)", "torchrun", _torchrun),
-        Launcher("torchrun-noshare", "torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun", _torchrun,
-                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+        Launcher(
+            "torchrun-noshare",
+            "torchrun, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+            "torchrun",
+            _torchrun,
+            env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        ),
         Launcher("taskdrun", "taskdrun (embedded controller)", "taskdrun", _taskdrun, controller=True),
-        Launcher("taskd-run", "taskd run (process adapter, embedded controller)", "taskd", _taskd_run,
-                 controller=True),
+        Launcher(
+            "taskd-run",
+            "taskd run (process adapter, embedded controller)",
+            "taskd",
+            _taskd_run,
+            controller=True,
+        ),
     )
 }
 #: The TaskD launcher the ratios are computed for, and the torchrun runs they are computed against.
@@ -221,8 +262,9 @@ def _torchrun_fault_times(logs: Sequence[Path], year: int) -> list[float]:
     return times
 
 
-def _wait(log: ProgressLog, procs: Sequence[subprocess.Popen[bytes]], done: Callable[[], bool],
-          deadline: float) -> str:
+def _wait(
+    log: ProgressLog, procs: Sequence[subprocess.Popen[bytes]], done: Callable[[], bool], deadline: float
+) -> str:
     """Poll the log until ``done()``: "ok", "exited" (every launcher ended first) or "timeout"."""
     end = time.monotonic() + deadline
     while True:
@@ -237,28 +279,47 @@ def _wait(log: ProgressLog, procs: Sequence[subprocess.Popen[bytes]], done: Call
         time.sleep(_POLL)
 
 
-def run_trial(launcher: Launcher, topo: Topology, cfg: TrialConfig, workdir: Path, trial: int) -> dict[str, Any]:
+def run_trial(
+    launcher: Launcher, topo: Topology, cfg: TrialConfig, workdir: Path, trial: int
+) -> dict[str, Any]:
     """One job, one kill; the trial's figures in seconds after the kill (None where unknown)."""
     job_id = f"{launcher.name}-{topo.name}-{trial}"
     tdir = workdir / job_id
     tdir.mkdir(parents=True)
     progress = tdir / "progress.jsonl"
     ports = Ports(free_port(), free_port())
-    script = ["--ckpt-dir", str(tdir / "ckpt"), "--ckpt-every", str(cfg.ckpt_every), "--steps", "1000000",
-              "--step-time", str(cfg.step_time), "--progress", str(progress)]
+    script = [
+        "--ckpt-dir",
+        str(tdir / "ckpt"),
+        "--ckpt-every",
+        str(cfg.ckpt_every),
+        "--steps",
+        "1000000",
+        "--step-time",
+        str(cfg.step_time),
+        "--progress",
+        str(progress),
+    ]
     victim = cfg.kill_rank if cfg.kill_rank >= 0 else topo.world - 1
     logs = [tdir / f"node{n}.log" for n in range(topo.nnodes)]
     result: dict[str, Any] = {"trial": trial, "outcome": "", "launcher_exit": []}
     log = ProgressLog(progress)
     with Children() as children:
         procs = [
-            children.start([*launcher.command(topo, n, ports, job_id, cfg.max_restarts), *script], log=logs[n],
-                           env=launcher.env, cwd=REPO)
+            children.start(
+                [*launcher.command(topo, n, ports, job_id, cfg.max_restarts), *script],
+                log=logs[n],
+                env=launcher.env,
+                cwd=REPO,
+            )
             for n in range(topo.nnodes)
         ]
 
         def victim_at_kill_step() -> bool:
-            return any(e["event"] == "step" and e["rank"] == victim and e["step"] == cfg.kill_step for e in log.events)
+            return any(
+                e["event"] == "step" and e["rank"] == victim and e["step"] == cfg.kill_step
+                for e in log.events
+            )
 
         state = _wait(log, procs, victim_at_kill_step, cfg.startup_deadline)
         if state != "ok":
@@ -266,8 +327,11 @@ def run_trial(launcher: Launcher, topo: Topology, cfg: TrialConfig, workdir: Pat
             result["launcher_exit"] = [p.poll() for p in procs]
             children.adopt(e["pid"] for e in log.events)
             return result
-        target = next(e for e in log.events if e["event"] == "step" and e["rank"] == victim
-                      and e["step"] == cfg.kill_step)
+        target = next(
+            e
+            for e in log.events
+            if e["event"] == "step" and e["rank"] == victim and e["step"] == cfg.kill_step
+        )
         old_pids = {e["pid"] for e in log.events}
         t_kill = time.time()
         os.kill(target["pid"], signal.SIGKILL)
@@ -278,29 +342,50 @@ def run_trial(launcher: Launcher, topo: Topology, cfg: TrialConfig, workdir: Pat
             return len(ranks) == topo.world
 
         state = _wait(log, procs, every_rank_stepped, cfg.recovery_deadline)
-        result["outcome"] = {"ok": "recovered", "exited": "failed: launcher exited", "timeout": "failed: timeout"}[state]
+        result["outcome"] = {
+            "ok": "recovered",
+            "exited": "failed: launcher exited",
+            "timeout": "failed: timeout",
+        }[state]
         result["launcher_exit"] = [p.poll() for p in procs]
-        faults: list[float] = []
+        events: list[JournalEvent] = []
         if launcher.controller:
             try:
-                events = journal(job_view(f"127.0.0.1:{ports.controller}", job_id, events=200))
-                faults = [e.time for e in events if e.kind == "fault" and e.time >= t_kill]
+                events = [
+                    e
+                    for e in journal(job_view(f"127.0.0.1:{ports.controller}", job_id, events=200))
+                    if e.time >= t_kill
+                ]
             except Exception as exc:  # noqa: BLE001 - the controller ends with its launcher: the figure is N/A
                 logger.warning("%s: no journal: %s", job_id, exc)
         children.adopt(e["pid"] for e in log.events)
-    if not launcher.controller:
-        faults = [t for t in _torchrun_fault_times(logs, datetime.fromtimestamp(t_kill).year) if t >= t_kill - 0.01]
+    if launcher.controller:
+        faults = [e.time for e in events if e.kind == "fault"]
+    else:
+        faults = [
+            t for t in _torchrun_fault_times(logs, datetime.fromtimestamp(t_kill).year) if t >= t_kill - 0.01
+        ]
     result.update(_figures(log, old_pids, t_kill, faults, topo.world))
-    logger.info("%s: %s, every rank stepped %s s after the kill", job_id, result["outcome"], fmt(result["all_stepped"]))
+    result["restart_ordered"] = _after([e.time for e in events if e.kind == "strategy chosen"], t_kill)
+    logger.info(
+        "%s: %s, every rank stepped %s s after the kill",
+        job_id,
+        result["outcome"],
+        fmt(result["all_stepped"]),
+    )
     return result
 
 
-def _figures(log: ProgressLog, old_pids: set[int], t_kill: float, faults: list[float], world: int) -> dict[str, Any]:
-    new = [e for e in log.events if e["pid"] not in old_pids]
+def _after(times: Sequence[float | None], t_kill: float) -> float | None:
+    """Seconds from the kill to the earliest of ``times`` (None when there is none)."""
+    present = [t for t in times if t is not None]
+    return min(present) - t_kill if present else None
 
-    def after(times: Sequence[float | None]) -> float | None:
-        present = [t for t in times if t is not None]
-        return min(present) - t_kill if present else None
+
+def _figures(
+    log: ProgressLog, old_pids: set[int], t_kill: float, faults: list[float], world: int
+) -> dict[str, Any]:
+    new = [e for e in log.events if e["pid"] not in old_pids]
 
     def all_ranks(kind: str) -> float | None:
         first: dict[int, float] = {}
@@ -312,9 +397,9 @@ def _figures(log: ProgressLog, old_pids: set[int], t_kill: float, faults: list[f
     resumed = [e["step"] for e in new if e["event"] == "resumed"]
     before = [e["step"] for e in log.events if e["event"] == "step" and e["pid"] in old_pids]
     return {
-        "fault_known": after(faults),
-        "first_fork": after([log.forked.get(e["pid"]) for e in new if e["event"] == "start"]),
-        "first_start": after([e["time"] for e in new if e["event"] == "start"]),
+        "fault_known": _after(faults, t_kill),
+        "first_fork": _after([log.forked.get(e["pid"]) for e in new if e["event"] == "start"], t_kill),
+        "first_start": _after([e["time"] for e in new if e["event"] == "start"], t_kill),
         "all_resumed": all_ranks("resumed"),
         "all_stepped": all_ranks("step"),
         "steps_lost": float(max(before) - min(resumed)) if before and resumed else None,
@@ -330,11 +415,13 @@ def phase_child(ckpt: Path) -> None:
     stamps = {"main": time.time()}
     # Imported here on purpose: these imports are what is being timed.
     import torch
+
     stamps["import_torch"] = time.time()
     import torch.distributed as dist
 
     sys.path.insert(0, str(EXAMPLE.parent))
     import train_ddp
+
     stamps["import_example"] = time.time()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -351,7 +438,8 @@ def phase_child(ckpt: Path) -> None:
     stamps["first_step"] = time.time()
     if rank == 0 and not ckpt.exists():
         train_ddp.save_checkpoint(ckpt, 1, model, velocity)
-    import torch._dynamo  # noqa: F401 - what torch.optim's first step would add; the example avoids it
+    import torch._dynamo  # what torch.optim's first step would add; the example avoids it
+
     stamps["import_dynamo"] = time.time()
     dist.destroy_process_group()
     print(json.dumps(stamps), flush=True)
@@ -374,8 +462,15 @@ def _phase_round(n: int, ckpt: Path, timeout: float) -> list[dict[str, float]]:
     procs = []
     try:
         for rank in range(n):
-            procs.append(subprocess.Popen([PYTHON, __file__, "--phase-child", str(ckpt)], env={**env, "RANK": str(rank)},
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [PYTHON, __file__, "--phase-child", str(ckpt)],
+                    env={**env, "RANK": str(rank)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
@@ -396,8 +491,13 @@ def _interpreter_start(repeats: int) -> list[float]:
 
 def _import_profile(top: int) -> dict[str, Any]:
     """``python -X importtime -c 'import torch'``: total and the ``top`` biggest direct parts (seconds)."""
-    proc = subprocess.run([PYTHON, "-X", "importtime", "-c", "import torch"], capture_output=True, text=True,
-                          check=True, timeout=120)
+    proc = subprocess.run(
+        [PYTHON, "-X", "importtime", "-c", "import torch"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     rows = []
     for line in proc.stderr.splitlines():
         parts = line.removeprefix("import time:").split("|")
@@ -413,7 +513,9 @@ def _import_profile(top: int) -> dict[str, Any]:
 
 def measure_phases(sizes: Sequence[int], repeats: int, workdir: Path) -> dict[str, Any]:
     ckpt = workdir / "phases-ckpt.pt"
-    _phase_round(1, ckpt, 300.0)  # writes the checkpoint and warms the page cache, as the first start of a job does
+    _phase_round(
+        1, ckpt, 300.0
+    )  # writes the checkpoint and warms the page cache, as the first start of a job does
     rounds: dict[str, Any] = {}
     for n in sizes:
         samples: dict[str, list[float]] = {key: [] for key, _, _ in PHASES}
@@ -422,8 +524,11 @@ def measure_phases(sizes: Sequence[int], repeats: int, workdir: Path) -> dict[st
                 for key, since, _ in PHASES:
                     samples[key].append(stamps[key] - stamps[since])
         rounds[str(n)] = {key: summarize(v).as_dict() for key, v in samples.items()}
-    return {"interpreter_start": summarize(_interpreter_start(5)).as_dict(), "import_torch_profile": _import_profile(6),
-            "concurrent": rounds}
+    return {
+        "interpreter_start": summarize(_interpreter_start(5)).as_dict(),
+        "import_torch_profile": _import_profile(6),
+        "concurrent": rounds,
+    }
 
 
 # --- report --------------------------------------------------------------------------------------------
@@ -444,15 +549,28 @@ def report(results: dict[str, dict[str, Any]], launchers: Sequence[str]) -> str:
     out = []
     for topo, by_launcher in results.items():
         peers = [p for p in PEERS if p in by_launcher and TASKD in by_launcher]
-        headers = ["figure (s)", *[LAUNCHERS[n].label for n in launchers if n in by_launcher],
-                   *[f"{TASKD}/{p}" for p in peers]]
-        rows: list[list[object]] = [[
-            "recovered", *[f"{by_launcher[n]['recovered']}/{by_launcher[n]['trials']}" for n in launchers
-                           if n in by_launcher], *["" for _ in peers]]]
+        headers = [
+            "figure (s)",
+            *[LAUNCHERS[n].label for n in launchers if n in by_launcher],
+            *[f"{TASKD}/{p}" for p in peers],
+        ]
+        rows: list[list[object]] = [
+            [
+                "recovered",
+                *[
+                    f"{by_launcher[n]['recovered']}/{by_launcher[n]['trials']}"
+                    for n in launchers
+                    if n in by_launcher
+                ],
+                *["" for _ in peers],
+            ]
+        ]
         for key, label in FIGURES:
             digits = 1 if key == "steps_lost" else 2
             cells = [fmt_range(by_launcher[n][key], digits) for n in launchers if n in by_launcher]
-            ratios = [fmt(ratio(by_launcher[TASKD][key]["median"], by_launcher[p][key]["median"])) for p in peers]
+            ratios = [
+                fmt(ratio(by_launcher[TASKD][key]["median"], by_launcher[p][key]["median"])) for p in peers
+            ]
             rows.append([label, *cells, *ratios])
         out.append(f"**{topo}** (nodes × workers per node)\n\n" + markdown_table(headers, rows))
     return "\n\n".join(out)
@@ -460,11 +578,17 @@ def report(results: dict[str, dict[str, Any]], launchers: Sequence[str]) -> str:
 
 def phases_report(phases: dict[str, Any]) -> str:
     sizes = list(phases["concurrent"])
-    rows: list[list[object]] = [["interpreter start (`python -c pass`)",
-                                 *[fmt(phases["interpreter_start"]["median"]) if n == "1" else "" for n in sizes]]]
+    rows: list[list[object]] = [
+        [
+            "interpreter start (`python -c pass`)",
+            *[fmt(phases["interpreter_start"]["median"]) if n == "1" else "" for n in sizes],
+        ]
+    ]
     for key, _, label in PHASES:
         rows.append([label, *[fmt_range(phases["concurrent"][n][key], 2) for n in sizes]])
-    table = markdown_table(["phase (s), median (min–max)", *[f"{n} process(es) at once" for n in sizes]], rows)
+    table = markdown_table(
+        ["phase (s), median (min–max)", *[f"{n} process(es) at once" for n in sizes]], rows
+    )
     profile = phases["import_torch_profile"]
     parts = ", ".join(f"{p['module']} {p['seconds']:.2f}" for p in profile["top"])
     return f"{table}\n\n`python -X importtime -c 'import torch'` (one process): {profile['total']:.2f} s; largest parts: {parts}."
@@ -472,22 +596,52 @@ def phases_report(phases: dict[str, Any]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=5, help="trials per launcher and topology (default: %(default)s)")
+    p.add_argument(
+        "--repeats", type=int, default=5, help="trials per launcher and topology (default: %(default)s)"
+    )
     p.add_argument("--topologies", default="1x2,1x4,2x2", help="NODESxWORKERS list (default: %(default)s)")
-    p.add_argument("--launchers", default="torchrun,torchrun-noshare,taskdrun",
-                   help=f"comma separated, from {', '.join(LAUNCHERS)} (default: %(default)s)")
-    p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every K steps (default: %(default)s)")
-    p.add_argument("--kill-step", type=int, default=15, help="kill right after this step (default: %(default)s)")
-    p.add_argument("--kill-rank", type=int, default=-1, help="rank to kill; -1: the last (default: %(default)s)")
-    p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step (default: %(default)s)")
-    p.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts / taskd cycles (default: %(default)s)")
+    p.add_argument(
+        "--launchers",
+        default="torchrun,torchrun-noshare,taskdrun",
+        help=f"comma separated, from {', '.join(LAUNCHERS)} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ckpt-every", type=int, default=10, help="checkpoint every K steps (default: %(default)s)"
+    )
+    p.add_argument(
+        "--kill-step", type=int, default=15, help="kill right after this step (default: %(default)s)"
+    )
+    p.add_argument(
+        "--kill-rank", type=int, default=-1, help="rank to kill; -1: the last (default: %(default)s)"
+    )
+    p.add_argument(
+        "--step-time", type=float, default=0.05, help="extra seconds per step (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="torchrun --max-restarts / taskd cycles (default: %(default)s)",
+    )
     p.add_argument("--startup-deadline", type=float, default=180.0, help="seconds to reach the kill step")
-    p.add_argument("--recovery-deadline", type=float, default=60.0,
-                   help="seconds after the kill for every rank to step again, else the trial failed (default: %(default)s)")
-    p.add_argument("--phases", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the phases of a restarted worker (default: on)")
-    p.add_argument("--phase-repeats", type=int, default=3, help="rounds per process count of the phase micro-run")
-    p.add_argument("--keep", type=Path, default=None, help="keep trial logs in this directory (default: a temporary one)")
+    p.add_argument(
+        "--recovery-deadline",
+        type=float,
+        default=30.0,
+        help="seconds after the kill for every rank to step again, else the trial failed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--phases",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the phases of a restarted worker (default: on)",
+    )
+    p.add_argument(
+        "--phase-repeats", type=int, default=3, help="rounds per process count of the phase micro-run"
+    )
+    p.add_argument(
+        "--keep", type=Path, default=None, help="keep trial logs in this directory (default: a temporary one)"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--phase-child", type=Path, default=None, help=argparse.SUPPRESS)
@@ -510,8 +664,15 @@ def main() -> int:
         p.error(f"--topologies {args.topologies!r}: expected e.g. 1x2,2x2")
     if args.kill_step < args.ckpt_every:
         p.error("--kill-step must be at least --ckpt-every, so that a checkpoint exists when the rank dies")
-    cfg = TrialConfig(args.ckpt_every, args.kill_step, args.kill_rank, args.step_time, args.max_restarts,
-                      args.startup_deadline, args.recovery_deadline)
+    cfg = TrialConfig(
+        args.ckpt_every,
+        args.kill_step,
+        args.kill_rank,
+        args.step_time,
+        args.max_restarts,
+        args.startup_deadline,
+        args.recovery_deadline,
+    )
     info = machine()
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         workdir = args.keep or Path(tmp)
@@ -529,11 +690,20 @@ def main() -> int:
     if phases is not None:
         print()
         print(phases_report(phases))
-    write_json(args.json, {
-        "bench": "recovery", "machine": info, "loadavg_at_end": os.getloadavg(), "config": asdict(cfg),
-        "launchers": {n: LAUNCHERS[n].label for n in launchers}, "command": sys.argv,
-        "results": results, "trials": raw, "phases": phases,
-    })
+    write_json(
+        args.json,
+        {
+            "bench": "recovery",
+            "machine": info,
+            "loadavg_at_end": os.getloadavg(),
+            "config": asdict(cfg),
+            "launchers": {n: LAUNCHERS[n].label for n in launchers},
+            "command": sys.argv,
+            "results": results,
+            "trials": raw,
+            "phases": phases,
+        },
+    )
     return 0
 
 
