@@ -376,11 +376,7 @@ def main() -> int:
         results.mkdir(parents=True, exist_ok=True)
         for step in STEPS:
             data[step.name], cmd, durations[step.name] = run_step(step, args.quick, results)
-            commands.append(
-                shlex.join(
-                    Path(c).relative_to(REPO).as_posix() if c.startswith(str(REPO)) else c for c in cmd[:-2]
-                )
-            )
+            commands.append(_shown(cmd[:-2]))
     sections = {
         "detect": detect_section(data["detect"]),
         "recovery": recovery_section(data["recovery"]),
