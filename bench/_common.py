@@ -1,4 +1,4 @@
-"""Helpers shared by the bench scripts: statistics, tables, /proc readings, child processes, the controller journal.
+"""Helpers shared by the bench scripts: statistics, tables, /proc, child processes, the controller journal.
 
 Not a benchmark itself. The scripts next to it import it as ``_common``
 (they are run as ``python bench/<name>.py``, so this directory is on ``sys.path``).
@@ -42,7 +42,7 @@ def setup_logging(level: str) -> None:
 
 
 def exit_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit in the main thread, so that ``finally`` blocks stop what the bench started."""
+    """Make SIGTERM raise SystemExit in the main thread, so ``finally`` blocks stop what the bench started."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
@@ -211,7 +211,10 @@ def free_port() -> int:
 
 
 def poll_until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02) -> T:
-    """Call ``probe`` until it returns something truthy and return that; TimeoutError naming ``what`` at the deadline."""
+    """Call ``probe`` until it returns something truthy, and return that.
+
+    :raises TimeoutError: naming ``what``, at the deadline.
+    """
     deadline = time.monotonic() + timeout
     while not (value := probe()):
         if time.monotonic() >= deadline:
@@ -317,7 +320,7 @@ class Children:
 
 
 def _signal_tree(pid: int, sig: signal.Signals) -> None:
-    """``sig`` to ``pid``'s process group when ``pid`` leads one (even if it is gone), else to ``pid`` alone."""
+    """``sig`` to the process group ``pid`` leads (even if ``pid`` is gone), else to ``pid`` alone."""
     try:
         os.killpg(pid, sig)
         return

@@ -45,7 +45,6 @@ from _common import (
     journal,
     machine,
     markdown_table,
-    pid_alive,
     poll_until,
     setup_logging,
     summarize,
@@ -71,7 +70,7 @@ TARGET_P50 = 0.020
 
 
 class PollingWatch(PidWatch):
-    """A :class:`PidWatch` that ignores pidfds: :meth:`wait` just sleeps ``interval`` (waking early on ``wake``)."""
+    """A :class:`PidWatch` that ignores pidfds: :meth:`wait` sleeps ``interval`` (or until :meth:`wake`)."""
 
     def __init__(self, interval: float) -> None:
         super().__init__()
@@ -125,6 +124,11 @@ def _settled(agent: NodeAgent, address: str, gone: frozenset[int]) -> dict[int, 
     return {rank: s.pid for rank, s in statuses.items() if s.pid}
 
 
+def _wait_settled(agent: NodeAgent, address: str, killed: set[int], what: str) -> dict[int, int]:
+    probe = functools.partial(_settled, agent, address, frozenset(killed))
+    return poll_until(probe, _KILL_DEADLINE, what, interval=0.05)
+
+
 def _faults_after(address: str, job_id: str, seq: int) -> list[JournalEvent]:
     """The job's ``fault`` journal events after sequence number ``seq``, oldest first."""
     return [e for e in journal(job_view(address, job_id, events=50)) if e.seq > seq and e.kind == "fault"]
@@ -143,11 +147,8 @@ def measure(variant: Variant, kills: int, workers: int, jitter: float, rng: rand
         last_seq = 0
         try:
             for i in range(kills):
-                pids = poll_until(
-                    functools.partial(_settled, agent, ctl.address, frozenset(killed)),
-                    _KILL_DEADLINE,
-                    f"{variant.name}: recovery before kill {i + 1}",
-                    interval=0.05,
+                pids = _wait_settled(
+                    agent, ctl.address, killed, f"{variant.name}: recovery before kill {i + 1}"
                 )
                 time.sleep(rng.uniform(0.0, jitter))
                 victim = pids[rng.randrange(workers)]
@@ -163,14 +164,20 @@ def measure(variant: Variant, kills: int, workers: int, jitter: float, rng: rand
                 last_seq = max(e.seq for e in faults)
                 latencies.append(faults[0].time - t_kill)
                 logger.debug("%s kill %d: pid %s, %.1f ms", variant.name, i + 1, victim, latencies[-1] * 1e3)
+            # Nothing may be in flight when the agent stops: a restart after its final stop would outlive it.
+            _wait_settled(agent, ctl.address, killed, f"{variant.name}: recovery after the last kill")
         finally:
             agent.shutdown()
             runner.join(agent.config.stop_timeout + 10.0)
             if runner.is_alive():
                 logger.error("%s agent did not stop", variant.name)
-            leftovers = [p for p in killed if pid_alive(p)]
-            if leftovers:
-                logger.error("killed workers still alive: %s", leftovers)
+            stray = [
+                s.pid for s in agent.adapter.monitor().values() if s.state is WorkerState.RUNNING and s.pid
+            ]
+            if stray:
+                logger.error("%s: workers %s outlived their agent; SIGKILL", variant.name, stray)
+                for pid in stray:
+                    os.kill(pid, signal.SIGKILL)
     logger.info(
         "%s: %d kills, outcome %s", variant.name, len(latencies), outcome[0].kind.value if outcome else "?"
     )

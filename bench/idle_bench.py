@@ -1,4 +1,4 @@
-"""Idle cost: CPU of the agents and the controller over a healthy job, and the controller's memory with many jobs.
+"""Idle cost: CPU of agents and controller over a healthy job; the controller's memory with many jobs.
 
 Part 1, one ``--seconds`` window, all at once (each launcher runs ``--workers``
 sleeping workers: what is measured is the launcher's own cost):
@@ -158,7 +158,7 @@ def _sample(pids: dict[str, int], seconds: float) -> dict[str, dict[str, Any]]:
 
 
 def idle_launchers(workers: int, seconds: float, workdir: Path) -> dict[str, dict[str, Any]]:
-    # The launchers are stopped first (last started), while the controller still hears their agents' last report.
+    # Launchers stop first (last started), while the controller still hears their agents' last report.
     with Children() as children:
         controller, address = controller_bench.start_controller(workdir)
         children.own(controller)
@@ -170,7 +170,7 @@ def idle_launchers(workers: int, seconds: float, workdir: Path) -> dict[str, dic
 
 
 def client_child(mode: str, address: str, seconds: float) -> None:
-    """One client in ``mode``; prints its CPU % of one core over ``seconds`` as JSON (run by :func:`client_costs`)."""
+    """One client in ``mode``: print its CPU % of one core over ``seconds`` as JSON (for ``client_costs``)."""
     interval = CLIENT_MODES[mode]
     client = DLRecoverManager(
         pb.ClientInfo(jobId=f"idle-client-{mode}", role="bench"),

@@ -356,7 +356,7 @@ def run_trial(
                     for e in journal(job_view(f"127.0.0.1:{ports.controller}", job_id, events=200))
                     if e.time >= t_kill
                 ]
-            except Exception as exc:  # noqa: BLE001 - the controller ends with its launcher: the figure is N/A
+            except Exception as exc:  # noqa: BLE001 - the controller died with its launcher: N/A
                 logger.warning("%s: no journal: %s", job_id, exc)
         children.adopt(e["pid"] for e in log.events)
     if launcher.controller:
@@ -591,7 +591,8 @@ def phases_report(phases: dict[str, Any]) -> str:
     )
     profile = phases["import_torch_profile"]
     parts = ", ".join(f"{p['module']} {p['seconds']:.2f}" for p in profile["top"])
-    return f"{table}\n\n`python -X importtime -c 'import torch'` (one process): {profile['total']:.2f} s; largest parts: {parts}."
+    importtime = "`python -X importtime -c 'import torch'`"
+    return f"{table}\n\n{importtime} (one process): {profile['total']:.2f} s; largest parts: {parts}."
 
 
 def main() -> int:
@@ -628,7 +629,7 @@ def main() -> int:
         "--recovery-deadline",
         type=float,
         default=30.0,
-        help="seconds after the kill for every rank to step again, else the trial failed (default: %(default)s)",
+        help="seconds after the kill for every rank to step again, else it failed (default: %(default)s)",
     )
     p.add_argument(
         "--phases",
