@@ -9,22 +9,32 @@ the action dispatcher), ``plugins`` (hook specifications and registry),
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from taskd_core.client.manager import DLRecoverManager
-from taskd_core.errors import (
-    AdapterNotFoundError,
-    ConfigError,
-    ControllerUnavailableError,
-    PluginError,
-    PluginLoadError,
-    ProtocolError,
-    RecoveryDisabledError,
-    TaskdError,
-    WorkerControlError,
-)
-from taskd_core.models import Code, FaultRank, FaultType, JobPolicy, Signal, Strategy, WorkerState, WorkerStatus
-from taskd_core.plugins import hookimpl
+# Names resolve on first use (PEP 562): importing taskd_core must not import
+# grpc, so that launchers can configure it first (see launcher.forksafe).
+_EXPORTS = {
+    "DLRecoverManager": "taskd_core.client.manager",
+    "AdapterNotFoundError": "taskd_core.errors",
+    "ConfigError": "taskd_core.errors",
+    "ControllerUnavailableError": "taskd_core.errors",
+    "PluginError": "taskd_core.errors",
+    "PluginLoadError": "taskd_core.errors",
+    "ProtocolError": "taskd_core.errors",
+    "RecoveryDisabledError": "taskd_core.errors",
+    "TaskdError": "taskd_core.errors",
+    "WorkerControlError": "taskd_core.errors",
+    "Code": "taskd_core.models",
+    "FaultRank": "taskd_core.models",
+    "FaultType": "taskd_core.models",
+    "JobPolicy": "taskd_core.models",
+    "Signal": "taskd_core.models",
+    "Strategy": "taskd_core.models",
+    "WorkerState": "taskd_core.models",
+    "WorkerStatus": "taskd_core.models",
+    "hookimpl": "taskd_core.plugins",
+}
 
 __all__ = [
     "AdapterNotFoundError",
@@ -50,6 +60,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     # Resolved lazily so importing the package never reads distribution metadata.
     if name == "__version__":
         from importlib.metadata import version

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from taskd_core.errors import TaskdError
+from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ def configure_logging(level: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before the sub-commands import grpc: `taskd run` forks workers beside gRPC threads.
+    disable_grpc_fork_handlers()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

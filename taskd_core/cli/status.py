@@ -8,12 +8,7 @@ import json
 import os
 from typing import Any
 
-import grpc
-from google.protobuf import json_format
-
-from taskd_core.errors import ControllerUnavailableError, TaskdError
-from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc import recover_pb2_grpc
+from taskd_core.client.status import query_status
 
 
 def add_parser(subparsers: Any) -> None:
@@ -34,22 +29,6 @@ def add_parser(subparsers: Any) -> None:
         "--timeout", type=float, default=5.0, metavar="S", help="RPC deadline (default: %(default)s)"
     )
     p.set_defaults(func=run)
-
-
-def query(address: str, job: str, events: int, timeout: float) -> dict[str, Any]:
-    """The controller's status as a JSON-ready dict."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = recover_pb2_grpc.RecoverStub(channel).QueryStatus(
-                pb.StatusQuery(jobId=job, events=events), timeout=timeout
-            )
-        except grpc.RpcError as exc:
-            cause = ConnectionError(exc.details())
-            raise ControllerUnavailableError(address, timeout, cause) from None
-    if reply.status.code != 0:
-        raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
-    status: dict[str, Any] = json_format.MessageToDict(reply, always_print_fields_with_no_presence=True)
-    return status
 
 
 def _when(stamp: float) -> str:
@@ -88,6 +67,6 @@ def render(status: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    status = query(args.controller, args.job, args.events, args.timeout)
+    status = query_status(args.controller, args.job, args.events, args.timeout)
     print(json.dumps(status, indent=2) if args.json else render(status))
     return 0

@@ -61,7 +61,23 @@ Status codes per RPC (``taskd_core.models.Code``)
 
 from __future__ import annotations
 
-from taskd_core.controller.policy import PolicyBook, load_policies
-from taskd_core.controller.server import ControllerConfig, EmbeddedController, serve
+import importlib
+from typing import Any
+
+# Resolved on first use: launchers import the policy helpers before they may
+# import grpc (see taskd_core.launcher.forksafe), and server imports grpc.
+_EXPORTS = {
+    "PolicyBook": "taskd_core.controller.policy",
+    "load_policies": "taskd_core.controller.policy",
+    "ControllerConfig": "taskd_core.controller.server",
+    "EmbeddedController": "taskd_core.controller.server",
+    "serve": "taskd_core.controller.server",
+}
 
 __all__ = ["ControllerConfig", "EmbeddedController", "PolicyBook", "load_policies", "serve"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

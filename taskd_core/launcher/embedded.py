@@ -12,7 +12,7 @@ Launchers do not make users run a controller for a single job. The rule:
 
 The embedded controller lives exactly as long as the ``with`` block, so it
 ends with node 0's launcher: the job's state is in memory unless a state file
-is given. Before leaving the block, node 0 should :func:`wait_for_agents`, so
+is given. Before leaving the block, node 0 should :func:`~taskd_core.launcher.node.wait_for_agents`, so
 that the other nodes' agents can still report their end to it.
 """
 
@@ -20,24 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import grpc
 
 from taskd_core.errors import ConfigError
 from taskd_core.launcher.spec import check_host, check_port, is_loopback
 from taskd_core.models import JobPolicy
-from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc import recover_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 #: The reference controller's (ClusterD's) gRPC port; the default for multi-node jobs.
 DEFAULT_CONTROLLER_PORT = 8899
-#: How often :func:`wait_for_agents` asks the controller again.
-_AGENT_POLL = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,34 +90,3 @@ def controller_address(
         logger.info("embedded controller listening on %s:%s", bind, controller.port)
         # Node 0's own agent always reaches it over loopback, whatever interface serves the others.
         yield ControllerEndpoint(f"127.0.0.1:{controller.port}", embedded=True)
-
-
-def wait_for_agents(address: str, job_id: str, agents: int, timeout: float) -> bool:
-    """Wait until ``agents`` agents of ``job_id`` have reported their end to the controller at ``address``.
-
-    Node 0 calls this before its embedded controller stops with it: an agent
-    on another node that is still finishing would otherwise lose the
-    controller and could not report. True when all have ended, False at the
-    deadline (logged; the caller goes on regardless).
-    """
-    deadline = time.monotonic() + timeout
-    ended = 0
-    with grpc.insecure_channel(address) as channel:
-        stub = recover_pb2_grpc.RecoverStub(channel)
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                reply = stub.QueryStatus(pb.StatusQuery(jobId=job_id), timeout=max(remaining, 0.1))
-                jobs = [j for j in reply.jobs if j.jobId == job_id]
-                ended = sum(1 for a in jobs[0].agents if a.exitState) if jobs else 0
-            except grpc.RpcError as exc:
-                logger.warning("cannot ask the controller about job %s: %s", job_id, exc.details())
-                return False
-            if ended >= agents:
-                return True
-            if remaining <= 0:
-                logger.warning(
-                    "only %s of %s agents of job %s ended within %.1fs", ended, agents, job_id, timeout
-                )
-                return False
-            time.sleep(min(_AGENT_POLL, remaining))

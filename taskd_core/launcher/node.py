@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 
 from taskd_core.agent.node_agent import AgentConfig, AgentOutcome, NodeAgent, Outcome
-from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address, wait_for_agents
+from taskd_core.client.status import query_status
+from taskd_core.errors import ControllerUnavailableError, TaskdError
+from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address
 from taskd_core.launcher.interrupt import STOP_SIGNALS, forward_stop_signals
 from taskd_core.models import JobPolicy
 from taskd_core.plugins import Adapter
 
 logger = logging.getLogger(__name__)
+
+#: How often :func:`wait_for_agents` asks the controller again.
+_AGENT_POLL = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +99,30 @@ def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launche
             # The other nodes' agents may still be finishing; they need this controller until they end.
             wait_for_agents(endpoint.address, settings.job_id, settings.nnodes, settings.linger)
     return outcome
+
+
+def wait_for_agents(address: str, job_id: str, agents: int, timeout: float) -> bool:
+    """Wait until ``agents`` agents of ``job_id`` have reported their end to the controller at ``address``.
+
+    Node 0 calls this before its embedded controller stops with it: an agent
+    on another node that is still finishing would otherwise lose the
+    controller and could not report. True when all have ended, False at the
+    deadline (logged; the caller goes on regardless).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            jobs = query_status(address, job_id, timeout=max(remaining, 0.1))["jobs"]
+        except ControllerUnavailableError as exc:
+            logger.warning("cannot ask the controller about job %s: %s", job_id, exc)
+            return False
+        except TaskdError:
+            jobs = []  # the job is not registered (yet): none of its agents has ended
+        ended = sum(1 for job in jobs for agent in job["agents"] if agent["exitState"])
+        if ended >= agents:
+            return True
+        if remaining <= 0:
+            logger.warning("only %s of %s agents of job %s ended within %.1fs", ended, agents, job_id, timeout)
+            return False
+        time.sleep(min(_AGENT_POLL, remaining))

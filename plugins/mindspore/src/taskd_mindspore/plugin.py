@@ -20,8 +20,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
+from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
+
 from taskd_mindspore.callbacks import CallbackRegistry
-from taskd_mindspore.runner import run_node
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,10 @@ class MSRunPlugin:
     def __init__(self, *, env: Mapping[str, str] | None = None) -> None:
         self._registry = CallbackRegistry()
         self._env = env
+        # msrun forks every worker with a preexec_fn; gRPC's fork handlers would
+        # kill some of them at birth (see taskd_core.launcher.forksafe). This is
+        # the first call msrun makes into TaskD, before anything imports grpc.
+        disable_grpc_fork_handlers()
 
     def register_callbacks(self, operator: str, func: Callable[..., Any]) -> None:
         """Register msrun's callback for ``operator`` (``KILL_WORKER``, ``START_ALL_WORKER``,
@@ -62,6 +67,10 @@ class MSRunPlugin:
 
         :raises CallbackError: when a callback was never registered.
         """
+        # Imported here, not at the top: the runner imports grpc, which must
+        # wait until __init__ has configured it.
+        from taskd_mindspore.runner import run_node
+
         return run_node(self._registry.complete(), os.environ if self._env is None else self._env)
 
     def start(self) -> NoReturn:

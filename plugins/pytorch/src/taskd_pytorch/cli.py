@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from taskd_core.errors import ConfigError, TaskdError
+from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
 
 from taskd_pytorch.options import TaskdOptions, build_parser
 
@@ -53,6 +54,8 @@ def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before anything imports grpc: torch starts workers beside the agent's gRPC threads.
+    disable_grpc_fork_handlers()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,34 @@
+"""Asking a controller what it knows (the ``QueryStatus`` extension RPC), as plain data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from taskd_core.errors import ControllerUnavailableError, TaskdError
+from taskd_core.rpc import recover_pb2 as pb
+from taskd_core.rpc import recover_pb2_grpc
+
+
+def query_status(address: str, job_id: str = "", events: int = 0, timeout: float = 5.0) -> dict[str, Any]:
+    """The controller's jobs (all, or ``job_id``'s) with agents and the newest ``events`` journal entries.
+
+    The result is the ``ControllerStatus`` message as a JSON-ready dict with
+    every field present (``{"jobs": [{"jobId": ..., "agents": [...], ...}]}``).
+
+    :raises ControllerUnavailableError: the controller did not answer in ``timeout``.
+    :raises TaskdError: it answered with a non-zero code (e.g. 400 for an unknown job).
+    """
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = recover_pb2_grpc.RecoverStub(channel).QueryStatus(
+                pb.StatusQuery(jobId=job_id, events=events), timeout=timeout
+            )
+        except grpc.RpcError as exc:
+            raise ControllerUnavailableError(address, timeout, ConnectionError(exc.details())) from None
+    if reply.status.code != 0:
+        raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
+    status: dict[str, Any] = json_format.MessageToDict(reply, always_print_fields_with_no_presence=True)
+    return status
