@@ -7,7 +7,7 @@ per job that differs::
     strategies = ["recover-in-place", "recover", "dump", "exit"]
     recovery = true
     report_timeout = 900      # seconds each wait for the agents' reports may take
-    flush_seconds = 1.0       # window that collects faults arriving together
+    flush_seconds = 0.1       # window that collects faults arriving together
     max_cycles = 3            # recovery cycles a job may use before it is given up
     expected_agents = 0       # 0: whoever registered
 

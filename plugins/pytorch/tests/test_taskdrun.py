@@ -26,6 +26,7 @@ def test_help_shows_torchrun_options_and_taskd_options() -> None:
         (["--taskd-max-cycles", "-1"], "argument --taskd-max-cycles: '-1' is not a whole number >= 0"),
         (["--taskd-stop-timeout", "soon"], "argument --taskd-stop-timeout: 'soon' is not a finite number of seconds"),
         (["--taskd-strategies", "retry,bogus"], "unknown strategy 'bogus'"),
+        (["--taskd-flush-seconds", "-1"], "'-1' is not a finite number of seconds >= 0"),
         (["--taskd-controller", "nowhere"], "'nowhere' is not HOST:PORT"),
         (["--nnodes", "2", "--taskd-controller-port", "0"], "--taskd-controller-port 0 only works for one node"),
     ],

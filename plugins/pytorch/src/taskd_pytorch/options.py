@@ -67,6 +67,7 @@ def _strategies(text: str) -> tuple[Strategy, ...]:
 
 _COUNT = _bounded(int, "a whole number >= 0", lambda v: v >= 0)
 _SECONDS = _bounded(float, "a finite number of seconds > 0", lambda v: v > 0 and math.isfinite(v))
+_FLUSH = _bounded(float, "a finite number of seconds >= 0", lambda v: v >= 0 and math.isfinite(v))
 _PORT = _bounded(int, "a TCP port (0..65535)", lambda v: 0 <= v <= 65535)
 
 
@@ -114,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--taskd-report-timeout", type=_SECONDS, default=_POLICY.report_timeout, metavar="SECONDS",
         help="deadline of each of the embedded controller's waits for the agents (default: %(default)s)",
+    )
+    g.add_argument(
+        "--taskd-flush-seconds", type=_FLUSH, default=_POLICY.flush_seconds, metavar="SECONDS",
+        help="window in which the embedded controller collects faults that arrive together (default: %(default)s)",
     )
     g.add_argument(
         "--taskd-stop-timeout", type=_SECONDS, default=30.0, metavar="SECONDS",
@@ -167,6 +172,7 @@ class TaskdOptions:
         policy = JobPolicy(
             strategies=args.taskd_strategies,
             report_timeout=args.taskd_report_timeout,
+            flush_seconds=args.taskd_flush_seconds,
             max_cycles=cycles,
             # Every node's agent must answer before a cycle step ends.
             expected_agents=nnodes,
