@@ -29,10 +29,11 @@ from taskd_core.rpc import recover_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-#: Upper bound on one wait for a worker event: the loop also re-checks
-#: flags set by the signal thread, and a pid started by a hook after the
-#: last monitor call becomes watched within this bound.
-_WAIT_CAP = 1.0
+#: Upper bound on one wait for a worker event. Deaths end the wait through
+#: pidfds and every state change (a handled signal, shutdown) wakes it, so
+#: this only bounds how stale the loop's view can get; each wake-up costs a
+#: MONITOR call, which an idle agent should not spend every second.
+_WAIT_CAP = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,9 @@ class AgentConfig:
     connect_timeout: float = 60.0
     #: how long a report keeps retrying while the controller is unreachable.
     report_deadline: float = 60.0
+    #: seconds between HealthCheck calls; a lost stream is noticed without them,
+    #: so the agent checks less often than the reference client's 1 s.
+    health_interval: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -97,6 +101,7 @@ class NodeAgent:
             handler=self._handle_signal,
             connect_deadline=config.connect_timeout,
             report_deadline=config.report_deadline,
+            health_interval=config.health_interval,
         )
         self.dispatcher = ActionDispatcher(
             adapter,
