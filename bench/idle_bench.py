@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import controller_bench
+import grpc
 from _common import (
     PYTHON,
     Children,
@@ -55,6 +56,7 @@ from _common import (
     fmt,
     machine,
     markdown_table,
+    percentile,
     pid_alive,
     rss_mib,
     setup_logging,
@@ -64,6 +66,7 @@ from _common import (
 
 from taskd_core.client.manager import DLRecoverManager
 from taskd_core.rpc import recover_pb2 as pb
+from taskd_core.rpc import recover_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ BIN = Path(PYTHON).parent
 _SETTLE = 15.0
 #: The target: an idle agent's share of one core, in percent.
 AGENT_TARGET = 1.0
+#: HealthCheck calls per case in the call-cost child of part 2.
+_CALLS = 10
 #: Client modes of part 2: the HealthCheck interval of the subscription, None for no subscription.
 CLIENT_MODES: dict[str, float | None] = {"channel": None, "stream": 1e9, "stream+health": 1.0}
 
@@ -192,22 +197,45 @@ def client_child(mode: str, address: str, seconds: float) -> None:
         client.close()
 
 
-def client_costs(seconds: float, workdir: Path) -> dict[str, float]:
+def call_cost_child(address: str, calls: int) -> None:
+    """Wall time and calling-thread CPU of one HealthCheck, after 1 s idle and back to back; prints JSON."""
+    with grpc.insecure_channel(address) as channel:
+        stub = recover_pb2_grpc.RecoverStub(channel)
+        info = pb.ClientInfo(jobId="idle-call-cost", role="bench")
+        stub.HealthCheck(info, timeout=10.0)  # connected
+        out = {}
+        for label, gap in (("after_idle", 1.0), ("back_to_back", 0.0)):
+            walls, cpus = [], []
+            for _ in range(calls):
+                time.sleep(gap)
+                wall0, cpu0 = time.perf_counter(), time.thread_time()
+                stub.HealthCheck(info, timeout=10.0)
+                cpus.append(time.thread_time() - cpu0)
+                walls.append(time.perf_counter() - wall0)
+            out[label] = {"wall_ms": percentile(walls, 50) * 1e3, "cpu_ms": percentile(cpus, 50) * 1e3}
+    print(json.dumps(out))
+
+
+def _child(args: list[str], timeout: float) -> Any:
+    """Run this script with hidden ``args``; the JSON of its last output line."""
+    proc = subprocess.run(
+        [PYTHON, __file__, *args], capture_output=True, text=True, check=True, timeout=timeout
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def client_costs(seconds: float, workdir: Path) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """CPU % of each client mode, and the cost of one HealthCheck call (see :func:`call_cost_child`)."""
     workdir.mkdir()  # a fresh directory: start_controller waits for its port file to appear
-    out = {}
     with Children() as children:
         controller, address = controller_bench.start_controller(workdir)
         children.own(controller)
-        for mode in CLIENT_MODES:
-            proc = subprocess.run(
-                [PYTHON, __file__, "--client-child", mode, address, str(seconds)],
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=seconds + 60.0,
-            )
-            out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])["cpu_percent"]
-    return out
+        modes = {
+            mode: _child(["--client-child", mode, address, str(seconds)], seconds + 60.0)["cpu_percent"]
+            for mode in CLIENT_MODES
+        }
+        call = _child(["--call-cost-child", address, str(_CALLS)], _CALLS * 1.2 + 60.0)
+    return modes, call
 
 
 async def _hold_jobs(address: str, pid: int, jobs: int, seconds: float) -> dict[str, float]:
@@ -243,7 +271,10 @@ def many_jobs(jobs: int, seconds: float, workdir: Path) -> dict[str, float]:
 
 
 def report(
-    launchers: dict[str, dict[str, Any]], clients: dict[str, float], jobs: dict[str, float] | None
+    launchers: dict[str, dict[str, Any]],
+    clients: dict[str, float],
+    call: dict[str, dict[str, float]],
+    jobs: dict[str, float] | None,
 ) -> str:
     rows = []
     for s in SUBJECTS:
@@ -255,11 +286,19 @@ def report(
     text = markdown_table(
         ["process", "CPU % of one core", "by thread (%)", "RSS MiB", f"target < {AGENT_TARGET:g} %"], rows
     )
+    modes = [clients[mode] for mode in CLIENT_MODES]
     text += "\n\n" + markdown_table(
         ["client mode (one DLRecoverManager)", "CPU % of one core", "added by this part"],
         [
             [mode, fmt(pct, 2), fmt(pct - prev, 2)]
-            for (mode, pct), prev in zip(clients.items(), [0.0, *clients.values()], strict=False)
+            for mode, pct, prev in zip(CLIENT_MODES, modes, [0.0, *modes], strict=False)
+        ],
+    )
+    text += "\n\n" + markdown_table(
+        ["one HealthCheck to the controller (median)", "wall ms", "calling thread CPU ms"],
+        [
+            [label, fmt(call[key]["wall_ms"], 1), fmt(call[key]["cpu_ms"], 1)]
+            for key, label in (("after_idle", "after 1 s without calls"), ("back_to_back", "back to back"))
         ],
     )
     if jobs is not None:
@@ -287,10 +326,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--client-child", nargs=3, metavar=("MODE", "ADDRESS", "SECONDS"), help=argparse.SUPPRESS)
+    p.add_argument("--call-cost-child", nargs=2, metavar=("ADDRESS", "CALLS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.client_child:
         mode, address, seconds = args.client_child
         client_child(mode, address, float(seconds))
+        return 0
+    if args.call_cost_child:
+        call_cost_child(args.call_cost_child[0], int(args.call_cost_child[1]))
         return 0
     setup_logging(args.log_level)
     exit_on_sigterm()
@@ -299,10 +342,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = machine()
     with tempfile.TemporaryDirectory(prefix="idle-bench-") as tmp:
         launchers = idle_launchers(args.workers, args.seconds, Path(tmp))
-        clients = client_costs(args.seconds / 4, Path(tmp) / "clients")
+        clients, call = client_costs(args.seconds / 4, Path(tmp) / "clients")
         jobs = many_jobs(args.jobs, args.seconds / 4, Path(tmp) / "jobs") if args.jobs else None
-    print(report(launchers, clients, jobs))
-    results: dict[str, Any] = {"launchers": launchers, "clients": clients, "many_jobs": jobs}
+    print(report(launchers, clients, call, jobs))
+    results: dict[str, Any] = {
+        "launchers": launchers,
+        "clients": clients,
+        "health_call": call,
+        "many_jobs": jobs,
+    }
     write_json(
         args.json,
         {
