@@ -233,13 +233,14 @@ class ProgressLog:
         self._offset = 0
         self._partial = b""
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> None:
+        """Read what was appended since the last call."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:
-            return []
+            return
         self._offset += len(data)
         lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
@@ -248,7 +249,12 @@ class ProgressLog:
             if event["event"] == "start" and event["pid"] not in self.forked:
                 self.forked[event["pid"]] = start_time(event["pid"])  # the worker runs: it just wrote this
         self.events.extend(new)
-        return new
+
+    def step(self, rank: int, step: int) -> dict[str, Any] | None:
+        """The ``step`` event of ``rank`` for ``step``, if it was logged."""
+        return next(
+            (e for e in self.events if e["event"] == "step" and e["rank"] == rank and e["step"] == step), None
+        )
 
 
 def _torchrun_fault_times(logs: Sequence[Path], year: int) -> list[float]:
@@ -315,23 +321,13 @@ def run_trial(
             for n in range(topo.nnodes)
         ]
 
-        def victim_at_kill_step() -> bool:
-            return any(
-                e["event"] == "step" and e["rank"] == victim and e["step"] == cfg.kill_step
-                for e in log.events
-            )
-
-        state = _wait(log, procs, victim_at_kill_step, cfg.startup_deadline)
-        if state != "ok":
+        state = _wait(log, procs, lambda: log.step(victim, cfg.kill_step) is not None, cfg.startup_deadline)
+        target = log.step(victim, cfg.kill_step)
+        if target is None:
             result["outcome"] = f"no kill: job {state} before step {cfg.kill_step}"
             result["launcher_exit"] = [p.poll() for p in procs]
             children.adopt(e["pid"] for e in log.events)
             return result
-        target = next(
-            e
-            for e in log.events
-            if e["event"] == "step" and e["rank"] == victim and e["step"] == cfg.kill_step
-        )
         old_pids = {e["pid"] for e in log.events}
         t_kill = time.time()
         os.kill(target["pid"], signal.SIGKILL)

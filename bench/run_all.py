@@ -40,7 +40,17 @@ from typing import Any
 import detect_bench
 import idle_bench
 import recovery_bench
-from _common import PYTHON, REPO, Children, exit_on_sigterm, fmt, machine, markdown_table, setup_logging
+from _common import (
+    PYTHON,
+    REPO,
+    Children,
+    exit_on_sigterm,
+    fmt,
+    machine,
+    markdown_table,
+    setup_logging,
+    summarize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +208,14 @@ def recovery_section(data: dict[str, Any] | None) -> Section:
         f"{topo} {fmt(_median(by, taskd, 'restart_ordered') - _median(by, taskd, 'fault_known'))} s"
         for topo, by in results.items()
     )
+    lags = [
+        t["kill_lag"]
+        for by in data["trials"].values()
+        for trials in by.values()
+        for t in trials
+        if "kill_lag" in t
+    ]
+    lag = summarize(lags)
     method = (
         "`bench/recovery_bench.py`, one invocation for all launchers: `examples/train_ddp.py` (gloo, CPU), a"
         f" checkpoint every {cfg['ckpt_every']} steps and {cfg['step_time']:g} s extra per step. The bench SIGKILLs"
@@ -206,7 +224,8 @@ def recovery_section(data: dict[str, Any] | None) -> Section:
         f" defaults (embedded controller, {cfg['max_restarts']} cycles, flush window 1 s). The launchers' trials"
         " are interleaved. A trial counts as recovered when every rank completes a step in a new process within"
         f" {cfg['recovery_deadline']:g} s of the kill. Figures are medians (min–max) in seconds after the kill, over"
-        " the recovered trials; ratios are taskdrun's median over the other launcher's."
+        " the recovered trials; ratios are taskdrun's median over the other launcher's. The kill landed"
+        f" {_ms(lag.median)} (median; at most {_ms(lag.high)}) after the victim logged the step."
     )
     sources = (
         "Sources: the workers' own JSON-lines progress log (`start` is written after `import torch`, `resumed`"
