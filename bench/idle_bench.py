@@ -3,9 +3,9 @@
 Part 1, one ``--seconds`` window, all at once (each launcher runs ``--workers``
 sleeping workers: what is measured is the launcher's own cost):
 
-* ``taskd run --controller ADDR``: the node agent alone, its controller being
-* ``taskd controller`` (a separate process, serving that agent and taskdrun's);
+* ``taskd run --controller ADDR``: the node agent alone;
 * ``taskdrun --taskd-controller ADDR``: the PyTorch adapter's agent alone;
+* ``taskd controller`` at ADDR, a separate process serving those two agents;
 * ``taskd run`` with its embedded controller (agent + controller in one process);
 * ``torchrun``, the peer, as shipped (it polls its workers every 0.1 s).
 
@@ -17,8 +17,10 @@ real ``DLRecoverManager`` against a ``taskd controller`` and measures its own
 ``time.process_time()`` over ``--seconds / 4``: ``channel`` (Init + Register
 only: gRPC's threads and the channel's keep-alive pings), ``stream`` (+ the
 signal stream with the controller's keep-alive signals), ``stream+health``
-(+ the client's HealthCheck every second: what the node agent runs). The
-agent's own supervision loop is the ``main`` thread of part 1.
+(+ the client's HealthCheck every second: what the node agent runs). A
+further child times single HealthCheck calls, after 1 s without calls and
+back to back (wall time and the calling thread's CPU). The agent's own
+supervision loop is the ``main`` thread of part 1.
 
 Part 3: a fresh ``taskd controller`` with ``--jobs`` jobs registered and
 subscribed, one agent each (``Bench.start_agents`` of ``controller_bench.py``):
