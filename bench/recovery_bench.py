@@ -76,6 +76,8 @@ from _common import (
     write_json,
 )
 
+from taskd_core.models import JobPolicy
+
 logger = logging.getLogger(__name__)
 
 EXAMPLE = REPO / "examples" / "train_ddp.py"
@@ -90,6 +92,7 @@ FIGURES = (
     ("restart_ordered", "kill → restart ordered (taskd: strategy chosen)"),
     ("first_fork", "kill → first replacement forked"),
     ("first_start", "kill → first replacement's `start` event"),
+    ("all_started", "kill → every rank's `start` event (after `import torch`)"),
     ("all_resumed", "kill → every rank resumed (past init_process_group + ckpt load)"),
     ("all_stepped", "kill → every rank completed a new step"),
     ("steps_lost", "steps lost"),
@@ -396,6 +399,7 @@ def _figures(
         "fault_known": _after(faults, t_kill),
         "first_fork": _after([log.forked.get(e["pid"]) for e in new if e["event"] == "start"], t_kill),
         "first_start": _after([e["time"] for e in new if e["event"] == "start"], t_kill),
+        "all_started": all_ranks("start"),
         "all_resumed": all_ranks("resumed"),
         "all_stepped": all_ranks("step"),
         "steps_lost": float(max(before) - min(resumed)) if before and resumed else None,
@@ -693,7 +697,7 @@ def main() -> int:
             "bench": "recovery",
             "machine": info,
             "loadavg_at_end": os.getloadavg(),
-            "config": asdict(cfg),
+            "config": {**asdict(cfg), "taskd_flush_seconds": JobPolicy().flush_seconds},
             "launchers": {n: LAUNCHERS[n].label for n in launchers},
             "command": sys.argv,
             "results": results,

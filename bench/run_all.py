@@ -23,6 +23,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -185,6 +186,27 @@ def _median(by_launcher: dict[str, Any], launcher: str, key: str) -> float:
     return float(by_launcher.get(launcher, {}).get(key, {}).get("median", float("nan")))
 
 
+def _split_table(results: dict[str, Any], launchers: list[str]) -> str:
+    """kill → first fork, → every rank started, → every rank stepped: medians per topology and launcher."""
+    rows = []
+    for topo, by in results.items():
+        for name in launchers:
+            fork, started, stepped = (
+                _median(by, name, k) for k in ("first_fork", "all_started", "all_stepped")
+            )
+            label = recovery_bench.LAUNCHERS[name].label
+            rows.append([topo, label, fmt(fork), fmt(started - fork), fmt(stepped - started), fmt(stepped)])
+    headers = [
+        "topology",
+        "launcher",
+        "kill → first fork",
+        "→ every rank started",
+        "→ every rank stepped",
+        "total",
+    ]
+    return markdown_table(headers, rows)
+
+
 def recovery_section(data: dict[str, Any] | None) -> Section:
     title = "2. Recovery of a SIGKILLed rank: taskdrun against torchrun"
     if data is None:
@@ -221,7 +243,8 @@ def recovery_section(data: dict[str, Any] | None) -> Section:
         f" checkpoint every {cfg['ckpt_every']} steps and {cfg['step_time']:g} s extra per step. The bench SIGKILLs"
         f" {victim} the moment it logs step {cfg['kill_step']}, taking `time.time()`"
         f" right before `os.kill`. torchrun runs with `--max-restarts {cfg['max_restarts']}`, taskdrun with its"
-        f" defaults (embedded controller, {cfg['max_restarts']} cycles, flush window 1 s). The launchers' trials"
+        f" defaults (embedded controller, {cfg['max_restarts']} cycles, flush window {cfg['taskd_flush_seconds']:g} s)."
+        " The launchers' trials"
         " are interleaved. A trial counts as recovered when every rank completes a step in a new process within"
         f" {cfg['recovery_deadline']:g} s of the kill. Figures are medians (min–max) in seconds after the kill, over"
         " the recovered trials; ratios are taskdrun's median over the other launcher's. The kill landed"
@@ -240,19 +263,19 @@ def recovery_section(data: dict[str, Any] | None) -> Section:
         " addresses from the agents' shared store and fail in `connectFullMesh` (using up a restart) or block in"
         " `init_process_group` until the deadline; `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` avoids it."
     )
+    flush = cfg["taskd_flush_seconds"]
     where = (
-        "**Where the time goes.** taskd knows of the fault within milliseconds (the journal's `fault` event); then"
-        " the controller's flush window collects the faults of the other ranks, whose collectives fail when their"
-        " peer dies, before it stops and restarts anything. Fault → restart ordered (the journal's"
-        f" `strategy chosen`) took {negotiation} (medians): the 1 s `flush_seconds` default plus the stop and"
-        " strategy round trips. torchrun has no such window: it restarts on the first failure its 0.1 s monitor"
-        " loop sees. On two nodes both launchers also rendezvous again before they fork new workers. From the"
-        " fork to the first new step the work is the same for both: interpreter start, `import torch` (slower"
-        " when several processes import at once on 2 cores), `init_process_group`, which waits until every rank"
-        " has arrived, and the checkpoint load; the phase micro-run below times each. The flush window is not"
-        " configurable in `taskdrun` (`taskd controller --flush-seconds` is); a shorter one would remove most of"
-        " taskdrun's extra time."
+        "**Where the time goes.** Before the first new worker is forked, taskd knows of the fault within"
+        " milliseconds (the journal's `fault` event); its controller then waits the flush window"
+        f" ({flush:g} s by default), which collects the faults of the ranks whose collectives fail with their dead"
+        " peer, stops the node's workers and asks the agents for their strategies: fault → restart ordered (the"
+        f" journal's `strategy chosen`) took {negotiation} (medians). torchrun restarts on the first failure its"
+        " 0.1 s monitor loop sees. On two nodes both launchers also rendezvous again before they fork. After the"
+        " fork the work is the workers' own and the same under both launchers: interpreter start, `import torch`"
+        " (slower when several processes import at once on 2 cores), `init_process_group` (which waits for every"
+        " rank) and the checkpoint load; the phase micro-run below times each. The same split, in medians:"
     )
+    split = _split_table(results, [n for n in (taskd, "torchrun-noshare") if n in launchers])
     parts = [
         f"## {title}",
         method,
@@ -260,6 +283,7 @@ def recovery_section(data: dict[str, Any] | None) -> Section:
         recovery_bench.report(results, launchers),
         outcome,
         where,
+        split,
     ]
     if data.get("phases"):
         phases = (
@@ -292,18 +316,19 @@ def idle_section(data: dict[str, Any] | None) -> Section:
     )
     call = r["health_call"]
     idle_call, hot_call = call["after_idle"], call["back_to_back"]
+    share = functools.partial(idle_bench.client_share, clients)
     profile = (
         "The second table profiles an idle agent's gRPC client alone, one child process per mode measuring its"
         " own `time.process_time()` against a controller that serves nobody else: an open channel (gRPC's threads"
         f" and the client's 3 s keep-alive pings) costs {fmt(clients['channel'])} %, the signal stream with the"
-        f" controller's 5 s keep-alive signals {fmt(clients['stream'] - clients['channel'])} % more, and the"
-        f" client's HealthCheck every second {fmt(clients['stream+health'] - clients['stream'])} % more. The third"
-        " table shows why a HealthCheck is that dear: after a second without calls the controller takes"
-        f" {fmt(idle_call['wall_ms'], 1)} ms to answer, and the calling thread spends"
-        f" {fmt(idle_call['cpu_ms'], 1)} ms of CPU waiting inside gRPC's synchronous call (back to back:"
-        f" {fmt(hot_call['wall_ms'], 1)} ms and {fmt(hot_call['cpu_ms'], 1)} ms). A busier controller answers"
-        " sooner, so the same client costs less in the first table, where the controller serves two agents; the"
-        " figures move from run to run with that and with the machine's load."
+        f" controller's 5 s keep-alive signals {fmt(share('stream'))} % more, HealthCheck calls at the node"
+        f" agent's interval ({idle_bench.AGENT_HEALTH:g} s) {fmt(share('stream+health-agent'))} % more, and at"
+        f" the client's default of 1 s {fmt(share('stream+health-1s'))} % more. The third table is the cost of one"
+        f" HealthCheck: after a second without calls the controller takes {fmt(idle_call['wall_ms'], 1)} ms to"
+        f" answer and the calling thread spends {fmt(idle_call['cpu_ms'], 1)} ms of CPU waiting inside gRPC's"
+        f" synchronous call; back to back {fmt(hot_call['wall_ms'], 1)} ms and {fmt(hot_call['cpu_ms'], 1)} ms."
+        " A controller woken more often answers sooner, so these figures move with the controller's other traffic"
+        " and with the machine's load."
     )
     parts = [
         f"## {title}",
@@ -314,13 +339,9 @@ def idle_section(data: dict[str, Any] | None) -> Section:
     if worst >= target:
         parts.append(
             f"**Target missed** by {fmt(worst - target)} percentage points at worst ({fmt(worst)} % against"
-            f" {target:g} %). Nearly all of it is gRPC client machinery, not TaskD's own loop (the `main` thread"
-            " above, which wakes once a second to call MONITOR). The largest single part is the HealthCheck that"
-            " `DLRecoverManager` sends every second (`health_interval=1.0`), each costing about"
-            f" {fmt(idle_call['cpu_ms'], 0)} ms of CPU against an idle controller. The agent does not need it that"
-            " often to notice a lost controller: the signal stream breaks, and gRPC's keep-alive pings detect a"
-            " dead peer within seconds. A 5-10 s interval (or none while the stream is up) would remove most of"
-            " that share; the change belongs to the client, not to these benchmarks."
+            f" {target:g} %). The by-thread column and the client profile say where: TaskD's own loop is the"
+            " `main` thread; the rest is the gRPC client (channel, signal stream, HealthCheck calls) and, when"
+            " embedded, the controller's event loop."
         )
     verdict = "met" if worst < target else f"missed by {fmt(worst - target)} points"
     rows = [[f"idle agent < {target:g} % of one core", f"{fmt(worst)} % (worst agent)", verdict]]
