@@ -80,7 +80,7 @@ class DLRecoverManager:
         report_deadline: float = 60.0,
         rpc_timeout: float = 10.0,
         health_interval: float = 1.0,
-        backoff: Backoff = Backoff(),
+        backoff: Backoff | None = None,
     ) -> None:
         if not info.jobId:
             raise TaskdError("DLRecoverManager needs info.jobId: the job to recover")
@@ -95,7 +95,7 @@ class DLRecoverManager:
         self._report_deadline = report_deadline
         self._rpc_timeout = rpc_timeout
         self._health_interval = health_interval
-        self._backoff = backoff
+        self._backoff = backoff or Backoff()
         self._closed = threading.Event()
         self._killed = threading.Event()
         self._health_stop = threading.Event()
@@ -269,7 +269,7 @@ class DLRecoverManager:
 
     # --- reports ------------------------------------------------------------------
 
-    def _report(self, name: str, call: Callable[[Any], pb.Status], request: Any) -> int:
+    def _report(self, name: str, call: Callable[..., pb.Status], request: Any) -> int:
         """Send a report; on a non-zero code re-register and retry once (as the reference does).
 
         Connection errors are retried until the report deadline, so a report

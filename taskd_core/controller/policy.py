@@ -151,7 +151,7 @@ def validated(policy: JobPolicy, where: str = "") -> JobPolicy:
 class PolicyBook:
     """The controller's configured policies: defaults plus per-job overrides."""
 
-    defaults: JobPolicy = JobPolicy()
+    defaults: JobPolicy = field(default_factory=JobPolicy)
     jobs: Mapping[str, JobPolicy] = field(default_factory=dict)
 
     def for_job(self, job_id: str) -> JobPolicy:

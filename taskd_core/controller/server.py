@@ -199,7 +199,7 @@ class EmbeddedController:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._main())
-        except BaseException as exc:  # noqa: BLE001 - handed to the constructing thread
+        except BaseException as exc:  # handed to the constructing thread, which is waiting for it
             if not self._ready.done():
                 self._ready.set_exception(exc)
             else:

@@ -64,7 +64,7 @@ def _answer(call: Callable[[], Reply]) -> pb.Status:
         reply = call()
     except (RequestRejected, ProtocolError, ConfigError) as exc:
         reply = rejection(exc)
-    except Exception:  # noqa: BLE001 - one bad request must not take the controller down
+    except Exception:  # one bad request must not take the controller down
         logger.exception("request failed")
         reply = Reply(Code.SERVER_INNER_ERROR, "internal controller error; see the controller's log")
     return pb.Status(code=int(reply.code), info=reply.info)

@@ -40,7 +40,6 @@ from taskd_core.agent.pidwatch import wait_gone
 from taskd_core.errors import ConfigError
 from taskd_core.models import Strategy, WorkerState, WorkerStatus
 from taskd_core.plugins import hookimpl
-
 from taskd_mindspore.callbacks import ALL_WORKERS, MsrunCallbacks
 from taskd_mindspore.scheduler import Scheduler
 

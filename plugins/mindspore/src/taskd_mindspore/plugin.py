@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
-
 from taskd_mindspore.callbacks import CallbackRegistry
 
 logger = logging.getLogger(__name__)

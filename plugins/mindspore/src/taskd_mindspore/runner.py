@@ -39,7 +39,6 @@ from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT
 from taskd_core.launcher.node import NodeSettings, run_node_agent
 from taskd_core.models import JobPolicy, WorkerState, WorkerStatus
 from taskd_core.plugins import load_adapter
-
 from taskd_mindspore.adapter import MSRunAdapter
 from taskd_mindspore.callbacks import MsrunCallbacks
 from taskd_mindspore.scheduler import Scheduler

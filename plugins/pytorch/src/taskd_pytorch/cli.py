@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 from taskd_core.errors import ConfigError, TaskdError
 from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
-
 from taskd_pytorch.options import TaskdOptions, build_parser
 
 if TYPE_CHECKING:
@@ -86,7 +85,6 @@ def _launch(args: argparse.Namespace) -> int:
     from taskd_core.agent.node_agent import Outcome
     from taskd_core.launcher.node import NodeSettings, run_node_agent
     from taskd_core.plugins import load_adapter
-
     from taskd_pytorch.adapter import PytorchAdapter
     from taskd_pytorch.elastic import TaskdElasticAgent
 

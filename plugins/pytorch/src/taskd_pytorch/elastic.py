@@ -38,7 +38,6 @@ from torch.distributed.elastic.utils import macros
 
 from taskd_core.errors import ConfigError
 from taskd_core.models import WorkerState, WorkerStatus
-
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, round_store_info
 from taskd_pytorch.processes import Launch, RankProcesses
 

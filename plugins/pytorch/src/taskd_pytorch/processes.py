@@ -29,7 +29,6 @@ from torch.distributed.elastic.multiprocessing import (
 
 from taskd_core.errors import ConfigError
 from taskd_core.models import WorkerState
-
 from taskd_pytorch._signals import keep_signal_handlers
 
 logger = logging.getLogger(__name__)
