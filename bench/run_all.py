@@ -170,8 +170,9 @@ def detect_section(data: dict[str, Any] | None) -> Section:
         f"The pidfd agent's median is {_ms(taskd['median'])}, against {_ms(fast['median'])} for a 0.1 s poll"
         f" ({fmt(fast['median'] / taskd['median'], 0)}×) and {_ms(slow['median'])} for a 1 s poll"
         f" ({fmt(slow['median'] / taskd['median'], 0)}×); p99 {_ms(taskd['p99'])}. What remains is the report"
-        " itself: MONITOR, one gRPC call, the controller's state machine and a SQLite commit, on a machine"
-        " shared with other work (bench, agent and controller also share one process and its GIL). A polling"
+        " itself: MONITOR, one gRPC call to a controller that was idle (section 3 times how long an idle"
+        " controller takes to answer), its state machine and a SQLite commit, on a machine shared with other"
+        " work (bench, agent and controller also share one process and its GIL). A polling"
         " agent's latency is spread evenly over its interval: its median is about half the interval, its p99"
         " nearly all of it."
     )
@@ -328,7 +329,8 @@ def idle_section(data: dict[str, Any] | None) -> Section:
         f" answer and the calling thread spends {fmt(idle_call['cpu_ms'], 1)} ms of CPU waiting inside gRPC's"
         f" synchronous call; back to back {fmt(hot_call['wall_ms'], 1)} ms and {fmt(hot_call['cpu_ms'], 1)} ms."
         " A controller woken more often answers sooner, so these figures move with the controller's other traffic"
-        " and with the machine's load."
+        f" and with the machine's load; with {data['seconds'] / 4:g} s windows, differences of a few tenths of a"
+        " percent between the client modes are within run-to-run noise."
     )
     parts = [
         f"## {title}",
