@@ -219,7 +219,7 @@ def main() -> int:
     if args.kills < 1 or args.workers < 1 or args.jitter < 0:
         p.error("--kills and --workers must be at least 1, --jitter not negative")
     info = machine()
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for variant in VARIANTS:
         latencies = measure(variant, args.kills, args.workers, args.jitter, random.Random(args.seed))
         results[variant.name] = {

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -82,7 +81,7 @@ AGENT_TARGET = 1.0
 #: HealthCheck calls per case in the call-cost child of part 2.
 _CALLS = 10
 #: The node agent's HealthCheck interval (its AgentConfig default).
-AGENT_HEALTH = next(float(f.default) for f in dataclasses.fields(AgentConfig) if f.name == "health_interval")
+AGENT_HEALTH = AgentConfig(job_id="idle-bench", controller="127.0.0.1:1").health_interval
 #: Client modes of part 2: the HealthCheck interval of the subscription, None for no subscription.
 CLIENT_MODES: dict[str, float | None] = {
     "channel": None,
