@@ -85,11 +85,16 @@ class ActionDispatcher:
         self._on_stopping = on_stopping or (lambda statuses: None)
         self._lock = lock or threading.RLock()
         self.given_up = threading.Event()
+        #: the agent is done with its workers: later signals must not start any.
+        self.closed = threading.Event()
         #: the controller chose dump or exit: workers ending now, even with 0, are not a finished job.
         self.ending = threading.Event()
 
     def handle(self, signal: Signal) -> None:
         with self._lock:
+            if self.closed.is_set():
+                logger.info("agent is ending: %s not carried out", signal.signal_type)
+                return
             if signal.signal_type == SignalType.KILL_MASTER:
                 logger.warning("controller gave the job up (killMaster): stopping every worker")
                 self.ending.set()
@@ -112,6 +117,12 @@ class ActionDispatcher:
     def _local_faulty(self, signal: Signal, statuses: Mapping[int, WorkerStatus]) -> list[int]:
         faulty = {f.rank for f in signal.fault_ranks}
         return sorted(s.local_rank for s in statuses.values() if s.global_rank in faulty)
+
+    def close(self) -> None:
+        """Stop every worker and carry out no signal from now on (the agent ends)."""
+        with self._lock:
+            self.closed.set()
+            self.stop(None)
 
     def stop(self, local_ranks: Sequence[int] | None) -> None:
         """Stop workers on purpose (all when ``local_ranks`` is None)."""

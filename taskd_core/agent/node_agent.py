@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 #: this only bounds how stale the loop's view can get; each wake-up costs a
 #: MONITOR call, which an idle agent should not spend every second.
 _WAIT_CAP = 5.0
+#: Seconds the last report (this agent ends) may retry an unreachable controller.
+_FINAL_REPORT_DEADLINE = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +154,8 @@ class NodeAgent:
             self._stop_all()
             outcome = AgentOutcome(Outcome.FAILED, 1, str(exc))
         finally:
+            with self._lock:
+                self.dispatcher.closed.set()
             self.client.close()
             if subscriber is not None:
                 subscriber.join(timeout=10.0)
@@ -168,11 +172,12 @@ class NodeAgent:
             self._watch.wake()
 
     def _stop_all(self) -> None:
-        with self._lock:
-            try:
-                self.dispatcher.stop(None)
-            except TaskdError:
-                logger.exception("stopping workers failed")
+        # A signal waiting for the lock (a restart, say) must not start workers
+        # after this: close() stops them and shuts the dispatcher for good.
+        try:
+            self.dispatcher.close()
+        except TaskdError:
+            logger.exception("stopping workers failed")
 
     def _supervise(self, recovery: bool) -> AgentOutcome:
         while True:
@@ -208,6 +213,7 @@ class NodeAgent:
 
     def _final_report(self, code: int, msg: str) -> None:
         try:
-            self.client.report_agent_exit(code, msg)
+            # Short deadline: a launcher that is told to stop must not hang on a controller that is gone.
+            self.client.report_agent_exit(code, msg, deadline=_FINAL_REPORT_DEADLINE)
         except Exception:  # the outcome stands even if the controller cannot hear it
             logger.exception("could not tell the controller that this agent ends")

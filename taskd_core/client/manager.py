@@ -269,13 +269,14 @@ class DLRecoverManager:
 
     # --- reports ------------------------------------------------------------------
 
-    def _report(self, name: str, call: Callable[..., pb.Status], request: Any) -> int:
+    def _report(self, name: str, call: Callable[..., pb.Status], request: Any, deadline: float | None = None) -> int:
         """Send a report; on a non-zero code re-register and retry once (as the reference does).
 
         Connection errors are retried until the report deadline, so a report
         survives a controller restart.
         """
-        deadline = time.monotonic() + self._report_deadline
+        patience = self._report_deadline if deadline is None else deadline
+        until = time.monotonic() + patience
         attempt = 0
         retried_code = False
         while True:
@@ -291,8 +292,8 @@ class DLRecoverManager:
                 continue
             except grpc.RpcError as exc:
                 logger.warning("%s for job %s failed: %s", name, self.job_id, exc.code())
-            if not self._backoff.wait(attempt, deadline, self._closed):
-                logger.error("%s for job %s: controller unreachable for %.0fs", name, self.job_id, self._report_deadline)
+            if not self._backoff.wait(attempt, until, self._closed):
+                logger.error("%s for job %s: controller unreachable for %.0fs", name, self.job_id, patience)
                 return int(Code.SERVER_INNER_ERROR)
             attempt += 1
 
@@ -325,10 +326,14 @@ class DLRecoverManager:
         req = pb.ProcessFaultRequest(jobId=self.job_id, faultRanks=fault_dict_to_pb(fault_ranks), agentId=self.agent_id)
         return self._report("ReportProcessFault", self._stub.ReportProcessFault, req)
 
-    def report_agent_exit(self, code: int, msg: str) -> int:
-        """TaskD extension: this agent's workers all ended (``code`` 0: all exited 0)."""
+    def report_agent_exit(self, code: int, msg: str, *, deadline: float | None = None) -> int:
+        """TaskD extension: this agent's workers all ended (``code`` 0: all exited 0).
+
+        :param deadline: seconds to keep retrying an unreachable controller
+            (default: the manager's report deadline).
+        """
         req = pb.AgentExitRequest(jobId=self.job_id, agentId=self.agent_id, role=self.role, status=pb.Status(code=code, info=msg))
-        return self._report("ReportAgentExit", self._stub.ReportAgentExit, req)
+        return self._report("ReportAgentExit", self._stub.ReportAgentExit, req, deadline)
 
     # --- shutdown ----------------------------------------------------------------------
 

@@ -179,3 +179,54 @@ def test_sigterm_to_the_agent_stops_every_worker(make_job) -> None:  # type: ign
     outcome = job.result.result(timeout=120)
     assert (outcome.kind, outcome.exit_code) == (Outcome.INTERRUPTED, 143)
     assert_gone(pids.values())
+
+
+def test_a_closed_dispatcher_starts_no_worker(tmp_path: Path) -> None:
+    """Once the agent has stopped its workers for good, a restart signal that was waiting is not carried out."""
+    from taskd_core.agent.dispatcher import ActionDispatcher
+    from taskd_core.models import FaultRank, Signal
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    (tmp_path / "out").mkdir()
+    spec = LaunchSpec(command=(sys.executable, str(script), str(tmp_path / "out")), nproc=2, stop_timeout=5.0)
+    adapter = load_adapter("process", instance=ProcessAdapter(spec))
+    reports: list[tuple[str, ...]] = []
+
+    class Reporter:
+        def report_stop_complete(self, code: int, msg: str, fault_ranks: object) -> int:
+            reports.append(("stop", str(code)))
+            return 0
+
+        def report_recover_strategy(self, fault_ranks: object, strategy_list: object) -> int:
+            reports.append(("strategies",))
+            return 0
+
+        def report_recover_status(self, code: int, msg: str, fault_ranks: object, strategy: str) -> int:
+            reports.append(("status", strategy))
+            return 0
+
+    dispatcher = ActionDispatcher(adapter, Reporter())
+    adapter.restart_all()
+    first = {s.pid for s in adapter.monitor().values()}
+    dispatcher.close()
+    dispatcher.handle(Signal("changeStrategy", actions=("change_strategy",), change_strategy="recover",
+                             fault_ranks=(FaultRank(0),)))
+    after = adapter.monitor()
+    assert {s.pid for s in after.values()} == first
+    assert all(s.state.value == "exited" for s in after.values())
+    assert reports == []
+    assert_gone(first)
+
+
+def test_final_report_to_a_vanished_controller_gives_up_at_its_deadline() -> None:
+    from taskd_core.client.manager import DLRecoverManager
+    from taskd_core.models import Code
+
+    with EmbeddedController() as controller:
+        address = controller.address
+    manager = DLRecoverManager(pb.ClientInfo(jobId="job", role="r"), address, rpc_timeout=0.2)
+    try:
+        assert manager.report_agent_exit(143, "interrupted", deadline=0.5) == Code.SERVER_INNER_ERROR
+    finally:
+        manager.close()
