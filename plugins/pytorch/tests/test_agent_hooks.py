@@ -26,8 +26,8 @@ def test_restart_all_starts_every_rank_with_torchrun_environment(make_agent, out
     seen = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 30, "both workers")
     assert sorted(r["LOCAL_RANK"] for r in seen) == ["0", "1"]
     assert {r["TASKD_RESTART_COUNT"] for r in seen} == {"0"}
-    # Workers never join the agents' rendezvous store (SPEC §9).
-    assert {r["TORCHELASTIC_USE_AGENT_STORE"] for r in seen} == {"False"}
+    # Workers join the round's own agent-hosted store, never the shared rendezvous store (SPEC §9).
+    assert {r["TORCHELASTIC_USE_AGENT_STORE"] for r in seen} == {"True"}
 
 
 def test_stop_given_ranks_leaves_the_others_running(make_agent, out_dir: Path) -> None:

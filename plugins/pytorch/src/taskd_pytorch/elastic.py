@@ -10,7 +10,8 @@ says, and launching through ``start_processes``. It changes two things:
   local rank (:class:`~taskd_pytorch.processes.RankProcesses`), so a single
   rank can be stopped and started again with the same environment;
 * workers meet in a store of their own per restart round
-  (:mod:`taskd_pytorch.bootstrap`), never in the agents' shared store.
+  hosted by group rank 0's agent (:mod:`taskd_pytorch.bootstrap`), never in the
+  agents' shared rendezvous store.
 
 torch's own control loop (``run``/``_invoke_run`` with its monitor interval
 and restart budget) is not used: the node agent calls :meth:`restart_all`,
@@ -38,7 +39,7 @@ from torch.distributed.elastic.utils import macros
 
 from taskd_core.errors import ConfigError
 from taskd_core.models import WorkerState, WorkerStatus
-from taskd_pytorch.bootstrap import USE_AGENT_STORE, round_store_info
+from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
 from taskd_pytorch.processes import Launch, RankProcesses
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         self._taskd_starts = 0
         # The node agent serialises its hook calls; this also guards direct callers.
         self._taskd_lock = threading.RLock()
+        self._taskd_round_stores = RoundStores()
 
     # --- what the TaskD hooks do ------------------------------------------------------
 
@@ -147,7 +149,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         spec = worker_group.spec
         if worker_group.store is None or spec.entrypoint is None:
             raise ConfigError("workers cannot start before the rendezvous has given them a store")
-        meet = round_store_info(worker_group.store, worker_group.group_rank, self._taskd_starts, spec.local_addr)
+        meet = self._taskd_round_stores.meet(worker_group.store, worker_group.group_rank, self._taskd_starts, spec.local_addr)
         launches = {}
         for worker in worker_group.workers:
             env = {
