@@ -274,7 +274,11 @@ def recovery_section(data: dict[str, Any] | None) -> Section:
         " 0.1 s monitor loop sees. On two nodes both launchers also rendezvous again before they fork. After the"
         " fork the work is the workers' own and the same under both launchers: interpreter start, `import torch`"
         " (slower when several processes import at once on 2 cores), `init_process_group` (which waits for every"
-        " rank) and the checkpoint load; the phase micro-run below times each. The same split, in medians:"
+        " rank) and the checkpoint load; the phase micro-run below times each. One step differs: taskdrun's"
+        " group rank 0 agent starts each round's fresh store before the workers start, while with"
+        " `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` the rank 0 worker starts it only after its own `import torch`"
+        " and the other ranks wait in the store client's connect retries (the → every rank stepped column)."
+        " The same split, in medians:"
     )
     split = _split_table(results, [n for n in (taskd, "torchrun-noshare") if n in launchers])
     parts = [
