@@ -16,6 +16,7 @@ from typing import Any
 # grpc, so that launchers can configure it first (see launcher.forksafe).
 _EXPORTS = {
     "DLRecoverManager": "taskd_core.client.manager",
+    "AccessDeniedError": "taskd_core.errors",
     "AdapterNotFoundError": "taskd_core.errors",
     "ConfigError": "taskd_core.errors",
     "ControllerUnavailableError": "taskd_core.errors",
@@ -26,6 +27,7 @@ _EXPORTS = {
     "TaskdError": "taskd_core.errors",
     "WorkerControlError": "taskd_core.errors",
     "Code": "taskd_core.models",
+    "Credentials": "taskd_core.models",
     "FaultRank": "taskd_core.models",
     "FaultType": "taskd_core.models",
     "JobPolicy": "taskd_core.models",
@@ -37,10 +39,12 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AccessDeniedError",
     "AdapterNotFoundError",
     "Code",
     "ConfigError",
     "ControllerUnavailableError",
+    "Credentials",
     "DLRecoverManager",
     "FaultRank",
     "FaultType",

@@ -47,6 +47,17 @@ class RecoveryDisabledError(TaskdError):
         self.job_id = job_id
 
 
+class AccessDeniedError(TaskdError):
+    """The controller refused this client: no job token, a wrong one, or another live launch owns the job."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(
+            f"controller at {address} refused the job: {reason} (see docs/security.md)"
+        )
+        self.address = address
+        self.reason = reason
+
+
 class PluginError(TaskdError):
     """Base of errors about framework adapters."""
 

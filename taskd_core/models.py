@@ -9,6 +9,7 @@ included.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -25,6 +26,9 @@ class Code(enum.IntEnum):
     JOB_NOT_EXIST = 402
     #: ``Init`` for a job whose policy turns process recovery off.
     RECOVERY_OFF = 403
+    #: a request without the job's token or the admin token (the same wire value: a
+    #: reference client stops on it instead of retrying).
+    FORBIDDEN = 403
     #: client -> controller in ``ReportStopComplete``: training was not running yet.
     PROCESS_NOT_READY = 404
     RECOVERABLE_RETRY_ERROR = 405
@@ -38,6 +42,11 @@ class Code(enum.IntEnum):
     CLIENT_ERROR = 499
     OUT_OF_MAX_JOBS = 500
     SERVER_INNER_ERROR = 599
+
+
+#: Words in the ``info`` of a 403 that refuses a caller's credentials; any other 403 from
+#: ``Init`` means process recovery is off (the reference's meaning, which its clients keep).
+PERMISSION_DENIED_INFO = "permission denied"
 
 
 class FaultType(str, enum.Enum):
@@ -159,6 +168,36 @@ class WorkerStatus:
     @property
     def succeeded(self) -> bool:
         return self.state is WorkerState.EXITED and self.exit_code == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """What a client shows the controller: TLS files (paths) and the job's secret token.
+
+    Plain values, so settings can carry them without importing gRPC;
+    :mod:`taskd_core.rpc.security` turns them into a channel. The token never
+    appears in a repr (and so in no log line).
+    """
+
+    #: CA bundle that signed the controller's certificate; empty: plaintext.
+    tls_ca: str = ""
+    #: this client's certificate and key, for controllers that require mutual TLS.
+    tls_cert: str = ""
+    tls_key: str = ""
+    #: the job's token (``TASKD_JOB_TOKEN``) or an admin token; empty: none sent.
+    token: str = field(default="", repr=False)
+    #: identity of one launch of a job, shared by its nodes; empty: none sent.
+    launch: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], *, tls_ca: str | None = None, token: str | None = None) -> Credentials:
+        """``TASKD_TLS_CA``/``TASKD_TLS_CERT``/``TASKD_TLS_KEY``/``TASKD_JOB_TOKEN``; arguments win."""
+        return cls(
+            tls_ca=env.get("TASKD_TLS_CA", "").strip() if tls_ca is None else tls_ca,
+            tls_cert=env.get("TASKD_TLS_CERT", "").strip(),
+            tls_key=env.get("TASKD_TLS_KEY", "").strip(),
+            token=env.get("TASKD_JOB_TOKEN", "").strip() if token is None else token,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,10 +24,12 @@ import grpc
 import pytest
 
 from taskd_core.controller.policy import PolicyBook
+from taskd_core.controller.runtime import Limits
 from taskd_core.controller.server import EmbeddedController
-from taskd_core.models import JobPolicy, Strategy
+from taskd_core.models import Credentials, JobPolicy, Strategy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
+from taskd_core.rpc.security import ServerTls, open_channel
 
 #: Generous ceiling for anything a test waits for; never an assertion on speed.
 WAIT = 20.0
@@ -65,13 +67,14 @@ class RawAgent:
         role: str = "taskd",
         node_rank: int = 0,
         rank_ids: tuple[int, ...] = (),
+        credentials: Credentials | None = None,
     ) -> None:
         self.job_id = job_id
         self.agent_id = agent_id
         self.info = pb.ClientInfo(
             jobId=job_id, role=role, agentId=agent_id, nodeRank=node_rank, rankIds=[str(r) for r in rank_ids]
         )
-        self.channel = grpc.insecure_channel(address)
+        self.channel = open_channel(address, credentials or Credentials())
         self.stub = recover_pb2_grpc.RecoverStub(self.channel)
         self.signals: queue.Queue[pb.ProcessManageSignal | grpc.RpcError | None] = queue.Queue()
         self._call: Any = None
@@ -213,18 +216,35 @@ class RawAgent:
 
 @pytest.fixture
 def controller_factory() -> Iterator[Callable[..., EmbeddedController]]:
-    """Start controllers: ``controller_factory(state=..., keepalive_interval=..., **policy_fields)``."""
+    """Start controllers: ``controller_factory(state=..., keepalive_interval=..., **policy_fields)``;
+    ``listen``, ``tls``, ``insecure``, ``allow_legacy``, ``admin_token_file`` and ``limits`` go to the server."""
     started: list[EmbeddedController] = []
 
     def start(
         state: str = ":memory:",
         keepalive_interval: float = 0.5,
         policies: PolicyBook | None = None,
+        *,
+        listen: str = "127.0.0.1:0",
+        tls: ServerTls | None = None,
+        insecure: bool = False,
+        allow_legacy: bool | None = None,
+        admin_token_file: str = "",
+        limits: Limits | None = None,
         **policy: Any,
     ) -> EmbeddedController:
         defaults = dataclasses.replace(TEST_POLICY, **policy)
         ctl = EmbeddedController(
-            state=state, defaults=defaults, policies=policies, keepalive_interval=keepalive_interval
+            listen=listen,
+            state=state,
+            defaults=defaults,
+            policies=policies,
+            keepalive_interval=keepalive_interval,
+            tls=tls,
+            insecure=insecure,
+            allow_legacy=allow_legacy,
+            admin_token_file=admin_token_file,
+            limits=limits,
         )
         started.append(ctl)
         return ctl
@@ -310,3 +330,46 @@ def controller_process(tmp_path: Path) -> Iterator[Callable[..., ControllerProce
     for child in started:
         if child.proc.poll() is None:
             child.kill()
+
+
+@dataclasses.dataclass(frozen=True)
+class Pki:
+    """Real certificates (trustme): a CA, the controller's and a client's, and an unrelated CA."""
+
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+    other_ca: str
+
+    def server(self, mutual: bool = False) -> ServerTls:
+        return ServerTls(self.server_cert, self.server_key, self.ca if mutual else "")
+
+    def client(self, token: str = "", *, cert: bool = True, launch: str = "") -> Credentials:
+        if not cert:
+            return Credentials(tls_ca=self.ca, token=token, launch=launch)
+        return Credentials(self.ca, self.client_cert, self.client_key, token, launch)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    import trustme
+
+    root = tmp_path_factory.mktemp("pki")
+    ca, other = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost", "127.0.0.2")
+    client = ca.issue_cert("agent.taskd.test")
+    ca.cert_pem.write_to_path(str(root / "ca.pem"))
+    other.cert_pem.write_to_path(str(root / "other-ca.pem"))
+    for name, cert in (("server", server), ("client", client)):
+        (root / f"{name}.pem").write_bytes(b"".join(blob.bytes() for blob in cert.cert_chain_pems))
+        cert.private_key_pem.write_to_path(str(root / f"{name}.key"))
+    return Pki(
+        str(root / "ca.pem"),
+        str(root / "server.pem"),
+        str(root / "server.key"),
+        str(root / "client.pem"),
+        str(root / "client.key"),
+        str(root / "other-ca.pem"),
+    )

@@ -10,6 +10,8 @@ from typing import Any
 
 from taskd_core.controller.policy import load_policies, parse_strategies
 from taskd_core.controller.server import ControllerConfig, serve, split_listen
+from taskd_core.errors import ConfigError
+from taskd_core.rpc.security import ServerTls
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +24,9 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--listen",
-        default="0.0.0.0:8899",
-        help="HOST:PORT to serve on; port 0 picks one (default: %(default)s)",
+        default="127.0.0.1:8899",
+        help="HOST:PORT to serve on; port 0 picks one. Any address but loopback needs TLS or --insecure "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--state",
@@ -45,7 +48,39 @@ def add_parser(subparsers: Any) -> None:
         help="seconds between keep-alive signals (default: %(default)s)",
     )
     p.add_argument("--port-file", type=Path, help="write the bound HOST:PORT here once serving")
+    sec = p.add_argument_group("security (see docs/security.md)")
+    sec.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM chain)")
+    sec.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
+    sec.add_argument(
+        "--tls-client-ca", metavar="FILE", help="require client certificates signed by this CA (mutual TLS)"
+    )
+    sec.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext on an address other hosts can reach (anyone there can read the traffic)",
+    )
+    sec.add_argument(
+        "--allow-legacy-clients",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="accept jobs registered without a job token, as the reference's clients do "
+        "(default: only on a loopback listener)",
+    )
+    sec.add_argument(
+        "--admin-token-file", metavar="FILE", default="", help="token that may list and change every job"
+    )
     p.set_defaults(func=run)
+
+
+def server_tls(cert: str | None, key: str | None, client_ca: str | None) -> ServerTls | None:
+    """The TLS settings the flags give; :class:`ConfigError` for an incomplete set."""
+    if not cert and not key:
+        if client_ca:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
+        return None
+    if not (cert and key):
+        raise ConfigError("--tls-cert and --tls-key go together: give the certificate and its key")
+    return ServerTls(cert, key, client_ca or "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         state=args.state,
         policies=policies,
         keepalive_interval=args.keepalive_interval,
+        tls=server_tls(args.tls_cert, args.tls_key, args.tls_client_ca),
+        insecure=args.insecure,
+        allow_legacy=args.allow_legacy_clients,
+        admin_token_file=args.admin_token_file,
     )
 
     def ready(address: str) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 from typing import Any
 
+from taskd_core.cli.connection import add_connection_options, credentials
 from taskd_core.client.status import query_status
 
 
@@ -17,18 +17,16 @@ def add_parser(subparsers: Any) -> None:
         help="show a controller's jobs, agents, cycles and events",
         description="Ask a running controller for its jobs, their agents, cycle state and latest events.",
     )
-    p.add_argument(
-        "--controller",
-        default=os.environ.get("TASKD_CONTROLLER", "127.0.0.1:8899"),
-        help="controller HOST:PORT (default: %(default)s, or $TASKD_CONTROLLER)",
-    )
+    add_connection_options(p)
     p.add_argument("--job", default="", help="only this job id")
     p.add_argument("--events", type=int, default=10, metavar="N", help="latest journal events per job")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.add_argument(
-        "--timeout", type=float, default=5.0, metavar="S", help="RPC deadline (default: %(default)s)"
-    )
     p.set_defaults(func=run)
+
+
+def _safe(text: str) -> str:
+    """A value from the controller as it may be shown on a terminal: control characters escaped."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def _when(stamp: float) -> str:
@@ -42,7 +40,7 @@ def render(status: dict[str, Any]) -> str:
         return "no jobs"
     for job in jobs:
         faults = ", ".join(f"{f['rankId']}:{f['faultType']}" for f in job["faultRanks"]) or "-"
-        lines.append(f"job {job['jobId']}")
+        lines.append(f"job {_safe(job['jobId'])}{'  (legacy: registered without a token)' if job['legacy'] else ''}")
         lines.append(
             f"  state      {job['state']}  cycle {job['cycle']} (used {job['cyclesUsed']} of "
             f"{job['maxCycles']})  strategy {job['strategy'] or '-'}"
@@ -54,19 +52,19 @@ def render(status: dict[str, Any]) -> str:
         for a in job["agents"]:
             node = "-" if a["nodeRank"] < 0 else str(a["nodeRank"])
             lines.append(
-                f"  {a['agentId']:<20} {a['role']:<16} {node:>4}  {'up' if a['subscribed'] else 'down':<6}"
+                f"  {_safe(a['agentId']):<20} {_safe(a['role']):<16} {node:>4}  {'up' if a['subscribed'] else 'down':<6}"
                 f"  {a['exitState'] or '-':<10} {_when(a['lastSeen'])}"
             )
         if job["events"]:
             lines.append("  events")
         for e in job["events"]:
             lines.append(
-                f"  {e['seq']:>6}  {_when(e['time'])}  c{e['cycle']:<3} {e['kind']:<16} {e['detail']}"
+                f"  {e['seq']:>6}  {_when(e['time'])}  c{e['cycle']:<3} {e['kind']:<16} {_safe(e['detail'])}"
             )
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    status = query_status(args.controller, args.job, args.events, args.timeout)
+    status = query_status(args.controller, args.job, args.events, args.timeout, credentials(args))
     print(json.dumps(status, indent=2) if args.json else render(status))
     return 0

@@ -13,6 +13,7 @@ thread runs beside it while subscribed. Reports may be sent from any thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -21,11 +22,18 @@ from typing import Any
 import grpc
 
 from taskd_core.client.backoff import Backoff
-from taskd_core.errors import ControllerUnavailableError, ProtocolError, RecoveryDisabledError, TaskdError
-from taskd_core.models import Code, Signal, SignalType
+from taskd_core.errors import (
+    AccessDeniedError,
+    ControllerUnavailableError,
+    ProtocolError,
+    RecoveryDisabledError,
+    TaskdError,
+)
+from taskd_core.models import PERMISSION_DENIED_INFO, Code, Credentials, Signal, SignalType
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc as pb_grpc
 from taskd_core.rpc.convert import fault_dict_to_pb, signal_from_pb
+from taskd_core.rpc.security import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +73,8 @@ class DLRecoverManager:
     :param connect_deadline: seconds :meth:`init_clusterd` keeps retrying.
     :param report_deadline: seconds a report keeps retrying while the
         controller is unreachable (for example while it restarts).
+    :param credentials: TLS files and the job token; by default from
+        ``TASKD_TLS_CA``/``TASKD_TLS_CERT``/``TASKD_TLS_KEY``/``TASKD_JOB_TOKEN``.
     """
 
     def __init__(
@@ -81,6 +91,7 @@ class DLRecoverManager:
         rpc_timeout: float = 10.0,
         health_interval: float = 1.0,
         backoff: Backoff | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         if not info.jobId:
             raise TaskdError("DLRecoverManager needs info.jobId: the job to recover")
@@ -104,7 +115,7 @@ class DLRecoverManager:
         self._last_seq = 0
         #: uuid of the cycle whose signal is being handled; reports carry it.
         self.cycle_uuid = ""
-        self._channel = grpc.insecure_channel(server_addr, options=_CHANNEL_OPTIONS)
+        self._channel = open_channel(server_addr, credentials or Credentials.from_env(os.environ), _CHANNEL_OPTIONS)
         self._stub = pb_grpc.RecoverStub(self._channel)
         with _active_lock:
             _active.append(self)
@@ -141,6 +152,8 @@ class DLRecoverManager:
                 status = self._stub.Init(self.client_info(), timeout=self._rpc_timeout)
                 if status.code == Code.OK:
                     return True
+                if status.code == Code.FORBIDDEN and PERMISSION_DENIED_INFO in status.info:
+                    raise AccessDeniedError(self.server_addr, status.info)
                 if status.code == Code.RECOVERY_OFF:
                     logger.warning("controller %s: recovery is off for job %s: %s", self.server_addr, self.job_id, status.info)
                     return False
@@ -211,7 +224,7 @@ class DLRecoverManager:
                     return
                 logger.warning("signal stream of job %s lost: %s %s", self.job_id, exc.code(), exc.details())
             except TaskdError as exc:
-                if isinstance(exc, (ControllerUnavailableError, RecoveryDisabledError)):
+                if isinstance(exc, (ControllerUnavailableError, RecoveryDisabledError, AccessDeniedError)):
                     raise
                 logger.warning("%s", exc)
             finally:

@@ -8,20 +8,29 @@ import grpc
 from google.protobuf import json_format
 
 from taskd_core.errors import ControllerUnavailableError, TaskdError
+from taskd_core.models import Credentials
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
+from taskd_core.rpc.security import open_channel
 
 
-def query_status(address: str, job_id: str = "", events: int = 0, timeout: float = 5.0) -> dict[str, Any]:
+def query_status(
+    address: str,
+    job_id: str = "",
+    events: int = 0,
+    timeout: float = 5.0,
+    credentials: Credentials | None = None,
+) -> dict[str, Any]:
     """The controller's jobs (all, or ``job_id``'s) with agents and the newest ``events`` journal entries.
 
     The result is the ``ControllerStatus`` message as a JSON-ready dict with
     every field present (``{"jobs": [{"jobId": ..., "agents": [...], ...}]}``).
 
     :raises ControllerUnavailableError: the controller did not answer in ``timeout``.
+    :param credentials: TLS files and the job's (or the admin) token to present.
     :raises TaskdError: it answered with a non-zero code (e.g. 400 for an unknown job).
     """
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials or Credentials()) as channel:
         try:
             reply = recover_pb2_grpc.RecoverStub(channel).QueryStatus(
                 pb.StatusQuery(jobId=job_id, events=events), timeout=timeout

@@ -16,6 +16,15 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from taskd_core.controller.access import (
+    AccessRules,
+    Claim,
+    check_claim,
+    check_new_claim,
+    check_policy_change,
+    forbidden,
+    may_see,
+)
 from taskd_core.controller.machine import (
     AgentExited,
     AgentInfo,
@@ -34,12 +43,31 @@ from taskd_core.controller.store import EventRecord, JobRow, Store
 from taskd_core.controller.subscriber import Subscriber
 from taskd_core.errors import DuplicateSubscriberError, RequestRejected
 from taskd_core.models import Code, FaultRank, JobPolicy, Signal, SignalType
+from taskd_core.rpc.security import Caller
 
 logger = logging.getLogger(__name__)
 
 MAX_JOB_ID = 256
-#: Jobs one controller serves (the reference's limit).
-MAX_JOBS = 10_000
+#: Seconds a job whose agents hold no signal stream still counts as live after their last contact;
+#: a registration from another launch is refused while a job is live.
+LIVE_GRACE = 30.0
+#: Least seconds between two journal entries about refused requests of one job (log floods stay out).
+DENIAL_JOURNAL_INTERVAL = 1.0
+_TERMINAL = (State.FINISHED, State.GIVEN_UP)
+_ANONYMOUS = Caller()
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How much one controller keeps, so that no client can exhaust it."""
+
+    #: jobs one controller serves (the reference's limit), counting every job any RPC created;
+    #: when full, the oldest ended or abandoned job is evicted to make room.
+    max_jobs: int = 10_000
+    #: agents one job may register.
+    max_agents: int = 4096
+    #: distinct faulty ranks one job may hold when its agents did not say how many ranks it has.
+    max_faults: int = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +108,8 @@ class JobStatus:
     events: tuple[EventRecord, ...]
     outcome: str
     expects: str
+    #: registered without a token.
+    legacy: bool = False
 
 
 def check_job_id(job_id: str) -> str:
@@ -98,10 +128,13 @@ def check_job_id(job_id: str) -> str:
 class _Job:
     """A job's live state: the machine plus what only exists while running."""
 
-    __slots__ = ("agents", "inited", "machine", "subscribers", "timer", "timer_step")
+    __slots__ = ("agents", "claim", "denied_at", "inited", "machine", "subscribers", "timer", "timer_step")
 
     def __init__(self, job_id: str, policy: JobPolicy, snapshot: Snapshot | None = None) -> None:
         self.agents: dict[str, AgentInfo] = {}
+        #: who registered the job; None until its first Init (a job SetJobPolicy created).
+        self.claim: Claim | None = None
+        self.denied_at = float("-inf")
         self.inited = False
         self.machine = JobMachine(job_id, policy, self.agents, snapshot)
         self.subscribers: dict[str, Subscriber] = {}
@@ -122,13 +155,15 @@ class Controller:
         policies: PolicyBook,
         *,
         keepalive_interval: float = 5.0,
-        max_jobs: int = MAX_JOBS,
+        limits: Limits | None = None,
         clock: Callable[[], float] = time.time,
+        access: AccessRules | None = None,
     ) -> None:
         self._store = store
+        self._access = access or AccessRules()
         self._policies = policies
         self._keepalive_interval = keepalive_interval
-        self._max_jobs = max_jobs
+        self._limits = limits or Limits()
         self._clock = clock
         self._jobs: dict[str, _Job] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
@@ -141,7 +176,11 @@ class Controller:
             row = stored.row
             job = _Job(row.job_id, policy_from_dict(row.policy), Snapshot.from_dict(row.snapshot))
             job.inited = row.inited
+            job.claim = stored.claim
             job.agents.update((a.agent_id, a) for a in stored.agents)
+            # Agents get a full grace period to come back before their job counts as abandoned.
+            for agent in job.agents.values():
+                agent.last_seen = max(agent.last_seen, self._clock())
             self._jobs[row.job_id] = job
             self._arm(job)
             if job.machine.state not in (State.IDLE, State.FINISHED, State.GIVEN_UP):
@@ -171,29 +210,52 @@ class Controller:
 
     # --- the reference's RPCs ---------------------------------------------------------
 
-    def init(self, who: AgentIdentity) -> Reply:
+    def init(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Reply:
         job_id = check_job_id(who.job_id)
         job = self._jobs.get(job_id)
+        journal: list[JournalEntry] = []
+        if job is not None and self._replaceable(job, caller):
+            journal.append(self._retire(job))
+            job = None
+        if job is not None and job.claim is not None:
+            self._authorise(job, caller, "Init")
         policy = job.machine.policy if job else self._policies.for_job(job_id)
         if not policy.recovery_enabled:
             return Reply(Code.RECOVERY_OFF, f"jobId={job_id}: process recovery is off in the job's policy")
         if job is None:
-            if len(self._jobs) >= self._max_jobs:
+            check_new_claim(job_id, self._access, caller)
+            if not self._make_room():
                 return Reply(
-                    Code.OUT_OF_MAX_JOBS, f"jobId={job_id}: the controller serves {self._max_jobs} jobs"
+                    Code.OUT_OF_MAX_JOBS, f"jobId={job_id}: the controller serves {self._limits.max_jobs} jobs"
                 )
             job = self._jobs[job_id] = _Job(job_id, policy)
+        if job.claim is None:
+            check_new_claim(job_id, self._access, caller)
+            job.claim = Claim.of(caller)
+            journal.append(
+                JournalEntry(
+                    "job claimed", job.machine.snap.cycle, {"legacy": job.claim.legacy, "launch": caller.launch}
+                )
+            )
         if not job.inited:
             job.inited = True
-            self._save(job, [JournalEntry("job initialised", job.machine.snap.cycle, {"role": who.role})])
+            journal.append(JournalEntry("job initialised", job.machine.snap.cycle, {"role": who.role}))
+        if journal:
+            self._save(job, journal)
         return Reply(Code.OK, f"job(uid={job_id}) init success")
 
-    def register(self, who: AgentIdentity) -> Reply:
+    def register(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Reply:
         job_id = check_job_id(who.job_id)
         job = self._jobs.get(job_id)
         if job is None or not job.inited:
             return Reply(Code.UNINIT, f"jobId={job_id} not inited; call Init before Register")
+        self._authorise(job, caller, "Register")
         agent = job.agents.get(who.key)
+        if agent is None and len(job.agents) >= self._limits.max_agents:
+            raise RequestRejected(
+                Code.INVALID_PARAM,
+                f"jobId={job_id} already has {self._limits.max_agents} agents, the most one job may have",
+            )
         fresh = AgentInfo(who.key, who.role, who.node_rank, who.rank_ids, None, self._clock())
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
             fresh.role,
@@ -209,8 +271,8 @@ class Controller:
             agent.last_seen = fresh.last_seen
         return Reply(Code.OK, "register success")
 
-    def subscribe(self, who: AgentIdentity) -> Subscriber:
-        job = self._registered(who.job_id)
+    def subscribe(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Subscriber:
+        job = self._registered(who.job_id, caller, "SubscribeProcessManageSignal")
         if who.key not in job.agents:
             raise RequestRejected(
                 Code.UNREGISTERED,
@@ -244,44 +306,56 @@ class Controller:
             logger.info("job %s: agent %s stream ended", sub.job_id, sub.agent_id)
         sub.close()
 
-    def report(self, job_id: str, agent_id: str, make_event: Callable[[str], Event]) -> Reply:
+    def report(
+        self, job_id: str, agent_id: str, make_event: Callable[[str], Event], caller: Caller = _ANONYMOUS
+    ) -> Reply:
         """A Report* RPC: attribute it to an agent, then feed it to the job's machine."""
-        job = self._registered(job_id)
+        job = self._registered(job_id, caller, "report")
         return self._apply(job, make_event(self._attribute(job, agent_id)))
 
-    def process_fault(self, job_id: str, agent_id: str, faults: tuple[FaultRank, ...]) -> Reply:
-        job = self._registered(job_id)
+    def process_fault(
+        self, job_id: str, agent_id: str, faults: tuple[FaultRank, ...], caller: Caller = _ANONYMOUS
+    ) -> Reply:
+        job = self._registered(job_id, caller, "ReportProcessFault")
+        self._check_fault_count(job, faults)
         # A fault is never dropped for want of a reporter: ambiguous ones stay anonymous.
         agent = self._attribute(job, agent_id) if agent_id or len(job.agents) == 1 else ""
         return self._apply(job, FaultReported(agent, faults))
 
     # --- extensions -----------------------------------------------------------------
 
-    def agent_exit(self, who: AgentIdentity, code: int) -> Reply:
-        job = self._registered(who.job_id)
+    def agent_exit(self, who: AgentIdentity, code: int, caller: Caller = _ANONYMOUS) -> Reply:
+        job = self._registered(who.job_id, caller, "ReportAgentExit")
         agent = job.agents[self._attribute(job, who.agent_id or who.role)]
         agent.exit_code = code
         return self._apply(job, AgentExited(agent.agent_id, code), [agent])
 
-    def set_policy(self, job_id: str, changes: dict[str, object]) -> Reply:
+    def set_policy(self, job_id: str, changes: dict[str, object], caller: Caller = _ANONYMOUS) -> Reply:
         """Change a job's policy (ConfigError for invalid values); known or not yet."""
         job_id = check_job_id(job_id)
         job = self._jobs.get(job_id)
+        check_policy_change(job_id, self._access, job.claim if job else None, job is not None, caller)
         base = job.machine.policy if job else self._policies.for_job(job_id)
         policy = updated_policy(base, changes)
         if job is None:
+            if not self._make_room():
+                return Reply(Code.OUT_OF_MAX_JOBS, f"jobId={job_id}: the controller serves {self._limits.max_jobs} jobs")
             job = self._jobs[job_id] = _Job(job_id, policy)
         job.machine.policy = policy
         self._save(job, [JournalEntry("policy set", job.machine.snap.cycle, policy_to_dict(policy))])
         return Reply(Code.OK, f"jobId={job_id}: policy set")
 
-    def status(self, job_id: str = "", events: int = 10) -> list[JobStatus]:
+    def status(self, job_id: str = "", events: int = 10, caller: Caller = _ANONYMOUS) -> list[JobStatus]:
+        """One job (its token or the admin token), or every job the caller may see."""
         if job_id and job_id not in self._jobs:
             raise RequestRejected(
                 Code.UNREGISTERED, f"jobId={job_id[:MAX_JOB_ID]} is not known to this controller"
             )
+        if job_id and not may_see(self._access, self._jobs[job_id].claim, caller):
+            raise forbidden(job_id, "showing this job needs its token (TASKD_JOB_TOKEN) or the admin token")
         jobs = [self._jobs[job_id]] if job_id else [self._jobs[j] for j in sorted(self._jobs)]
-        return [self._job_status(job, max(0, events)) for job in jobs]
+        visible = [job for job in jobs if may_see(self._access, job.claim, caller)]
+        return [self._job_status(job, max(0, events)) for job in visible]
 
     def _job_status(self, job: _Job, events: int) -> JobStatus:
         snap = job.machine.snap
@@ -302,17 +376,97 @@ class Controller:
             events=tuple(self._store.events(job.job_id, events)) if events else (),
             outcome=snap.outcome,
             expects=job.machine.expects(),
+            legacy=job.claim is not None and job.claim.legacy,
         )
 
     # --- internals ---------------------------------------------------------------------
 
-    def _registered(self, job_id: str) -> _Job:
+    def _registered(self, job_id: str, caller: Caller, rpc: str) -> _Job:
         job = self._jobs.get(check_job_id(job_id))
         if job is None or not job.agents:
             raise RequestRejected(
                 Code.UNREGISTERED, f"jobId={job_id} not registed; call Init and Register first"
             )
+        self._authorise(job, caller, rpc)
         return job
+
+    # --- identity and limits ------------------------------------------------------------
+
+    def _authorise(self, job: _Job, caller: Caller, rpc: str) -> None:
+        if job.claim is None:
+            return
+        try:
+            check_claim(job.job_id, job.claim, caller)
+        except RequestRejected as exc:
+            now = self._clock()
+            # Refusals are journalled and logged at most once a second per job, so a flood of
+            # them cannot rotate the job's real history out of the journal.
+            if now - job.denied_at >= DENIAL_JOURNAL_INTERVAL:
+                job.denied_at = now
+                logger.warning("job %s: %s refused: %s", job.job_id, rpc, exc)
+                self._save(job, [JournalEntry("access denied", job.machine.snap.cycle, {"rpc": rpc, "reason": str(exc)})])
+            raise
+
+    def _live(self, job: _Job) -> bool:
+        """Some agent of the job holds a signal stream or was heard from within :data:`LIVE_GRACE`."""
+        if job.machine.state in _TERMINAL:
+            return False
+        if job.subscribers:
+            return True
+        now = self._clock()
+        return any(a.exit_code is None and now - a.last_seen < LIVE_GRACE for a in job.agents.values())
+
+    def _replaceable(self, job: _Job, caller: Caller) -> bool:
+        """Init starts the job afresh: it ended (a new launch reuses its id) or its launch is gone."""
+        claim = job.claim
+        if claim is None:
+            return False
+        if job.machine.state in _TERMINAL:
+            return not (caller.launch and caller.launch == claim.launch)
+        if self._live(job):
+            return False
+        try:
+            check_claim(job.job_id, claim, caller)
+        except RequestRejected:
+            return True  # nobody of the launch that owns it is left to object
+        return False
+
+    def _retire(self, job: _Job) -> JournalEntry:
+        """Forget a job's run (its journal stays); the caller starts the id afresh."""
+        for sub in job.subscribers.values():
+            sub.close()
+        if job.timer is not None:
+            job.timer.cancel()
+        del self._jobs[job.job_id]
+        self._store.drop_agents(job.job_id)
+        snap = job.machine.snap
+        logger.info("job %s: previous run (%s, cycle %d) retired; starting afresh", job.job_id, snap.state.value, snap.cycle)
+        return JournalEntry("job retired", 0, {"state": snap.state.value, "cycles": snap.cycle, "outcome": snap.outcome})
+
+    def _make_room(self) -> bool:
+        """Whether one more job fits, evicting the oldest ended or abandoned job when full."""
+        if len(self._jobs) < self._limits.max_jobs:
+            return True
+        idle = [job for job in self._jobs.values() if job.claim is not None and not self._live(job)]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda j: max((a.last_seen for a in j.agents.values()), default=0.0))
+        self._retire(oldest)
+        self._store.forget(oldest.job_id)
+        return True
+
+    def _check_fault_count(self, job: _Job, faults: tuple[FaultRank, ...]) -> None:
+        """A job holds at most as many faulty ranks as it has ranks (``max_faults`` when unknown)."""
+        size = sum(len(a.rank_ids) for a in job.agents.values()) or self._limits.max_faults
+        snap = job.machine.snap
+        known = snap.faults.keys() | snap.pending.keys()
+        total = len(known | {f.rank for f in faults})
+        if total > size:
+            raise RequestRejected(
+                Code.INVALID_PARAM,
+                f"jobId={job.job_id}: {total} faulty ranks would exceed the job's {size} ranks; "
+                "report only ranks of this job",
+            )
 
     def _attribute(self, job: _Job, agent_id: str) -> str:
         """The agent a report comes from; see the package docstring for the rule."""
@@ -351,7 +505,9 @@ class Controller:
         return reaction.reply
 
     def _save(self, job: _Job, journal: Iterable[JournalEntry], agents: Iterable[AgentInfo] = ()) -> None:
-        row = JobRow(job.job_id, job.inited, policy_to_dict(job.machine.policy), job.machine.snap.to_dict())
+        row = JobRow(
+            job.job_id, job.inited, policy_to_dict(job.machine.policy), job.machine.snap.to_dict(), job.claim
+        )
         self._store.commit(row, list(journal), agents, now=self._clock())
 
     def _broadcast(self, job: _Job, signal: Signal) -> None:

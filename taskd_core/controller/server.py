@@ -23,13 +23,21 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from taskd_core.controller.access import AccessRules
 from taskd_core.controller.policy import PolicyBook, validated
-from taskd_core.controller.runtime import Controller
+from taskd_core.controller.runtime import Controller, Limits
 from taskd_core.controller.service import RecoverService
 from taskd_core.controller.store import Store
 from taskd_core.errors import ConfigError
 from taskd_core.models import JobPolicy
 from taskd_core.rpc import SERVICE_NAME, recover_pb2_grpc
+from taskd_core.rpc.security import (
+    RequestGuard,
+    ServerTls,
+    is_loopback_listener,
+    read_token_file,
+    token_digest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +61,42 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 class ControllerConfig:
     """Everything one controller process needs."""
 
-    listen: str = "0.0.0.0:8899"
+    listen: str = "127.0.0.1:8899"
     #: SQLite file of jobs, agents and the journal; ":memory:" for throw-away runs.
     state: str = "./taskd-state.db"
     policies: PolicyBook = field(default_factory=PolicyBook)
     keepalive_interval: float = 5.0
     #: seconds in-flight RPCs get to finish at shutdown.
     grace: float = 2.0
+    #: serve TLS (mutual TLS when it names a client CA); None: plaintext.
+    tls: ServerTls | None = None
+    #: allow plaintext on a listener other hosts can reach.
+    insecure: bool = False
+    #: accept jobs registered without a token; None: only on a loopback listener.
+    allow_legacy: bool | None = None
+    #: file holding the admin token, which may list and change every job.
+    admin_token_file: str = ""
+    limits: Limits = field(default_factory=Limits)
+
+    def access(self) -> AccessRules:
+        """The authorisation rules; checks the listener's security (:class:`ConfigError`)."""
+        host, _ = split_listen(self.listen)
+        loopback = is_loopback_listener(host)
+        if self.tls is None and not loopback:
+            if not self.insecure:
+                raise ConfigError(
+                    f"--listen {self.listen}: refusing plaintext on an address other hosts can reach; "
+                    "give --tls-cert and --tls-key (see docs/security.md), listen on 127.0.0.1, "
+                    "or pass --insecure to accept the risk"
+                )
+            logger.warning(
+                "controller on %s serves plaintext (--insecure): anyone on the network can read its traffic "
+                "and, with a job's token seen on the wire, act on that job",
+                self.listen,
+            )
+        admin = read_token_file(self.admin_token_file, "--admin-token-file") if self.admin_token_file else ""
+        legacy = loopback if self.allow_legacy is None else self.allow_legacy
+        return AccessRules(admin_digest=token_digest(admin) if admin else "", allow_legacy=legacy)
 
 
 def split_listen(listen: str) -> tuple[str, int]:
@@ -77,6 +114,8 @@ class ControllerServer:
         split_listen(config.listen)
         if config.keepalive_interval <= 0:
             raise ConfigError("--keepalive-interval must be greater than 0")
+        self._access = config.access()
+        self._credentials = config.tls.credentials() if config.tls is not None else None
         self.config = config
         self.port = 0
         self._store: Store | None = None
@@ -95,13 +134,20 @@ class ControllerServer:
     async def start(self) -> None:
         self._store = Store(self.config.state)
         self._controller = Controller(
-            self._store, self.config.policies, keepalive_interval=self.config.keepalive_interval
+            self._store,
+            self.config.policies,
+            keepalive_interval=self.config.keepalive_interval,
+            access=self._access,
+            limits=self.config.limits,
         )
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard(SERVICE_NAME)])
         recover_pb2_grpc.add_RecoverServicer_to_server(RecoverService(self._controller), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
-            self.port = server.add_insecure_port(self.config.listen)
+            if self._credentials is not None:
+                self.port = server.add_secure_port(self.config.listen, self._credentials)
+            else:
+                self.port = server.add_insecure_port(self.config.listen)
         except RuntimeError as exc:
             self._store.close()
             raise ConfigError(
@@ -112,7 +158,14 @@ class ControllerServer:
         await server.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("controller listening on %s (state %s)", self.address, self.config.state)
+        logger.info(
+            "controller listening on %s (%s, state %s, legacy clients %s, admin token %s)",
+            self.address,
+            "plaintext" if self.config.tls is None else "mutual TLS" if self.config.tls.client_ca else "TLS",
+            self.config.state,
+            "allowed" if self._access.allow_legacy else "refused",
+            "set" if self._access.admin_digest else "none",
+        )
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful: NOT_SERVING, end signal streams, let calls finish, close the store."""
@@ -178,9 +231,17 @@ class EmbeddedController:
         keepalive_interval: float = 5.0,
         grace: float = 1.0,
         start_timeout: float = 10.0,
+        tls: ServerTls | None = None,
+        insecure: bool = False,
+        allow_legacy: bool | None = None,
+        admin_token_file: str = "",
+        limits: Limits | None = None,
     ) -> None:
         book = policies or PolicyBook(validated(defaults or JobPolicy(), "defaults: "))
-        self._config = ControllerConfig(listen, state, book, keepalive_interval, grace)
+        self._config = ControllerConfig(
+            listen, state, book, keepalive_interval, grace, tls, insecure, allow_legacy, admin_token_file,
+            limits or Limits(),
+        )
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._ready: concurrent.futures.Future[str] = concurrent.futures.Future()

@@ -23,19 +23,37 @@ from taskd_core.errors import (
     RequestRejected,
     TaskdError,
 )
-from taskd_core.models import Code, FaultRank
+from taskd_core.models import Code, FaultRank, Strategy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
-from taskd_core.rpc.convert import fault_ranks_from_pb, fault_ranks_to_pb, parse_rank, signal_to_pb
+from taskd_core.rpc.convert import (
+    check_name,
+    fault_ranks_from_pb,
+    fault_ranks_to_pb,
+    parse_rank,
+    signal_to_pb,
+)
+from taskd_core.rpc.security import caller_of
 
 logger = logging.getLogger(__name__)
 
 #: Largest number of ranks (fault ranks, an agent's ranks) in one request.
 MAX_RANKS = 65_536
-#: Largest number of strategy names in one ReportRecoverStrategy.
+#: Largest number of strategy names in one ReportRecoverStrategy or SetJobPolicy.
 MAX_STRATEGIES = 64
+#: Most journal entries one QueryStatus returns per job.
+MAX_QUERY_EVENTS = 1000
+#: Strategy names agents may report: TaskD's and the reference's (stored, never chosen).
+KNOWN_STRATEGIES = frozenset(s.value for s in Strategy) | {
+    "elastic-training",
+    "downgrade",
+    "upgrade",
+    "migration",
+    "continue",
+}
 
 _STREAM_STATUS = {
+    Code.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
     Code.UNREGISTERED: grpc.StatusCode.NOT_FOUND,
     Code.UNINIT: grpc.StatusCode.FAILED_PRECONDITION,
     Code.INVALID_PARAM: grpc.StatusCode.INVALID_ARGUMENT,
@@ -83,8 +101,16 @@ def _faults(items: Sequence[pb.FaultRank]) -> tuple[FaultRank, ...]:
 def identity(info: pb.ClientInfo) -> AgentIdentity:
     _ranks(info.rankIds, "rankIds")
     ranks = tuple(parse_rank(r, field="rankIds") for r in info.rankIds)
+    if info.nodeRank < 0:
+        raise ProtocolError(f"nodeRank must be >= 0, got {info.nodeRank}", field="nodeRank")
     known = bool(ranks) or info.nodeRank != 0
-    return AgentIdentity(info.jobId, info.role, info.agentId, info.nodeRank if known else None, ranks)
+    return AgentIdentity(
+        info.jobId,
+        check_name(info.role, "role"),
+        check_name(info.agentId, "agentId"),
+        info.nodeRank if known else None,
+        ranks,
+    )
 
 
 def _strategies(names: Sequence[str]) -> tuple[str, ...]:
@@ -92,7 +118,24 @@ def _strategies(names: Sequence[str]) -> tuple[str, ...]:
         raise ProtocolError(
             f"strategies has {len(names)} entries; at most {MAX_STRATEGIES}", field="strategies"
         )
-    return tuple(names)
+    return tuple(_strategy(name, "strategies") for name in names)
+
+
+def _strategy(name: str, field: str) -> str:
+    if name not in KNOWN_STRATEGIES:
+        raise ProtocolError(
+            f"{field}: unknown strategy {name[:32]!r}; known: {', '.join(sorted(KNOWN_STRATEGIES))}",
+            field=field,
+        )
+    return name
+
+
+def _uuid(text: str) -> str:
+    return check_name(text, "uuid")
+
+
+def _agent(agent_id: str) -> str:
+    return check_name(agent_id, "agentId")
 
 
 def job_view(job: JobStatus) -> pb.JobView:
@@ -122,6 +165,7 @@ def job_view(job: JobStatus) -> pb.JobView:
         agents=agents,
         events=events,
         outcome=job.outcome or f"waiting for {job.expects}",
+        legacy=job.legacy,
     )
 
 
@@ -132,16 +176,18 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
         self._ctl = controller
 
     async def Init(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
-        return _answer(lambda: self._ctl.init(identity(request)))
+        caller = caller_of(context)
+        return _answer(lambda: self._ctl.init(identity(request), caller))
 
     async def Register(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
-        return _answer(lambda: self._ctl.register(identity(request)))
+        caller = caller_of(context)
+        return _answer(lambda: self._ctl.register(identity(request), caller))
 
     async def SubscribeProcessManageSignal(
         self, request: pb.ClientInfo, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessManageSignal]:
         try:
-            sub = self._ctl.subscribe(identity(request))
+            sub = self._ctl.subscribe(identity(request), caller_of(context))
         except (RequestRejected, ProtocolError) as exc:
             logger.warning("subscription refused: %s", exc)
             await context.abort(stream_status(exc), str(exc))
@@ -156,10 +202,13 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
     async def ReportStopComplete(
         self, request: pb.StopCompleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
+        caller = caller_of(context)
+
         def call() -> Reply:
             _faults(request.faultRanks)
+            uuid = _uuid(request.uuid)
             return self._ctl.report(
-                request.jobId, request.agentId, lambda a: StopReported(a, request.status.code, request.uuid)
+                request.jobId, _agent(request.agentId), lambda a: StopReported(a, request.status.code, uuid), caller
             )
 
         return _answer(call)
@@ -167,11 +216,14 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
     async def ReportRecoverStrategy(
         self, request: pb.RecoverStrategyRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
+        caller = caller_of(context)
+
         def call() -> Reply:
             _faults(request.faultRanks)
             names = _strategies(request.strategies)
+            uuid = _uuid(request.uuid)
             return self._ctl.report(
-                request.jobId, request.agentId, lambda a: StrategiesReported(a, names, request.uuid)
+                request.jobId, _agent(request.agentId), lambda a: StrategiesReported(a, names, uuid), caller
             )
 
         return _answer(call)
@@ -179,12 +231,17 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
     async def ReportRecoverStatus(
         self, request: pb.RecoverStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
+        caller = caller_of(context)
+
         def call() -> Reply:
             _ranks(request.isolateRankIds, "isolateRankIds")
+            strategy = _strategy(request.strategy, "strategy") if request.strategy else ""
+            uuid = _uuid(request.uuid)
             return self._ctl.report(
                 request.jobId,
-                request.agentId,
-                lambda a: StatusReported(a, request.status.code, request.strategy, request.uuid),
+                _agent(request.agentId),
+                lambda a: StatusReported(a, request.status.code, strategy, uuid),
+                caller,
             )
 
         return _answer(call)
@@ -192,13 +249,15 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
     async def ReportProcessFault(
         self, request: pb.ProcessFaultRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
+        caller = caller_of(context)
+
         def call() -> Reply:
             faults = _faults(request.faultRanks)
             if not faults:
                 raise ProtocolError(
                     "faultRanks is empty; report at least one faulty rank", field="faultRanks"
                 )
-            return self._ctl.process_fault(request.jobId, request.agentId, faults)
+            return self._ctl.process_fault(request.jobId, _agent(request.agentId), faults, caller)
 
         return _answer(call)
 
@@ -209,29 +268,42 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
     async def ReportAgentExit(
         self, request: pb.AgentExitRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
-        who = AgentIdentity(request.jobId, request.role, request.agentId)
-        return _answer(lambda: self._ctl.agent_exit(who, request.status.code))
+        caller = caller_of(context)
+
+        def call() -> Reply:
+            who = AgentIdentity(request.jobId, check_name(request.role, "role"), _agent(request.agentId))
+            return self._ctl.agent_exit(who, request.status.code, caller)
+
+        return _answer(call)
 
     async def SetJobPolicy(
         self, request: pb.JobPolicyRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
-        changes = policy_changes(
-            request.strategies,
-            request.recoveryEnabled,
-            request.reportTimeoutSeconds,
-            request.flushSeconds,
-            request.maxCycles,
-            request.expectedAgents,
-        )
-        return _answer(lambda: self._ctl.set_policy(request.jobId, changes))
+        caller = caller_of(context)
+
+        def call() -> Reply:
+            changes = policy_changes(
+                _strategies(request.strategies),
+                request.recoveryEnabled,
+                request.reportTimeoutSeconds,
+                request.flushSeconds,
+                request.maxCycles,
+                request.expectedAgents,
+            )
+            return self._ctl.set_policy(request.jobId, changes, caller)
+
+        return _answer(call)
 
     async def QueryStatus(
         self, request: pb.StatusQuery, context: grpc.aio.ServicerContext
     ) -> pb.ControllerStatus:
         views: list[pb.JobView] = []
+        caller = caller_of(context)
 
         def call() -> Reply:
-            views.extend(job_view(j) for j in self._ctl.status(request.jobId, request.events))
+            if not 0 <= request.events <= MAX_QUERY_EVENTS:
+                raise ProtocolError(f"events must be 0..{MAX_QUERY_EVENTS}, got {request.events}", field="events")
+            views.extend(job_view(j) for j in self._ctl.status(request.jobId, request.events, caller))
             return Reply(Code.OK, f"{len(views)} job(s)")
 
         return pb.ControllerStatus(status=_answer(call), jobs=views)

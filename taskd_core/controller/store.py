@@ -6,6 +6,10 @@ after a transition, never half-way, and the journal holds every event once.
 WAL with ``synchronous=NORMAL`` survives a killed process (not a power cut)
 and keeps commits cheap enough to run on the event loop. ``":memory:"`` gives
 a throw-away store.
+
+Growth is bounded: each job keeps its newest :data:`MAX_EVENTS_PER_JOB`
+journal entries (older ones are rotated out), and the request limits of the
+service bound every stored string and list.
 """
 
 from __future__ import annotations
@@ -17,10 +21,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from taskd_core.controller.access import Claim
 from taskd_core.controller.machine import AgentInfo, JournalEntry
 from taskd_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+#: Journal entries kept per job: older ones are deleted once the job has written
+#: :data:`ROTATE_EVERY` more, so a job holds at most ``max_events + ROTATE_EVERY`` entries.
+MAX_EVENTS_PER_JOB = 10_000
+ROTATE_EVERY = 64
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -49,6 +59,11 @@ CREATE TABLE IF NOT EXISTS events (
     detail TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
+CREATE TABLE IF NOT EXISTS claims (
+    job_id       TEXT PRIMARY KEY,
+    token_digest TEXT NOT NULL,
+    launch       TEXT NOT NULL
+);
 """
 
 
@@ -60,12 +75,17 @@ class JobRow:
     inited: bool
     policy: Mapping[str, Any]
     snapshot: Mapping[str, Any]
+    claim: Claim | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class StoredJob:
     row: JobRow
     agents: tuple[AgentInfo, ...]
+
+    @property
+    def claim(self) -> Claim | None:
+        return self.row.claim
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +101,11 @@ class EventRecord:
 class Store:
     """One SQLite database; use from one thread (the controller's event loop)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_events: int = MAX_EVENTS_PER_JOB) -> None:
         self.path = path
+        self.max_events = max_events
+        #: journal entries written per job since its last rotation.
+        self._unrotated: dict[str, int] = {}
         try:
             self._db = sqlite3.connect(path, isolation_level=None)
             if path != ":memory:":
@@ -100,11 +123,15 @@ class Store:
             agents.setdefault(job_id, []).append(
                 AgentInfo(agent_id, role, node_rank, tuple(json.loads(rank_ids)), exit_code, last_seen)
             )
+        claims = {
+            job_id: Claim(digest, launch)
+            for job_id, digest, launch in self._db.execute("SELECT job_id, token_digest, launch FROM claims")
+        }
         jobs = []
         for job_id, inited, policy, snapshot in self._db.execute(
             "SELECT job_id, inited, policy, snapshot FROM jobs ORDER BY job_id"
         ):
-            row = JobRow(job_id, bool(inited), json.loads(policy), json.loads(snapshot))
+            row = JobRow(job_id, bool(inited), json.loads(policy), json.loads(snapshot), claims.get(job_id))
             jobs.append(StoredJob(row, tuple(agents.get(job_id, ()))))
         logger.info(
             "state file %s: %d job(s), %d agent(s)", self.path, len(jobs), sum(map(len, agents.values()))
@@ -149,10 +176,36 @@ class Store:
                     for a in agents
                 ],
             )
+            if row.claim is not None:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO claims (job_id, token_digest, launch) VALUES (?, ?, ?)",
+                    (row.job_id, row.claim.token_digest, row.claim.launch),
+                )
             self._db.executemany(
                 "INSERT INTO events (time, job_id, cycle, kind, detail) VALUES (?, ?, ?, ?, ?)",
                 [(now, row.job_id, e.cycle, e.kind, json.dumps(e.detail, sort_keys=True)) for e in journal],
             )
+            written = self._unrotated.get(row.job_id, 0) + len(journal)
+            if written >= ROTATE_EVERY:
+                self._db.execute(
+                    "DELETE FROM events WHERE job_id = ? AND seq <= ("
+                    " SELECT seq FROM events WHERE job_id = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+                    (row.job_id, row.job_id, self.max_events),
+                )
+                written = 0
+            self._unrotated[row.job_id] = written
+
+    def drop_agents(self, job_id: str) -> None:
+        """Forget a job's agents (its run is over and the id starts afresh)."""
+        with self._transaction():
+            self._db.execute("DELETE FROM agents WHERE job_id = ?", (job_id,))
+
+    def forget(self, job_id: str) -> None:
+        """Delete everything about a job, its journal included (evicted to make room for new jobs)."""
+        with self._transaction():
+            self._unrotated.pop(job_id, None)
+            for table in ("jobs", "agents", "claims", "events"):
+                self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
 
     def _transaction(self) -> sqlite3.Connection:
         # isolation_level=None leaves transactions to us; the context manager commits or rolls back.

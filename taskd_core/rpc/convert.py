@@ -18,6 +18,21 @@ from taskd_core.rpc._gen import recover_pb2 as pb
 MAX_RANK = 10_000_000
 
 
+#: Longest agent id, role, cycle uuid or strategy name accepted in a request.
+MAX_NAME = 128
+
+
+def check_name(text: str, field: str, limit: int = MAX_NAME) -> str:
+    """A request's name field: printable (no control or escape characters) and at most ``limit`` long."""
+    if len(text) > limit or not text.isprintable():
+        raise ProtocolError(
+            f"{field} must be printable and at most {limit} characters, got {text[:32]!r}"
+            f"{'...' if len(text) > 32 else ''}",
+            field=field,
+        )
+    return text
+
+
 def parse_rank(text: str, *, field: str = "rankId") -> int:
     if not text or len(text) > 8 or not text.isdigit() or not text.isascii():
         raise ProtocolError(f"{field} must be a non-negative decimal string, got {text[:32]!r}", field=field)

@@ -7,7 +7,7 @@ import re
 import grpc
 import pytest
 
-from taskd_core.models import Code
+from taskd_core.models import Code, Credentials
 from taskd_core.rpc import recover_pb2 as pb
 
 JOB = "job-1"
@@ -75,8 +75,11 @@ def test_init_answers_403_when_the_policy_turns_recovery_off(controller_factory,
     assert agent.stub.Init(agent.info).code == Code.RECOVERY_OFF
 
 
-def test_set_job_policy_turns_recovery_off_and_validates(controller, make_agent):
-    agent = make_agent(controller.address, JOB)
+def test_set_job_policy_turns_recovery_off_and_validates(tmp_path, controller_factory, make_agent):
+    # Setting the policy of a job nobody registered yet takes the admin token.
+    (tmp_path / "admin").write_text("admin-token")
+    controller = controller_factory(admin_token_file=str(tmp_path / "admin"))
+    agent = make_agent(controller.address, JOB, credentials=Credentials(token="admin-token"))
     ok = agent.stub.SetJobPolicy(
         pb.JobPolicyRequest(
             jobId=JOB, strategies=["recover", "exit"], recoveryEnabled=False, flushSeconds=-1, maxCycles=-1

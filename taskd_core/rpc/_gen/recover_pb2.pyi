@@ -185,7 +185,7 @@ class EventView(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., cycle: _Optional[int] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class JobView(_message.Message):
-    __slots__ = ("jobId", "state", "cycle", "strategy", "faultRanks", "cyclesUsed", "maxCycles", "strategies", "agents", "events", "outcome")
+    __slots__ = ("jobId", "state", "cycle", "strategy", "faultRanks", "cyclesUsed", "maxCycles", "strategies", "agents", "events", "outcome", "legacy")
     JOBID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class JobView(_message.Message):
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    LEGACY_FIELD_NUMBER: _ClassVar[int]
     jobId: str
     state: str
     cycle: int
@@ -208,7 +209,8 @@ class JobView(_message.Message):
     agents: _containers.RepeatedCompositeFieldContainer[AgentView]
     events: _containers.RepeatedCompositeFieldContainer[EventView]
     outcome: str
-    def __init__(self, jobId: _Optional[str] = ..., state: _Optional[str] = ..., cycle: _Optional[int] = ..., strategy: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., cyclesUsed: _Optional[int] = ..., maxCycles: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[EventView, _Mapping]]] = ..., outcome: _Optional[str] = ...) -> None: ...
+    legacy: bool
+    def __init__(self, jobId: _Optional[str] = ..., state: _Optional[str] = ..., cycle: _Optional[int] = ..., strategy: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., cyclesUsed: _Optional[int] = ..., maxCycles: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[EventView, _Mapping]]] = ..., outcome: _Optional[str] = ..., legacy: _Optional[bool] = ...) -> None: ...
 
 class ControllerStatus(_message.Message):
     __slots__ = ("status", "jobs")
