@@ -396,9 +396,8 @@ def security_section(data: dict[str, Any] | None) -> Section:
         f" the client's own `time.process_time()` over {data['seconds']:g} s while it holds the signal stream and"
         f" calls HealthCheck every {security_bench.AGENT_HEALTH:g} s. `plaintext` is a legacy job on loopback;"
         " `tls+token` adds TLS (trustme certificates) and a job token on every call; `mtls+token` mutual TLS."
-        " TLS costs its handshake once per connection; afterwards each call adds symmetric encryption of a few"
-        " hundred bytes and one SHA-256 of the token at the controller, which the noise of a shared 2-core"
-        " machine hides (a negative difference means the secured run was faster)."
+        " The targets compare `mtls+token` with `plaintext`; a negative difference means the secured run was the"
+        " faster one in this run."
     )
     text = "\n\n".join([f"## {title}", method, security_bench.report(data["results"])]) + "\n"
     return text, security_bench.verdicts(data["results"])
