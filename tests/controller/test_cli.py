@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from taskd_core.cli import main
+from tests.conftest import RawAgent
 
 
 def test_status_prints_jobs_agents_cycle_and_events(controller, make_agent, capsys):
@@ -66,3 +67,51 @@ def test_controller_daemon_stops_gracefully_on_sigterm(tmp_path, make_agent, con
     assert end is None or end.code() == grpc.StatusCode.UNAVAILABLE
     log = child.log.read_text()
     assert f"listening on {child.address}" in log and "stopped" in log
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--listen", "0.0.0.0:0"], "refusing plaintext on an address other hosts can reach"),
+        (["--listen", "127.0.0.1:0", "--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert"),
+        (["--listen", "127.0.0.1:0", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["--listen", "127.0.0.1:0", "--tls-cert", "/no/c.pem", "--tls-key", "/no/k.pem"], "cannot read it"),
+        (["--listen", "127.0.0.1:0", "--admin-token-file", "/no/token"], "--admin-token-file /no/token"),
+    ],
+)
+def test_controller_security_settings_are_checked_with_exit_2(argv, message, caplog):
+    assert main(["controller", "--state", ":memory:", *argv]) == 2
+    assert message in caplog.records[-1].getMessage()
+
+
+def test_controller_serves_mutual_tls_with_tokens_from_the_command_line(tmp_path, controller_process, pki):
+    (tmp_path / "admin").write_text("adm1n\n")
+    child = controller_process(
+        tmp_path / "s.db",
+        "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", pki.ca,
+        "--admin-token-file", str(tmp_path / "admin"),
+    )
+    agent = RawAgent(child.address, "cli-job", "node-0", credentials=pki.client("job-token"))
+    try:
+        agent.join()
+        assert not agent.job().legacy
+    finally:
+        agent.close()
+    assert child.terminate() == 0
+
+
+def test_status_presents_tls_and_the_admin_token(tmp_path, controller_factory, make_agent, pki, capsys, monkeypatch):
+    (tmp_path / "admin").write_text("adm1n")
+    ctl = controller_factory(tls=pki.server(mutual=True), admin_token_file=str(tmp_path / "admin"))
+    make_agent(ctl.address, "tls-job", "node-0", credentials=pki.client("job-token")).join()
+    monkeypatch.setenv("TASKD_TLS_CERT", pki.client_cert)
+    monkeypatch.setenv("TASKD_TLS_KEY", pki.client_key)
+    base = ["status", "--controller", ctl.address, "--tls-ca", pki.ca]
+    assert main([*base, "--admin-token-file", str(tmp_path / "admin")]) == 0
+    assert "job tls-job" in capsys.readouterr().out
+    assert main(base) == 0
+    assert capsys.readouterr().out.strip() == "no jobs"  # no token: the job is not shown
+    monkeypatch.setenv("TASKD_JOB_TOKEN", "job-token")
+    assert main([*base, "--job", "tls-job"]) == 0
+    monkeypatch.setenv("TASKD_JOB_TOKEN", "wrong")
+    assert main([*base, "--job", "tls-job"]) == 2
