@@ -51,7 +51,8 @@ from _common import (
     write_json,
 )
 
-from taskd_core.agent.node_agent import AgentConfig, AgentOutcome, NodeAgent
+from taskd_core.agent.config import AgentConfig, DispatchConfig
+from taskd_core.agent.node_agent import AgentOutcome, NodeAgent
 from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.controller.server import EmbeddedController
 from taskd_core.launcher import LaunchSpec, ProcessAdapter
@@ -104,7 +105,7 @@ def _make_agent(variant: Variant, address: str, workers: int, log_dir: Path) -> 
         stop_timeout=5.0,
     )
     agent = NodeAgent(
-        AgentConfig(job_id=job_id, controller=address, stop_timeout=5.0, connect_timeout=10.0),
+        AgentConfig(job_id=job_id, controller=address, connect_timeout=10.0, dispatch=DispatchConfig(stop_timeout=5.0)),
         load_adapter("process", instance=ProcessAdapter(spec)),
     )
     if variant.interval is not None:

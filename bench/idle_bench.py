@@ -66,7 +66,7 @@ from _common import (
     write_json,
 )
 
-from taskd_core.agent.node_agent import AgentConfig
+from taskd_core.agent.config import AgentConfig
 from taskd_core.client.manager import DLRecoverManager
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
@@ -81,7 +81,7 @@ AGENT_TARGET = 1.0
 #: HealthCheck calls per case in the call-cost child of part 2.
 _CALLS = 10
 #: The node agent's HealthCheck interval (its AgentConfig default).
-AGENT_HEALTH = AgentConfig(job_id="idle-bench", controller="127.0.0.1:1").health_interval
+AGENT_HEALTH = AgentConfig(job_id="idle-bench").health_interval
 #: Client modes of part 2: the HealthCheck interval of the subscription, None for no subscription.
 CLIENT_MODES: dict[str, float | None] = {
     "channel": None,

@@ -23,14 +23,14 @@ Adapters never see any of this; they only implement the hooks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import signal as signals
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
+from taskd_core.agent.config import DispatchConfig
 from taskd_core.agent.pidwatch import wait_gone
 from taskd_core.errors import WorkerControlError
 from taskd_core.models import Action, Code, Signal, SignalType, Strategy, WorkerState, WorkerStatus
@@ -38,6 +38,9 @@ from taskd_core.plugins.registry import Adapter
 from taskd_core.rpc.convert import fault_dict
 
 logger = logging.getLogger(__name__)
+
+#: A report to send once the lock is released; returns the controller's code.
+Report = Callable[[], int]
 
 
 class Reporter(Protocol):
@@ -48,18 +51,6 @@ class Reporter(Protocol):
     def report_recover_strategy(self, fault_ranks: Mapping[int, int], strategy_list: Iterable[str]) -> int: ...
 
     def report_recover_status(self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str) -> int: ...
-
-
-@dataclass(frozen=True, slots=True)
-class DispatchConfig:
-    """How actions are carried out on this node."""
-
-    #: seconds between SIGTERM and SIGKILL when stopping workers.
-    stop_timeout: float = 30.0
-    #: signal that asks a worker to save its state and exit (``dump``).
-    dump_signal: signals.Signals = signals.SIGUSR1
-    #: seconds workers get to save before they are stopped.
-    dump_grace: float = 30.0
 
 
 class ActionDispatcher:
@@ -74,14 +65,14 @@ class ActionDispatcher:
         self,
         adapter: Adapter,
         reporter: Reporter,
-        config: DispatchConfig = DispatchConfig(),
+        config: DispatchConfig | None = None,
         *,
         on_stopping: Callable[[Iterable[WorkerStatus]], None] | None = None,
         lock: threading.RLock | None = None,
     ) -> None:
         self.adapter = adapter
         self.reporter = reporter
-        self.config = config
+        self.config = config or DispatchConfig()
         self._on_stopping = on_stopping or (lambda statuses: None)
         self._lock = lock or threading.RLock()
         self.given_up = threading.Event()
@@ -91,6 +82,12 @@ class ActionDispatcher:
         self.ending = threading.Event()
 
     def handle(self, signal: Signal) -> None:
+        """Carry out ``signal``'s actions under the lock, then send their reports without it.
+
+        A report may retry an unreachable controller for a long time; holding
+        the lock meanwhile would stop the agent from watching its workers.
+        """
+        reports: list[Report] = []
         with self._lock:
             if self.closed.is_set():
                 logger.info("agent is ending: %s not carried out", signal.signal_type)
@@ -104,13 +101,15 @@ class ActionDispatcher:
             # Order kept, duplicates dropped (the reference's set() lost the order).
             for action in dict.fromkeys(signal.actions):
                 if action == Action.STOP_TRAIN:
-                    self._stop_train(signal)
+                    reports.append(self._stop_train(signal))
                 elif action == Action.ON_GLOBAL_RANK:
-                    self._on_global_rank(signal)
+                    reports.append(self._on_global_rank(signal))
                 elif action == Action.CHANGE_STRATEGY:
-                    self._change_strategy(signal)
+                    reports.extend(self._change_strategy(signal))
                 else:
                     logger.debug("action %r needs no work of its own on this node", action)
+        for report in reports:
+            report()
 
     # --- rank bookkeeping -------------------------------------------------------
 
@@ -139,32 +138,34 @@ class ActionDispatcher:
 
     # --- actions ---------------------------------------------------------------------
 
-    def _stop_train(self, signal: Signal) -> None:
+    def _stop_train(self, signal: Signal) -> Report:
         faults = fault_dict(signal.fault_ranks)
         try:
             local = self._local_faulty(signal, self.adapter.monitor())
             if local:
                 self.stop(local)
-            self.reporter.report_stop_complete(Code.OK, f"stopped local ranks {local}", faults)
+            code, msg = Code.OK, f"stopped local ranks {local}"
         except WorkerControlError as exc:
-            self.reporter.report_stop_complete(Code.CLIENT_ERROR, str(exc), faults)
+            code, msg = Code.CLIENT_ERROR, str(exc)
+        return functools.partial(self.reporter.report_stop_complete, code, msg, faults)
 
-    def _on_global_rank(self, signal: Signal) -> None:
+    def _on_global_rank(self, signal: Signal) -> Report:
         try:
             strategies = [s.value for s in self.adapter.strategies()]
         except WorkerControlError:
             logger.exception("adapter could not declare its strategies; offering exit only")
             strategies = [Strategy.EXIT.value]
-        self.reporter.report_recover_strategy(fault_dict(signal.fault_ranks), strategies)
+        return functools.partial(self.reporter.report_recover_strategy, fault_dict(signal.fault_ranks), strategies)
 
-    def _change_strategy(self, signal: Signal) -> None:
+    def _change_strategy(self, signal: Signal) -> list[Report]:
+        """Carry out the chosen strategy; the report to send (none for exit: the controller does not wait)."""
         strategy = signal.strategy
         faults = fault_dict(signal.fault_ranks)
         if strategy in (Strategy.DUMP, Strategy.EXIT):
             self.ending.set()
         if strategy is Strategy.EXIT:
             self._stop_quietly(None)
-            return
+            return []
         try:
             if strategy is Strategy.RECOVER:
                 self.stop(None)
@@ -184,7 +185,7 @@ class ActionDispatcher:
             logger.error("%s failed: %s", signal.change_strategy, exc)
             code, msg = Code.CLIENT_ERROR, str(exc)
         # Reported as the controller named it: recover-in-place travels as "recover".
-        self.reporter.report_recover_status(code, msg, faults, signal.change_strategy)
+        return [functools.partial(self.reporter.report_recover_status, code, msg, faults, signal.change_strategy)]
 
     def _dump(self) -> tuple[Code, str]:
         statuses = self.adapter.monitor()

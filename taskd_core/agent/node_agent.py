@@ -7,7 +7,10 @@ signals drive the :class:`~taskd_core.agent.dispatcher.ActionDispatcher`.
 It returns an :class:`AgentOutcome`; the launcher turns it into an exit code.
 
 Threads: :meth:`NodeAgent.run` is the supervision loop; the client's signal
-stream runs in a second thread. Both call hooks under one lock.
+stream runs in a second thread. Both call hooks under one lock, which no
+report holds: a report may retry an unreachable controller for a minute, and
+the agent keeps watching its workers (and obeying SIGTERM) meanwhile. Fault
+reports go out, in order, from a third thread for the same reason.
 """
 
 from __future__ import annotations
@@ -17,15 +20,16 @@ import logging
 import signal as signals
 import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from taskd_core.agent.dispatcher import ActionDispatcher, DispatchConfig
+from taskd_core.agent.config import AgentConfig
+from taskd_core.agent.dispatcher import ActionDispatcher
 from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.client.manager import DLRecoverManager
-from taskd_core.errors import TaskdError
+from taskd_core.errors import ConfigError, TaskdError
 from taskd_core.models import Code, FaultType, Signal, WorkerState, WorkerStatus
 from taskd_core.plugins.registry import Adapter
-from taskd_core.rpc import recover_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -36,34 +40,6 @@ logger = logging.getLogger(__name__)
 _WAIT_CAP = 5.0
 #: Seconds the last report (this agent ends) may retry an unreachable controller.
 _FINAL_REPORT_DEADLINE = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class AgentConfig:
-    """Where the agent reports and how it treats its workers."""
-
-    job_id: str
-    controller: str
-    node_rank: int = 0
-    #: identity among the job's agents; defaults to ``node-<node_rank>``.
-    agent_id: str | None = None
-    role: str = "taskd agent"
-    stop_timeout: float = 30.0
-    dump_signal: signals.Signals = signals.SIGUSR1
-    dump_grace: float = 30.0
-    #: how long to keep trying to reach the controller before giving up.
-    connect_timeout: float = 60.0
-    #: how long a report keeps retrying while the controller is unreachable.
-    report_deadline: float = 60.0
-    #: seconds between HealthCheck calls; a lost stream is noticed without them,
-    #: so the agent checks less often than the reference client's 1 s.
-    health_interval: float = 5.0
-
-    def __post_init__(self) -> None:
-        if not self.job_id:
-            raise TaskdError("the agent needs a job id")
-        if self.node_rank < 0:
-            raise TaskdError(f"node rank must be >= 0, got {self.node_rank}")
 
 
 class Outcome(str, enum.Enum):
@@ -91,14 +67,17 @@ class NodeAgent:
         self.adapter = adapter
         self._lock = threading.RLock()
         self._watch = PidWatch()
+        self._fault_reports = ThreadPoolExecutor(1, thread_name_prefix=f"taskd-faults-{config.job_id}")
         self._shutdown_signal: int | None = None
         #: (local rank, pid) of workers whose end is not a fault: stopped on purpose or already reported.
         self._settled: set[tuple[int, int | None]] = set()
-        agent_id = config.agent_id or f"node-{config.node_rank}"
-        self.client = DLRecoverManager(
-            pb.ClientInfo(jobId=config.job_id, role=config.role),
+        if not config.controller:
+            raise ConfigError(f"the agent of job {config.job_id} needs a controller address")
+        self.client = DLRecoverManager.for_job(
+            config.job_id,
             config.controller,
-            agent_id=agent_id,
+            role=config.role,
+            agent_id=config.agent_id or f"node-{config.node_rank}",
             node_rank=config.node_rank,
             handler=self._handle_signal,
             connect_deadline=config.connect_timeout,
@@ -108,7 +87,7 @@ class NodeAgent:
         self.dispatcher = ActionDispatcher(
             adapter,
             self.client,
-            DispatchConfig(config.stop_timeout, config.dump_signal, config.dump_grace),
+            config.dispatch,
             on_stopping=self._settle,
             lock=self._lock,
         )
@@ -157,6 +136,8 @@ class NodeAgent:
             with self._lock:
                 self.dispatcher.closed.set()
             self.client.close()
+            # close() ends any retry; a report still queued has nobody left to hear it.
+            self._fault_reports.shutdown(wait=True, cancel_futures=True)
             if subscriber is not None:
                 subscriber.join(timeout=10.0)
             self._watch.close()
@@ -165,7 +146,7 @@ class NodeAgent:
 
     def _subscribe(self) -> None:
         try:
-            self.client.start_subscribe()
+            self.client.start_subscribe(self.adapter.name)
         except TaskdError as exc:
             logger.error("lost the controller for good: %s", exc)
             self.dispatcher.given_up.set()
@@ -199,7 +180,10 @@ class NodeAgent:
                 if not recovery:
                     self._stop_all()
                     return AgentOutcome(Outcome.FAILED, 1, f"ranks {[s.global_rank for s in failed]} failed")
-                self.client.report_process_fault({s.global_rank: int(FaultType.NORMAL.value) for s in failed})
+                report = self._fault_reports.submit(
+                    self.client.report_process_fault, {s.global_rank: int(FaultType.NORMAL.value) for s in failed}
+                )
+                report.add_done_callback(_log_failed_report)
                 continue
             # After dump or exit the workers may end with 0, but the job is
             # being given up: wait for killMaster instead of claiming success.
@@ -217,3 +201,9 @@ class NodeAgent:
             self.client.report_agent_exit(code, msg, deadline=_FINAL_REPORT_DEADLINE)
         except Exception:  # the outcome stands even if the controller cannot hear it
             logger.exception("could not tell the controller that this agent ends")
+
+
+def _log_failed_report(report: Future[int]) -> None:
+    exc = None if report.cancelled() else report.exception()
+    if exc is not None:
+        logger.error("reporting failed workers to the controller failed: %s", exc, exc_info=exc)

@@ -5,9 +5,12 @@ controller and a real ClusterD alike; TaskD's extension fields (agent id,
 node rank, signal sequence numbers) are simply ignored by the latter.
 
 Threads: :meth:`start_subscribe` blocks the calling thread, reading the
-signal stream and handing each signal, one at a time, to a handler (the
-core's action dispatcher for the plugin named ``frame``). A health-check
-thread runs beside it while subscribed. Reports may be sent from any thread.
+signal stream and handing each signal, one at a time, to a handler: the one
+given, or the one ``handler_factory`` builds for ``frame`` (the seed path
+:mod:`taskd.python.toolkit.recover_module.recover_manager` builds the core's
+action dispatcher over the adapter named ``frame``; this module does not know
+the agent). A health-check thread runs beside it while subscribed. Reports may
+be sent from any thread.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import grpc
 from taskd_core.client.backoff import Backoff
 from taskd_core.errors import (
     AccessDeniedError,
+    ConfigError,
     ControllerUnavailableError,
     ProtocolError,
     RecoveryDisabledError,
@@ -38,6 +42,8 @@ from taskd_core.rpc.security import open_channel
 logger = logging.getLogger(__name__)
 
 SignalHandler = Callable[[Signal], None]
+#: Builds the signal handler for a ``frame`` (an adapter name), given the manager its actions report to.
+HandlerFactory = Callable[[str, "DLRecoverManager"], SignalHandler]
 
 #: The real clients ping every 3 s; the controller is configured to allow it.
 _CHANNEL_OPTIONS = (
@@ -68,8 +74,9 @@ class DLRecoverManager:
     :param server_addr: ``HOST:PORT`` of the controller.
     :param agent_id: TaskD extension: distinguishes the agents of a job with
         several nodes; empty for a single legacy-style client.
-    :param handler: what to do with each signal; by default the core's
-        action dispatcher for the adapter named in :meth:`start_subscribe`.
+    :param handler: what to do with each signal.
+    :param handler_factory: without ``handler``, builds it for the ``frame``
+        given to :meth:`start_subscribe`.
     :param connect_deadline: seconds :meth:`init_clusterd` keeps retrying.
     :param report_deadline: seconds a report keeps retrying while the
         controller is unreachable (for example while it restarts).
@@ -86,6 +93,7 @@ class DLRecoverManager:
         node_rank: int = 0,
         rank_ids: Sequence[int] = (),
         handler: SignalHandler | None = None,
+        handler_factory: HandlerFactory | None = None,
         connect_deadline: float = 300.0,
         report_deadline: float = 60.0,
         rpc_timeout: float = 10.0,
@@ -102,6 +110,7 @@ class DLRecoverManager:
         self.node_rank = node_rank
         self.rank_ids = tuple(rank_ids)
         self._handler = handler
+        self._handler_factory = handler_factory
         self._connect_deadline = connect_deadline
         self._report_deadline = report_deadline
         self._rpc_timeout = rpc_timeout
@@ -119,6 +128,11 @@ class DLRecoverManager:
         self._stub = pb_grpc.RecoverStub(self._channel)
         with _active_lock:
             _active.append(self)
+
+    @classmethod
+    def for_job(cls, job_id: str, server_addr: str, *, role: str = "taskd agent", **kwargs: Any) -> DLRecoverManager:
+        """A manager for ``job_id`` without building a ``pb.ClientInfo`` (what the node agent uses)."""
+        return cls(pb.ClientInfo(jobId=job_id, role=role), server_addr, **kwargs)
 
     # --- identity -----------------------------------------------------------
 
@@ -182,7 +196,8 @@ class DLRecoverManager:
         A lost stream is re-established (Init, Register, Subscribe again);
         a signal already executed (same sequence number) is not executed twice.
         """
-        handler = self._handler or self._default_handler(frame)
+        handler = self._handler_for(frame)
+        logger.info("job %s follows the controller's signals for frame %s", self.job_id, frame)
         self._health_stop.clear()
         health = threading.Thread(target=self._health_loop, name=f"taskd-health-{self.job_id}", daemon=True)
         health.start()
@@ -192,13 +207,15 @@ class DLRecoverManager:
             self._health_stop.set()
             health.join(timeout=self._rpc_timeout + self._health_interval)
 
-    def _default_handler(self, frame: str) -> SignalHandler:
-        # Imported here: the dispatcher depends on the plugin layer, which a
-        # plain reporting client does not need.
-        from taskd_core.agent.dispatcher import ActionDispatcher
-        from taskd_core.plugins import load_adapter
-
-        return ActionDispatcher(load_adapter(frame), reporter=self).handle
+    def _handler_for(self, frame: str) -> SignalHandler:
+        if self._handler is not None:
+            return self._handler
+        if self._handler_factory is None:
+            raise ConfigError(
+                f"DLRecoverManager of job {self.job_id!r} has no signal handler for frame {frame!r}: pass "
+                "handler= or handler_factory=, or use taskd.python.toolkit.recover_module.recover_manager"
+            )
+        return self._handler_factory(frame, self)
 
     def _subscribe_loop(self, handler: SignalHandler) -> None:
         attempt = 0

@@ -14,6 +14,21 @@ from taskd_core.rpc import recover_pb2_grpc
 from taskd_core.rpc.security import open_channel
 
 
+def _ask(
+    address: str, job_id: str, events: int, timeout: float, credentials: Credentials | None
+) -> pb.ControllerStatus:
+    with open_channel(address, credentials or Credentials()) as channel:
+        try:
+            reply: pb.ControllerStatus = recover_pb2_grpc.RecoverStub(channel).QueryStatus(
+                pb.StatusQuery(jobId=job_id, events=events), timeout=timeout
+            )
+        except grpc.RpcError as exc:
+            raise ControllerUnavailableError(address, timeout, ConnectionError(exc.details())) from None
+    if reply.status.code != 0:
+        raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
+    return reply
+
+
 def query_status(
     address: str,
     job_id: str = "",
@@ -24,20 +39,23 @@ def query_status(
     """The controller's jobs (all, or ``job_id``'s) with agents and the newest ``events`` journal entries.
 
     The result is the ``ControllerStatus`` message as a JSON-ready dict with
-    every field present (``{"jobs": [{"jobId": ..., "agents": [...], ...}]}``).
+    every field present (``{"jobs": [{"jobId": ..., "agents": [...], ...}]}``),
+    what ``taskd status --json`` prints.
 
-    :raises ControllerUnavailableError: the controller did not answer in ``timeout``.
     :param credentials: TLS files and the job's (or the admin) token to present.
+    :raises ControllerUnavailableError: the controller did not answer in ``timeout``.
     :raises TaskdError: it answered with a non-zero code (e.g. 400 for an unknown job).
     """
-    with open_channel(address, credentials or Credentials()) as channel:
-        try:
-            reply = recover_pb2_grpc.RecoverStub(channel).QueryStatus(
-                pb.StatusQuery(jobId=job_id, events=events), timeout=timeout
-            )
-        except grpc.RpcError as exc:
-            raise ControllerUnavailableError(address, timeout, ConnectionError(exc.details())) from None
-    if reply.status.code != 0:
-        raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
+    reply = _ask(address, job_id, events, timeout, credentials)
     status: dict[str, Any] = json_format.MessageToDict(reply, always_print_fields_with_no_presence=True)
     return status
+
+
+def ended_agents(address: str, job_id: str, timeout: float = 5.0, credentials: Credentials | None = None) -> int:
+    """How many agents of ``job_id`` have reported their end to the controller at ``address``.
+
+    :raises ControllerUnavailableError: the controller did not answer in ``timeout``.
+    :raises TaskdError: it answered with a non-zero code (400: the job is not registered).
+    """
+    reply = _ask(address, job_id, 0, timeout, credentials)
+    return sum(1 for job in reply.jobs for agent in job.agents if agent.exitState)

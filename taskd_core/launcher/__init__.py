@@ -4,6 +4,8 @@
   groups and stop them (SIGTERM, one deadline, SIGKILL, reap).
 - :mod:`~taskd_core.launcher.spec`: :class:`LaunchSpec`, what one node runs.
 - :mod:`~taskd_core.launcher.process_adapter`: :class:`ProcessAdapter`, the hooks over the supervisor.
+- :mod:`~taskd_core.launcher.settings`: :class:`NodeSettings`, the one settings chain, and the
+  checks, environment and port rules every launcher shares.
 - :mod:`~taskd_core.launcher.embedded`: which controller a launcher talks to.
 - :mod:`~taskd_core.launcher.interrupt`: SIGTERM / SIGINT turned into an orderly stop.
 - :mod:`~taskd_core.launcher.node`: :func:`run_node_agent`, the end every launcher shares.

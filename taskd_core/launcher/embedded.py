@@ -23,15 +23,10 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from taskd_core.errors import ConfigError
-from taskd_core.launcher.spec import check_host, check_port, is_loopback
+from taskd_core.launcher.settings import check_port, is_loopback, parse_address
 from taskd_core.models import JobPolicy
 
 logger = logging.getLogger(__name__)
-
-#: The reference controller's (ClusterD's) gRPC port; the default for multi-node jobs.
-DEFAULT_CONTROLLER_PORT = 8899
-
 
 @dataclass(frozen=True, slots=True)
 class ControllerEndpoint:
@@ -39,18 +34,6 @@ class ControllerEndpoint:
 
     address: str
     embedded: bool
-
-
-def parse_address(address: str, what: str = "controller address") -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) split and checked; raises :class:`ConfigError`."""
-    host, sep, port_text = address.rpartition(":")
-    if not sep or not port_text.isdigit():
-        raise ConfigError(f"{what}: {address!r} is not HOST:PORT")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    check_host(host, what)
-    port = int(port_text)
-    check_port(port, what)
-    return host, port
 
 
 @contextlib.contextmanager

@@ -11,48 +11,21 @@ is that sequence; the launcher only adds its own cleanup around it.
 from __future__ import annotations
 
 import logging
-import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 
-from taskd_core.agent.node_agent import AgentConfig, AgentOutcome, NodeAgent, Outcome
-from taskd_core.client.status import query_status
+from taskd_core.agent.node_agent import AgentOutcome, NodeAgent, Outcome
+from taskd_core.client.status import ended_agents
 from taskd_core.errors import ControllerUnavailableError, TaskdError
-from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT, controller_address
-from taskd_core.launcher.interrupt import STOP_SIGNALS, forward_stop_signals
-from taskd_core.models import JobPolicy
+from taskd_core.launcher.embedded import controller_address
+from taskd_core.launcher.interrupt import forward_stop_signals
+from taskd_core.launcher.settings import NodeSettings
 from taskd_core.plugins import Adapter
 
 logger = logging.getLogger(__name__)
 
 #: How often :func:`wait_for_agents` asks the controller again.
 _AGENT_POLL = 0.2
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSettings:
-    """Where this node sits in its job, and how its agent reaches the controller and treats workers."""
-
-    job_id: str
-    node_rank: int = 0
-    nnodes: int = 1
-    #: the job's master host: where other nodes reach node 0's embedded controller.
-    master_addr: str = "127.0.0.1"
-    #: an explicit controller ``HOST:PORT``; None applies the embedding rule.
-    controller: str | None = None
-    controller_port: int = DEFAULT_CONTROLLER_PORT
-    #: SQLite state file of an embedded controller.
-    controller_state: str = ":memory:"
-    #: recovery policy of an embedded controller.
-    policy: JobPolicy = field(default_factory=JobPolicy)
-    stop_timeout: float = 30.0
-    dump_signal: signal.Signals = signal.SIGUSR1
-    dump_grace: float = 30.0
-    connect_timeout: float = 60.0
-    #: node 0 with an embedded controller: seconds to wait for the other agents to end.
-    linger: float = 60.0
-    #: signals that stop the job while the agent runs (``taskdrun`` adds SIGHUP, as torchrun does).
-    stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS
 
 
 def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launcher") -> AgentOutcome:
@@ -66,23 +39,14 @@ def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launche
         or an embedded controller that cannot bind.
     """
     with controller_address(
-        settings.controller,
+        settings.agent.controller or None,
         node_rank=settings.node_rank,
         master_addr=settings.master_addr,
         controller_port=settings.controller_port,
         policy=settings.policy,
         state=settings.controller_state,
     ) as endpoint:
-        config = AgentConfig(
-            job_id=settings.job_id,
-            controller=endpoint.address,
-            node_rank=settings.node_rank,
-            stop_timeout=settings.stop_timeout,
-            dump_signal=settings.dump_signal,
-            dump_grace=settings.dump_grace,
-            connect_timeout=settings.connect_timeout,
-        )
-        agent = NodeAgent(config, adapter)
+        agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter)
         logger.info(
             "%s: job %s node %s/%s, adapter %s, controller %s%s",
             who,
@@ -113,13 +77,12 @@ def wait_for_agents(address: str, job_id: str, agents: int, timeout: float) -> b
     while True:
         remaining = deadline - time.monotonic()
         try:
-            jobs = query_status(address, job_id, timeout=max(remaining, 0.1))["jobs"]
+            ended = ended_agents(address, job_id, timeout=max(remaining, 0.1))
         except ControllerUnavailableError as exc:
             logger.warning("cannot ask the controller about job %s: %s", job_id, exc)
             return False
         except TaskdError:
-            jobs = []  # the job is not registered (yet): none of its agents has ended
-        ended = sum(1 for job in jobs for agent in job["agents"] if agent["exitState"])
+            ended = 0  # the job is not registered (yet): none of its agents has ended
         if ended >= agents:
             return True
         if remaining <= 0:

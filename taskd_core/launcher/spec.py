@@ -2,53 +2,15 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from taskd_core.agent.config import DispatchConfig
 from taskd_core.errors import ConfigError
+from taskd_core.launcher.settings import check_host, check_port, default_of
 
 #: torchrun's default rendezvous port, used when several nodes must agree on one.
 DEFAULT_MASTER_PORT = 29500
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_host(host: str, what: str) -> None:
-    """Raise :class:`ConfigError` unless ``host`` is an IP address or a plausible host name."""
-    try:
-        ipaddress.ip_address(host)
-        return
-    except ValueError:
-        pass
-    labels = host.split(".")
-    if (
-        not host
-        or len(host) > 253
-        or not all(
-            label
-            and len(label) <= 63
-            and label.replace("-", "").replace("_", "").isalnum()
-            and label[0] != "-"
-            for label in labels
-        )
-    ):
-        raise ConfigError(f"{what}: {host!r} is neither an IP address nor a host name")
-
-
-def check_port(port: int, what: str, *, allow_zero: bool = False) -> None:
-    """Raise :class:`ConfigError` unless ``port`` is a TCP port (0 only with ``allow_zero``)."""
-    low = 0 if allow_zero else 1
-    if not low <= port <= 65535:
-        raise ConfigError(f"{what}: {port} is not a TCP port ({low}..65535)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +35,7 @@ class LaunchSpec:
     #: extra environment for every worker (applied before the rank variables, which always win).
     env: dict[str, str] = field(default_factory=dict, hash=False)
     #: seconds a leftover worker gets between SIGTERM and SIGKILL when restart_all finds one running.
-    stop_timeout: float = 30.0
+    stop_timeout: float = default_of(DispatchConfig, "stop_timeout")
     cwd: Path | None = None
 
     def __post_init__(self) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from taskd_core.agent.node_agent import AgentConfig, AgentOutcome, NodeAgent, Outcome
+from taskd_core.agent.config import AgentConfig, DispatchConfig
+from taskd_core.agent.node_agent import AgentOutcome, NodeAgent, Outcome
 from taskd_core.controller.server import EmbeddedController
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import LaunchSpec
@@ -42,7 +43,15 @@ while not (out / "finish").exists() and time.monotonic() < deadline:
 class Job:
     """One node's workers under a NodeAgent, run in a background thread."""
 
-    def __init__(self, tmp: Path, controller: EmbeddedController, *, nproc: int = 2, independent: bool = False) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        controller: EmbeddedController,
+        *,
+        nproc: int = 2,
+        independent: bool = False,
+        report_deadline: float = 60.0,
+    ) -> None:
         self.out = tmp / "out"
         self.out.mkdir()
         script = tmp / "worker.py"
@@ -52,7 +61,12 @@ class Job:
             independent_workers=independent, log_dir=tmp / "logs", stop_timeout=5.0,
         )
         self.agent = NodeAgent(
-            AgentConfig(job_id="job", controller=controller.address, stop_timeout=5.0, dump_grace=10.0),
+            AgentConfig(
+                job_id="job",
+                controller=controller.address,
+                report_deadline=report_deadline,
+                dispatch=DispatchConfig(stop_timeout=5.0, dump_grace=10.0),
+            ),
             load_adapter("process", instance=ProcessAdapter(spec)),
         )
         self._pool = ThreadPoolExecutor(1)
@@ -230,3 +244,20 @@ def test_final_report_to_a_vanished_controller_gives_up_at_its_deadline() -> Non
         assert manager.report_agent_exit(143, "interrupted", deadline=0.5) == Code.SERVER_INNER_ERROR
     finally:
         manager.close()
+
+
+def test_agent_obeys_sigterm_while_a_fault_report_retries(make_job, caplog) -> None:  # type: ignore[no-untyped-def]
+    """The controller is gone when a worker dies: the report may retry for 10 minutes, but the agent
+    keeps watching, so SIGTERM still stops every worker and ends it at once."""
+    job, controller = make_job(JobPolicy(**FAST), report_deadline=600.0)
+    pids = job.wait_starts(2)
+    controller.stop()
+    os.kill(pids[1, 0], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while "ReportProcessFault for job job failed" not in caplog.text:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.05)
+    job.agent.shutdown(signal.SIGTERM)
+    outcome = job.result.result(timeout=120)
+    assert (outcome.kind, outcome.exit_code) == (Outcome.INTERRUPTED, 128 + signal.SIGTERM)
+    assert_gone(pids.values())

@@ -142,7 +142,8 @@ TRACING_ADAPTER = textwrap.dedent(
 AGENT_SCRIPT = textwrap.dedent(
     """
     import sys
-    from taskd_core.agent.node_agent import AgentConfig, NodeAgent
+    from taskd_core.agent.config import AgentConfig
+    from taskd_core.agent.node_agent import NodeAgent
     from taskd_core.controller.server import EmbeddedController
     from taskd_core.errors import PluginError
     from taskd_core.plugins import load_adapter

@@ -19,7 +19,9 @@ from taskd_core.cli import build_parser, main
         (["--controller", "host:99999", "--", "true"], "not a TCP port"),
         (["--controller", "bad host!:80", "--", "true"], "neither an IP address nor a host name"),
         (["--dump-signal", "SIGNOPE", "--", "true"], "unknown signal 'SIGNOPE'"),
-        (["--stop-timeout", "-1", "--", "true"], "must be a finite number of seconds"),
+        (["--stop-timeout", "-1", "--", "true"], "argument --stop-timeout: '-1' is not a finite number of seconds >= 0"),
+        (["--strategies", "recover,teleport", "--", "true"], "unknown strategy 'teleport'"),
+        (["--health-interval", "0", "--", "true"], "argument --health-interval: '0' is not a finite number of seconds > 0"),
     ],
 )
 def test_run_rejects_bad_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,7 +40,6 @@ def test_run_rejects_bad_flags(argv: list[str], message: str, capsys: pytest.Cap
         (["--nnodes", "2", "--node-rank", "2", "--", "true"], "node rank 2 is outside 0..1"),
         (["--master-addr", "not a host", "--", "true"], "master address"),
         (["--master-port", "0", "--", "true"], "master port: 0 is not a TCP port"),
-        (["--strategies", "recover,teleport", "--", "true"], "teleport"),
         (["--nnodes", "2", "--node-rank", "1", "--controller-port", "0", "--", "true"], "controller port"),
     ],
 )

@@ -24,11 +24,11 @@ def test_help_shows_torchrun_options_and_taskd_options() -> None:
     ("argv", "message"),
     [
         (["--taskd-max-cycles", "-1"], "argument --taskd-max-cycles: '-1' is not a whole number >= 0"),
-        (["--taskd-stop-timeout", "soon"], "argument --taskd-stop-timeout: 'soon' is not a finite number of seconds"),
+        (["--taskd-stop-timeout", "soon"], "argument --taskd-stop-timeout: 'soon' is not a finite number of seconds >= 0"),
         (["--taskd-strategies", "retry,bogus"], "unknown strategy 'bogus'"),
         (["--taskd-flush-seconds", "-1"], "'-1' is not a finite number of seconds >= 0"),
         (["--taskd-controller", "nowhere"], "'nowhere' is not HOST:PORT"),
-        (["--nnodes", "2", "--taskd-controller-port", "0"], "--taskd-controller-port 0 only works for one node"),
+        (["--nnodes", "2", "--taskd-controller-port", "0"], "controller port 0 only works for one node"),
     ],
 )
 def test_bad_taskd_option_values_give_a_clear_error(argv: list[str], message: str, tmp_path: Path, capsys) -> None:

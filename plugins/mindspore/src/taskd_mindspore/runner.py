@@ -8,9 +8,9 @@ what                       where from, first found wins
 controller address         ``TASKD_CONTROLLER`` (HOST:PORT); ``MINDX_SERVER_IP`` (the reference's,
                            port 8899 unless it carries one); none: node 0 runs an embedded
                            controller, the other nodes reach it at ``MS_SCHED_HOST``
-embedded controller port   ``TASKD_CONTROLLER_PORT``; else ``MS_SCHED_PORT + 1`` (msrun's
-                           ``--master_port`` plus one: known to every node, next to the
-                           scheduler's port the job already opens)
+embedded controller port   ``TASKD_CONTROLLER_PORT``; else any free port on one node and
+                           ``MS_SCHED_PORT + 1`` on several (msrun's ``--master_port`` plus
+                           one: known to every node, next to the scheduler's port)
 job id                     ``TASKD_JOB_ID``; ``MINDX_TASK_ID``; else ``msrun-<host>-<port>`` of the
                            scheduler, the same on every node of one job
 node rank                  ``MS_NODE_RANK``; else global rank of local rank 0 (from ``MONITOR``)
@@ -19,7 +19,9 @@ recover-in-place           ``TASKD_RECOVER_IN_PLACE`` or the reference's
                            ``ENABLE_RESTART_FAULT_PROCESS`` = on / 1 / true
 embedded policy            ``TASKD_STRATEGIES`` (comma list), ``TASKD_MAX_CYCLES``; every node's
                            agent is expected (``MS_WORKER_NUM / local workers``)
-stop deadline              ``TASKD_STOP_TIMEOUT`` seconds (default 30)
+agent deadlines            ``TASKD_STOP_TIMEOUT``, ``TASKD_DUMP_GRACE``, ``TASKD_CONNECT_TIMEOUT``,
+                           ``TASKD_REPORT_DEADLINE``, ``TASKD_HEALTH_INTERVAL`` seconds (defaults:
+                           :class:`~taskd_core.agent.config.AgentConfig`)
 scheduler grace            ``TASKD_SCHEDULER_GRACE`` seconds (default 30) the scheduler gets to
                            exit by itself after the job succeeded
 controller linger          ``TASKD_LINGER`` seconds (default 60) node 0 keeps its embedded
@@ -29,14 +31,21 @@ controller linger          ``TASKD_LINGER`` seconds (default 60) node 0 keeps it
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.embedded import DEFAULT_CONTROLLER_PORT
-from taskd_core.launcher.node import NodeSettings, run_node_agent
+from taskd_core.launcher.node import run_node_agent
+from taskd_core.launcher.settings import (
+    NodeSettings,
+    agent_config_from_env,
+    default_of,
+    embedded_port,
+    env_count,
+    env_seconds,
+    job_id_from_env,
+)
 from taskd_core.models import JobPolicy, WorkerState, WorkerStatus
 from taskd_core.plugins import load_adapter
 from taskd_mindspore.adapter import MSRunAdapter
@@ -47,37 +56,6 @@ FRAME = "mindspore"
 #: msrun's default ``--master_port``.
 _MSRUN_MASTER_PORT = 8118
 _TRUE = frozenset({"on", "1", "true", "yes"})
-
-
-def _number(env: Mapping[str, str], key: str, default: float) -> float:
-    text = env.get(key, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{key}={text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{key}={text!r} must be a finite number >= 0")
-    return value
-
-
-def _integer(env: Mapping[str, str], key: str, default: int) -> int:
-    value = _number(env, key, default)
-    if value != int(value):
-        raise ConfigError(f"{key}={env[key]!r} must be a whole number")
-    return int(value)
-
-
-def _explicit_controller(env: Mapping[str, str]) -> str | None:
-    if env.get("TASKD_CONTROLLER"):
-        return env["TASKD_CONTROLLER"]
-    server = env.get("MINDX_SERVER_IP", "").strip()
-    if not server:
-        return None
-    # The reference appends ClusterD's fixed port to a bare host.
-    has_port = server.rpartition(":")[2].isdigit() and (server.count(":") == 1 or server.startswith("["))
-    return server if has_port else f"{server}:{DEFAULT_CONTROLLER_PORT}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,34 +72,42 @@ class MsrunSettings:
         if not statuses:
             raise ConfigError("msrun's MONITOR reports no local workers; check --local_worker_num")
         local = len(statuses)
-        if env.get("MS_NODE_RANK"):
-            node_rank = _integer(env, "MS_NODE_RANK", 0)
+        if env.get("MS_NODE_RANK", "").strip():
+            node_rank = env_count(env, "MS_NODE_RANK", 0)
         else:
             node_rank = min(s.global_rank for s in statuses.values()) // local
-        world = _integer(env, "MS_WORKER_NUM", local)
+        world = env_count(env, "MS_WORKER_NUM", local)
         nnodes = max(1, -(-world // local))
         host = env.get("MS_SCHED_HOST", "127.0.0.1")
-        sched_port = _integer(env, "MS_SCHED_PORT", _MSRUN_MASTER_PORT)
-        policy = JobPolicy(max_cycles=_integer(env, "TASKD_MAX_CYCLES", JobPolicy().max_cycles), expected_agents=nnodes)
-        if env.get("TASKD_STRATEGIES"):
+        sched_port = env_count(env, "MS_SCHED_PORT", _MSRUN_MASTER_PORT)
+        policy = JobPolicy(
+            max_cycles=env_count(env, "TASKD_MAX_CYCLES", default_of(JobPolicy, "max_cycles")), expected_agents=nnodes
+        )
+        if env.get("TASKD_STRATEGIES", "").strip():
             policy = replace(policy, strategies=parse_strategies(env["TASKD_STRATEGIES"], key="TASKD_STRATEGIES"))
+        agent = agent_config_from_env(
+            env, job_id=job_id_from_env(env) or f"msrun-{host}-{sched_port}", node_rank=node_rank
+        )
+        port_text = env.get("TASKD_CONTROLLER_PORT", "").strip()
         node = NodeSettings(
-            job_id=env.get("TASKD_JOB_ID") or env.get("MINDX_TASK_ID") or f"msrun-{host}-{sched_port}",
-            node_rank=node_rank,
+            agent=agent,
             nnodes=nnodes,
             master_addr=host,
-            controller=_explicit_controller(env),
-            controller_port=_integer(env, "TASKD_CONTROLLER_PORT", sched_port + 1),
+            controller_port=embedded_port(
+                env_count(env, "TASKD_CONTROLLER_PORT", 0) if port_text else None,
+                nnodes=nnodes,
+                controller=agent.controller,
+                multi_node=sched_port + 1,
+            ),
             policy=policy,
-            stop_timeout=_number(env, "TASKD_STOP_TIMEOUT", 30.0),
-            linger=_number(env, "TASKD_LINGER", 60.0),
+            linger=env_seconds(env, "TASKD_LINGER", default_of(NodeSettings, "linger")),
         )
         return cls(
             node=node,
             recover_in_place=any(
                 env.get(k, "").strip().lower() in _TRUE for k in ("TASKD_RECOVER_IN_PLACE", "ENABLE_RESTART_FAULT_PROCESS")
             ),
-            scheduler_grace=_number(env, "TASKD_SCHEDULER_GRACE", 30.0),
+            scheduler_grace=env_seconds(env, "TASKD_SCHEDULER_GRACE", 30.0),
         )
 
 
@@ -135,7 +121,7 @@ def run_node(callbacks: MsrunCallbacks, env: Mapping[str, str]) -> int:
     before = impl.statuses()
     settings = MsrunSettings.from_env(env, before)
     impl.recover_in_place = settings.recover_in_place
-    impl.stop_timeout = settings.node.stop_timeout
+    impl.stop_timeout = settings.node.agent.dispatch.stop_timeout
     impl.rank_offset = settings.node.node_rank * len(before)
     exit_code = 1
     try:
@@ -143,7 +129,7 @@ def run_node(callbacks: MsrunCallbacks, env: Mapping[str, str]) -> int:
     finally:
         # The agent stops workers on every way out; this catches an exception before or around it.
         if any(s.pid is not None and s.state is WorkerState.RUNNING for s in impl.statuses().values()):
-            impl.taskd_stop_workers(None, settings.node.stop_timeout)
+            impl.taskd_stop_workers(None, impl.stop_timeout)
         # A failed job's scheduler waits for workers that will never come: no grace then.
-        scheduler.finish(settings.scheduler_grace if exit_code == 0 else 0.0, settings.node.stop_timeout)
+        scheduler.finish(settings.scheduler_grace if exit_code == 0 else 0.0, impl.stop_timeout)
     return exit_code

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
+import os
 import sys
 import uuid
 from collections.abc import Sequence
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Signals that end the job: the agent stops every worker and taskdrun exits 128 + signal.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: torchrun's static rendezvous port when none is given.
 _TORCHRUN_MASTER_PORT = 29500
 
@@ -83,7 +81,7 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.run import config_from_args
 
     from taskd_core.agent.node_agent import Outcome
-    from taskd_core.launcher.node import NodeSettings, run_node_agent
+    from taskd_core.launcher.node import run_node_agent
     from taskd_core.plugins import load_adapter
     from taskd_pytorch.adapter import PytorchAdapter
     from taskd_pytorch.elastic import TaskdElasticAgent
@@ -96,8 +94,10 @@ def _launch(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from exc
     if config.duplicate_stdout_filters or config.duplicate_stderr_filters:
         raise ConfigError("taskdrun does not support --duplicate-stdout-filters/--duplicate-stderr-filters")
-    options = TaskdOptions.from_args(args, config.max_nodes)
     master_host, _ = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+    options = TaskdOptions.from_args(args, os.environ, nnodes=config.max_nodes, master_addr=master_host)
+    settings = options.node
+    stop_timeout = settings.agent.dispatch.stop_timeout
     rdzv = get_rendezvous_handler(
         RendezvousParameters(
             backend=config.rdzv_backend,
@@ -115,7 +115,7 @@ def _launch(args: argparse.Namespace) -> int:
         rdzv_handler=rdzv,
         entrypoint=entrypoint,
         args=tuple(entry_args),
-        max_restarts=options.policy.max_cycles,
+        max_restarts=settings.policy.max_cycles,
         local_addr=config.local_addr,
         event_log_handler=config.event_log_handler,
         numa_options=config.numa_options,
@@ -126,26 +126,12 @@ def _launch(args: argparse.Namespace) -> int:
         config.logs_specs,  # type: ignore[arg-type]  # LaunchConfig fills it in __post_init__
         start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template,
-        stop_timeout=options.stop_timeout,
+        stop_timeout=stop_timeout,
     )
     logger.info(
         "job %s node %s: %s workers of %s, rendezvous %s at %s",
-        options.job_id, args.node_rank, config.nproc_per_node, elastic.get_worker_group().spec.get_entrypoint_name(),
+        settings.job_id, args.node_rank, config.nproc_per_node, elastic.get_worker_group().spec.get_entrypoint_name(),
         config.rdzv_backend, config.rdzv_endpoint,
-    )
-    settings = NodeSettings(
-        job_id=options.job_id,
-        node_rank=args.node_rank,
-        nnodes=config.max_nodes,
-        master_addr=master_host,
-        controller=options.controller,
-        controller_port=options.controller_port,
-        policy=options.policy,
-        stop_timeout=options.stop_timeout,
-        dump_grace=options.dump_grace,
-        connect_timeout=options.connect_timeout,
-        linger=options.linger,
-        stop_signals=_STOP_SIGNALS,
     )
     outcome = None
     try:
@@ -153,7 +139,7 @@ def _launch(args: argparse.Namespace) -> int:
         outcome = run_node_agent(adapter, settings, who="taskdrun")
     finally:
         # Whatever path the agent took, no worker outlives taskdrun.
-        elastic.stop(None, options.stop_timeout)
+        elastic.stop(None, stop_timeout)
         if outcome is not None and outcome.kind is not Outcome.INTERRUPTED:
             _close_rendezvous(rdzv)
     return outcome.exit_code

@@ -1,0 +1,55 @@
+"""msrun's environment resolves through the launchers' one settings chain."""
+
+from __future__ import annotations
+
+import pytest
+
+from taskd_core.agent.config import AgentConfig, DispatchConfig
+from taskd_core.errors import ConfigError
+from taskd_core.models import WorkerState, WorkerStatus
+from taskd_mindspore.runner import MsrunSettings
+
+TWO_LOCAL = {r: WorkerStatus(r, r, WorkerState.NOT_STARTED) for r in range(2)}
+
+
+def settings(**env: str) -> MsrunSettings:
+    return MsrunSettings.from_env(env, TWO_LOCAL)
+
+
+def test_the_reference_environment_is_read_as_taskd_run_reads_it() -> None:
+    node = settings(MINDX_SERVER_IP="10.0.0.5", MINDX_TASK_ID="mindx-job").node
+    assert (node.agent.controller, node.job_id) == ("10.0.0.5:8899", "mindx-job")
+
+
+def test_agent_settings_come_from_taskd_variables_with_the_types_defaults() -> None:
+    assert settings(TASKD_JOB_ID="j").node.agent == AgentConfig(job_id="j")
+    agent = settings(
+        TASKD_JOB_ID="j", TASKD_REPORT_DEADLINE="7", TASKD_HEALTH_INTERVAL="2", TASKD_CONNECT_TIMEOUT="3",
+        TASKD_STOP_TIMEOUT="4", TASKD_DUMP_GRACE="6",
+    ).node.agent
+    assert agent == AgentConfig(
+        job_id="j", connect_timeout=3.0, report_deadline=7.0, health_interval=2.0,
+        dispatch=DispatchConfig(stop_timeout=4.0, dump_grace=6.0),
+    )
+
+
+def test_the_port_rule_is_the_launchers_one() -> None:
+    """One node: any free port; several: the scheduler's port plus one, known to every node."""
+    assert settings().node.controller_port == 0
+    assert settings(MS_WORKER_NUM="4", MS_SCHED_PORT="9000").node.controller_port == 9001
+    with pytest.raises(ConfigError, match="controller port 0 only works for one node"):
+        settings(MS_WORKER_NUM="4", TASKD_CONTROLLER_PORT="0")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TASKD_HEALTH_INTERVAL": "0"}, "TASKD_HEALTH_INTERVAL: '0' is not a finite number of seconds > 0"),
+        ({"TASKD_REPORT_DEADLINE": "soon"}, "TASKD_REPORT_DEADLINE: 'soon' is not a finite number"),
+        ({"MINDX_SERVER_IP": "bad host!"}, "MINDX_SERVER_IP"),
+        ({"TASKD_MAX_CYCLES": "1.5"}, "TASKD_MAX_CYCLES: '1.5' is not a whole number >= 0"),
+    ],
+)
+def test_bad_variables_are_named(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        settings(**env)

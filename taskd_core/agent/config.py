@@ -1,0 +1,71 @@
+"""The agent's settings: :class:`AgentConfig` holding the dispatcher's :class:`DispatchConfig`.
+
+These are the inner links of the launcher settings chain
+(:class:`~taskd_core.launcher.settings.NodeSettings` holds an
+:class:`AgentConfig`, which holds a :class:`DispatchConfig`); each default is
+defined here once and the launchers' flags read it from these classes. Kept
+apart from the agent itself so that building settings imports no gRPC.
+"""
+
+from __future__ import annotations
+
+import math
+import signal as signals
+from dataclasses import dataclass, field
+
+from taskd_core.errors import ConfigError
+
+
+def check_seconds(value: float, what: str, *, positive: bool = False) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a finite number of seconds (>= 0, or > 0)."""
+    low_ok = value > 0 if positive else value >= 0
+    if not (math.isfinite(value) and low_ok):
+        rule = "> 0" if positive else ">= 0"
+        where = f"{what}: " if what else ""
+        raise ConfigError(f"{where}must be a finite number of seconds {rule}, not {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchConfig:
+    """How the controller's actions are carried out on this node."""
+
+    #: seconds between SIGTERM and SIGKILL when stopping workers.
+    stop_timeout: float = 30.0
+    #: signal that asks a worker to save its state and exit (``dump``).
+    dump_signal: signals.Signals = signals.SIGUSR1
+    #: seconds workers get to save before they are stopped.
+    dump_grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_seconds(self.stop_timeout, "stop timeout")
+        check_seconds(self.dump_grace, "dump grace")
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Where the agent reports and how it treats its workers."""
+
+    job_id: str
+    #: the controller's ``HOST:PORT``; empty until the launcher has applied the embedding rule.
+    controller: str = ""
+    node_rank: int = 0
+    #: identity among the job's agents; defaults to ``node-<node_rank>``.
+    agent_id: str | None = None
+    role: str = "taskd agent"
+    #: how long to keep trying to reach the controller before giving up.
+    connect_timeout: float = 60.0
+    #: how long a report keeps retrying while the controller is unreachable.
+    report_deadline: float = 60.0
+    #: seconds between HealthCheck calls; a lost stream is noticed without them,
+    #: so the agent checks less often than the reference client's 1 s.
+    health_interval: float = 5.0
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+
+    def __post_init__(self) -> None:
+        if not self.job_id:
+            raise ConfigError("the agent needs a job id")
+        if self.node_rank < 0:
+            raise ConfigError(f"node rank must be >= 0, not {self.node_rank}")
+        check_seconds(self.connect_timeout, "connect timeout")
+        check_seconds(self.report_deadline, "report deadline")
+        check_seconds(self.health_interval, "health interval", positive=True)

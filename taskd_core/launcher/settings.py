@@ -1,0 +1,415 @@
+"""Launcher settings: one chain of types, and the rules every launcher applies to build it.
+
+The chain, each default defined once at its own link::
+
+    NodeSettings                  (here: the node's place in the job, the embedded controller)
+      └─ agent: AgentConfig       (taskd_core.agent.config: controller, deadlines, identity)
+           └─ dispatch: DispatchConfig   (how actions are carried out on the workers)
+
+``taskd run``, ``taskdrun`` and ``MSRunPlugin`` all build a
+:class:`NodeSettings` with the functions of this module, so they check values
+the same way and read the reference's environment the same way:
+
+- the value checks (:func:`check_host`, :func:`check_port`, :func:`parse_address`,
+  and the text parsers :func:`parse_seconds`, :func:`parse_count`, :func:`parse_signal`,
+  :func:`parse_controller`);
+- the environment: :func:`controller_from_env` (``TASKD_CONTROLLER``, else
+  ClusterD's ``MINDX_SERVER_IP`` with port 8899 unless it names one) and
+  :func:`job_id_from_env` (``TASKD_JOB_ID``, else ``MINDX_TASK_ID``);
+- the embedded controller's port rule, :func:`embedded_port`;
+- the flags ``taskd run`` and ``taskdrun`` share (:func:`add_node_options`,
+  :func:`node_settings_from_args`; ``taskdrun`` prefixes them with ``taskd-``)
+  and the environment names msrun reads (:func:`agent_config_from_env`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import math
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from taskd_core.agent.config import AgentConfig, DispatchConfig, check_seconds
+from taskd_core.controller.policy import parse_strategies
+from taskd_core.errors import ConfigError
+from taskd_core.launcher.interrupt import STOP_SIGNALS
+from taskd_core.models import JobPolicy
+
+T = TypeVar("T")
+
+#: The reference controller's (ClusterD's) gRPC port; the default for multi-node jobs.
+DEFAULT_CONTROLLER_PORT = 8899
+
+
+# --- value checks ---------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_host(host: str, what: str) -> None:
+    """Raise :class:`ConfigError` unless ``host`` is an IP address or a plausible host name."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    labels = host.split(".")
+    if (
+        not host
+        or len(host) > 253
+        or not all(
+            label
+            and len(label) <= 63
+            and label.replace("-", "").replace("_", "").isalnum()
+            and label[0] != "-"
+            for label in labels
+        )
+    ):
+        raise ConfigError(f"{what}: {host!r} is neither an IP address nor a host name")
+
+
+def check_port(port: int, what: str, *, allow_zero: bool = False) -> None:
+    """Raise :class:`ConfigError` unless ``port`` is a TCP port (0 only with ``allow_zero``)."""
+    low = 0 if allow_zero else 1
+    if not low <= port <= 65535:
+        raise ConfigError(f"{what}: {port} is not a TCP port ({low}..65535)")
+
+
+def parse_address(address: str, what: str = "controller address") -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) split and checked; raises :class:`ConfigError`."""
+    host, sep, port_text = address.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ConfigError(f"{what}: {address!r} is not HOST:PORT")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    check_host(host, what)
+    port = int(port_text)
+    check_port(port, what)
+    return host, port
+
+
+def parse_seconds(text: str, what: str = "", *, positive: bool = False) -> float:
+    """A finite number of seconds (>= 0, or > 0 with ``positive``) from ``text``; ``what`` names it in errors."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        where = f"{what}: " if what else ""
+        raise ConfigError(f"{where}{text!r} is not a finite number of seconds {'> 0' if positive else '>= 0'}")
+    return value
+
+
+def parse_count(text: str, what: str = "", *, low: int = 0) -> int:
+    """A whole number >= ``low`` from ``text``; ``what`` names it in errors."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        where = f"{what}: " if what else ""
+        raise ConfigError(f"{where}{text!r} is not a whole number >= {low}")
+    return value
+
+
+def parse_signal(text: str, what: str = "signal") -> signal.Signals:
+    """A signal by name (``USR1``, ``SIGUSR1``) or number."""
+    name = text.strip().upper()
+    try:
+        if name.isdigit():
+            return signal.Signals(int(name))
+        return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    except (KeyError, ValueError):
+        raise ConfigError(f"{what}: unknown signal {text!r}") from None
+
+
+def parse_controller(text: str) -> str:
+    """A controller address as given, once :func:`parse_address` accepted it."""
+    parse_address(text)
+    return text
+
+
+def argtype(convert: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse ``type=`` from one of the parsers above: its :class:`ConfigError` becomes a usage error."""
+
+    def checked(text: str) -> T:
+        try:
+            return convert(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    checked.__name__ = getattr(convert, "__name__", "value")
+    return checked
+
+
+# --- the reference's environment --------------------------------------------------------
+
+
+def controller_from_env(env: Mapping[str, str]) -> str | None:
+    """The controller the environment names: ``TASKD_CONTROLLER``, else ClusterD at ``MINDX_SERVER_IP``.
+
+    ``MINDX_SERVER_IP`` is a host in the reference (ClusterD listens on its
+    fixed port 8899); a value that already carries a port keeps it.
+    :raises ConfigError: naming the variable, for a value that is no address.
+    """
+    explicit = env.get("TASKD_CONTROLLER", "").strip()
+    if explicit:
+        parse_address(explicit, "TASKD_CONTROLLER")
+        return explicit
+    server = env.get("MINDX_SERVER_IP", "").strip()
+    if not server:
+        return None
+    has_port = server.rpartition(":")[2].isdigit() and (server.count(":") == 1 or server.startswith("["))
+    if not has_port:
+        server = f"[{server}]" if ":" in server else server
+        server = f"{server}:{DEFAULT_CONTROLLER_PORT}"
+    parse_address(server, "MINDX_SERVER_IP")
+    return server
+
+
+def job_id_from_env(env: Mapping[str, str]) -> str | None:
+    """The job id the environment names: ``TASKD_JOB_ID``, else the reference's ``MINDX_TASK_ID``."""
+    return env.get("TASKD_JOB_ID", "").strip() or env.get("MINDX_TASK_ID", "").strip() or None
+
+
+def embedded_port(port: int | None, *, nnodes: int, controller: str, multi_node: int = DEFAULT_CONTROLLER_PORT) -> int:
+    """The port of node 0's embedded controller.
+
+    Given ``port`` wins; otherwise one node takes any free port (nobody else
+    needs to find it) and several nodes take ``multi_node``, a port every
+    node knows. Port 0 with several nodes and no explicit ``controller``
+    cannot work: the other nodes could not find it.
+    """
+    if port is None:
+        return 0 if nnodes == 1 else multi_node
+    check_port(port, "controller port", allow_zero=True)
+    if port == 0 and nnodes > 1 and not controller:
+        raise ConfigError("controller port 0 only works for one node: the other nodes must know the port")
+    return port
+
+
+def default_of(cls: type[Any], name: str) -> Any:
+    """The default of field ``name`` of dataclass ``cls``, where it is defined."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            return f.default
+    raise AttributeError(f"{cls.__name__} has no field {name!r}")
+
+
+# --- the chain's outer link ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """Where this node sits in its job, the controller it embeds or reaches, and its agent's settings.
+
+    ``agent.controller`` is the explicit controller address; empty applies the
+    embedding rule (:func:`taskd_core.launcher.embedded.controller_address`).
+    """
+
+    agent: AgentConfig
+    nnodes: int = 1
+    #: the job's master host: where other nodes reach node 0's embedded controller.
+    master_addr: str = "127.0.0.1"
+    controller_port: int = DEFAULT_CONTROLLER_PORT
+    #: SQLite state file of an embedded controller.
+    controller_state: str = ":memory:"
+    #: recovery policy of an embedded controller.
+    policy: JobPolicy = field(default_factory=JobPolicy)
+    #: node 0 with an embedded controller: seconds to wait for the other agents to end.
+    linger: float = 60.0
+    #: signals that stop the job while the agent runs (``taskdrun`` adds SIGHUP, as torchrun does).
+    stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise ConfigError(f"nnodes must be at least 1, not {self.nnodes}")
+        if self.agent.node_rank >= self.nnodes:
+            raise ConfigError(
+                f"node rank {self.agent.node_rank} is outside 0..{self.nnodes - 1} (nnodes {self.nnodes})"
+            )
+        check_host(self.master_addr, "master address")
+        check_seconds(self.linger, "linger")
+
+    @property
+    def job_id(self) -> str:
+        return self.agent.job_id
+
+    @property
+    def node_rank(self) -> int:
+        return self.agent.node_rank
+
+
+# --- the flags taskd run and taskdrun share ----------------------------------------------------
+
+
+def _dest(prefix: str, name: str) -> str:
+    return (prefix + name).replace("-", "_")
+
+
+def add_node_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    """Add the agent, controller and policy flags, named ``--<prefix><name>``, defaults from the types."""
+    p = f"--{prefix}"
+    g = parser.add_argument_group("TaskD controller" if prefix else "controller")
+    g.add_argument(
+        f"{p}controller", type=argtype(parse_controller), default=None, metavar="HOST:PORT",
+        help="a running controller (default: $TASKD_CONTROLLER, else $MINDX_SERVER_IP:8899 as in ClusterD; "
+        "without either, node 0 hosts an embedded controller and the other nodes reach it at the master address)",
+    )
+    g.add_argument(
+        f"{p}controller-port", type=argtype(parse_count), default=None,
+        metavar="PORT",
+        help=f"port of node 0's embedded controller (default: any free port on one node, "
+        f"{DEFAULT_CONTROLLER_PORT} on several)",
+    )
+    g.add_argument(
+        f"{p}job-id", default=None, metavar="ID",
+        help="job id, the same on every node (default: $TASKD_JOB_ID, else $MINDX_TASK_ID)",
+    )
+    seconds = argtype(parse_seconds)
+    positive_seconds = argtype(lambda t: parse_seconds(t, positive=True))
+    agent_seconds = {
+        "connect-timeout": ("seconds to keep trying to reach the controller", AgentConfig, "connect_timeout"),
+        "report-deadline": ("seconds a report keeps retrying an unreachable controller", AgentConfig,
+                            "report_deadline"),
+        "health-interval": ("seconds between the agent's health checks of the controller (> 0)", AgentConfig,
+                            "health_interval"),
+        "linger": ("node 0 hosting the controller: seconds to wait for the other nodes' agents to end",
+                   NodeSettings, "linger"),
+        "stop-timeout": ("seconds between SIGTERM and SIGKILL when workers are stopped", DispatchConfig,
+                         "stop_timeout"),
+        "dump-grace": ("seconds workers get to save after the dump signal", DispatchConfig, "dump_grace"),
+    }
+    for name, (text, cls, attr) in agent_seconds.items():
+        g.add_argument(
+            f"{p}{name}", type=positive_seconds if name == "health-interval" else seconds,
+            default=default_of(cls, attr), metavar="SECONDS",
+            help=f"{text} (default: %(default)s)",
+        )
+    g.add_argument(
+        f"{p}dump-signal", type=argtype(parse_signal), default=default_of(DispatchConfig, "dump_signal"),
+        metavar="SIGNAL", help="signal asking workers to save their state (default: SIGUSR1)",
+    )
+    policy = JobPolicy()
+    pol = parser.add_argument_group("recovery policy (embedded controller only)")
+    pol.add_argument(
+        f"{p}strategies", type=argtype(parse_strategies), default=policy.strategies, metavar="LIST",
+        help="strategies the embedded controller may choose, comma separated (default: "
+        + ",".join(s.value for s in policy.strategies) + ")",
+    )
+    pol.add_argument(
+        f"{p}max-cycles", type=argtype(parse_count), default=None, metavar="N",
+        help=f"recovery cycles before the job is given up (default: {policy.max_cycles})",
+    )
+    pol.add_argument(
+        f"{p}report-timeout", type=seconds, default=policy.report_timeout, metavar="SECONDS",
+        help="deadline of each of the embedded controller's waits for the agents (default: %(default)s)",
+    )
+    pol.add_argument(
+        f"{p}flush-seconds", type=seconds, default=policy.flush_seconds, metavar="SECONDS",
+        help="window in which the embedded controller collects faults that arrive together (default: %(default)s)",
+    )
+
+
+def node_settings_from_args(
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    *,
+    prefix: str = "",
+    job_id: str,
+    node_rank: int,
+    nnodes: int,
+    master_addr: str,
+    max_cycles: int | None = None,
+    controller_state: str = ":memory:",
+    stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
+) -> NodeSettings:
+    """The :class:`NodeSettings` of the flags :func:`add_node_options` added.
+
+    :param job_id: the launcher's own job id when neither the flag nor the environment gives one.
+    :param max_cycles: the launcher's cycle budget when the flag is not given (default: the policy's).
+    """
+
+    def arg(name: str) -> Any:
+        return getattr(args, _dest(prefix, name))
+
+    controller = arg("controller") or controller_from_env(env) or ""
+    cycles = arg("max-cycles")
+    if cycles is None:
+        cycles = default_of(JobPolicy, "max_cycles") if max_cycles is None else max_cycles
+    agent = AgentConfig(
+        job_id=arg("job-id") or job_id_from_env(env) or job_id,
+        controller=controller,
+        node_rank=node_rank,
+        connect_timeout=arg("connect-timeout"),
+        report_deadline=arg("report-deadline"),
+        health_interval=arg("health-interval"),
+        dispatch=DispatchConfig(arg("stop-timeout"), arg("dump-signal"), arg("dump-grace")),
+    )
+    return NodeSettings(
+        agent=agent,
+        nnodes=nnodes,
+        master_addr=master_addr,
+        controller_port=embedded_port(arg("controller-port"), nnodes=nnodes, controller=controller),
+        controller_state=controller_state,
+        policy=JobPolicy(
+            strategies=arg("strategies"),
+            report_timeout=arg("report-timeout"),
+            flush_seconds=arg("flush-seconds"),
+            max_cycles=cycles,
+            # Every node's agent must answer before a cycle step ends.
+            expected_agents=nnodes,
+        ),
+        linger=arg("linger"),
+        stop_signals=stop_signals,
+    )
+
+
+# --- the environment names msrun reads --------------------------------------------------------
+
+
+def env_seconds(env: Mapping[str, str], key: str, default: float, *, positive: bool = False) -> float:
+    """Seconds from ``env[key]``; ``default`` when unset or empty."""
+    text = env.get(key, "").strip()
+    return parse_seconds(text, key, positive=positive) if text else default
+
+
+def env_count(env: Mapping[str, str], key: str, default: int) -> int:
+    """A whole number >= 0 from ``env[key]``; ``default`` when unset or empty."""
+    text = env.get(key, "").strip()
+    return parse_count(text, key) if text else default
+
+
+def agent_config_from_env(env: Mapping[str, str], *, job_id: str, node_rank: int) -> AgentConfig:
+    """The agent's settings from ``TASKD_*`` variables (``TASKD_STOP_TIMEOUT``, ``TASKD_DUMP_GRACE``,
+    ``TASKD_CONNECT_TIMEOUT``, ``TASKD_REPORT_DEADLINE``, ``TASKD_HEALTH_INTERVAL``) and the controller's."""
+
+    def seconds(key: str, cls: type[Any], attr: str, positive: bool = False) -> float:
+        value: float = env_seconds(env, key, default_of(cls, attr), positive=positive)
+        return value
+
+    return AgentConfig(
+        job_id=job_id,
+        controller=controller_from_env(env) or "",
+        node_rank=node_rank,
+        connect_timeout=seconds("TASKD_CONNECT_TIMEOUT", AgentConfig, "connect_timeout"),
+        report_deadline=seconds("TASKD_REPORT_DEADLINE", AgentConfig, "report_deadline"),
+        health_interval=seconds("TASKD_HEALTH_INTERVAL", AgentConfig, "health_interval", positive=True),
+        dispatch=DispatchConfig(
+            stop_timeout=seconds("TASKD_STOP_TIMEOUT", DispatchConfig, "stop_timeout"),
+            dump_grace=seconds("TASKD_DUMP_GRACE", DispatchConfig, "dump_grace"),
+        ),
+    )

@@ -1,0 +1,97 @@
+"""The seed document's import paths, driven through a recovery cycle against a real controller."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+# Exactly as the seed document writes them.
+from taskd.python.toolkit.recover_module import recover_manager
+from taskd.python.toolkit.recover_module.pb import recover_pb2 as pb
+from taskd.python.toolkit.recover_module.recover_manager import DLRecoverManager
+from taskd_core.controller.server import EmbeddedController
+from taskd_core.errors import AdapterNotFoundError, ConfigError
+from taskd_core.launcher.process_adapter import ProcessAdapter
+from taskd_core.launcher.spec import LaunchSpec
+from taskd_core.models import Code, JobPolicy, WorkerStatus
+from taskd_core.plugins import hookimpl
+
+FAST = JobPolicy(flush_seconds=0.0, report_timeout=60.0, max_cycles=3)
+
+
+@pytest.fixture
+def controller() -> Iterator[EmbeddedController]:
+    with EmbeddedController(listen="127.0.0.1:0", state=":memory:", defaults=FAST) as ctl:
+        yield ctl
+
+
+@pytest.fixture
+def workers() -> Iterator[ProcessAdapter]:
+    """Two real sleeping workers, as a user's own launcher would have started them."""
+    spec = LaunchSpec(command=(sys.executable, "-c", "import time; time.sleep(120)"), nproc=2, job_id="seed")
+    adapter = ProcessAdapter(spec)
+    adapter.taskd_restart_all()
+    yield adapter
+    adapter.taskd_stop_workers(None, 5.0)
+
+
+def test_a_cycle_through_the_seed_paths(controller: EmbeddedController, workers: ProcessAdapter) -> None:
+    """A fault reported through the module function restarts the attached workers; the journal shows the cycle."""
+    manager = DLRecoverManager(pb.ClientInfo(jobId="seed", role="master agent"), controller.address, adapter=workers)
+    thread = threading.Thread(target=manager.start_subscribe, kwargs={"frame": "process"}, daemon=True)
+    before = {rank: s.pid for rank, s in workers.taskd_monitor().items()}
+    try:
+        assert manager.init_clusterd()
+        thread.start()
+        assert recover_manager.report_process_fault({1: 1}) == Code.OK
+        journal = _wait_for_event(controller, "seed", "cycle succeeded")
+        assert "strategy chosen" in journal
+    finally:
+        manager.close()
+        thread.join(timeout=30)
+    after = {rank: s.pid for rank, s in workers.taskd_monitor().items()}
+    assert all(after[rank] != before[rank] for rank in before), (before, after)
+
+
+def _wait_for_event(controller: EmbeddedController, job: str, kind: str) -> list[str]:
+    from taskd_core.client.status import query_status
+
+    seen: list[str] = []
+    stop = threading.Event()
+    for _ in range(600):
+        seen = [e["kind"] for job_status in query_status(controller.address, job, events=100)["jobs"]
+                for e in job_status["events"]]
+        if kind in seen:
+            return seen
+        stop.wait(0.1)
+    raise AssertionError(f"no {kind!r} in the journal of {job}: {seen}")
+
+
+def test_unknown_frame_is_named(controller: EmbeddedController) -> None:
+    with DLRecoverManager(pb.ClientInfo(jobId="j", role="r"), controller.address) as manager:
+        with pytest.raises(AdapterNotFoundError, match="'nosuchframe'.*process"):
+            manager.start_subscribe(frame="nosuchframe")
+
+
+def test_a_frame_without_workers_fails_at_start_subscribe(controller: EmbeddedController) -> None:
+    """The installed `process` adapter, built without a launch spec, has no workers: refused before any signal."""
+    with DLRecoverManager(pb.ClientInfo(jobId="j", role="r"), controller.address) as manager:
+        with pytest.raises(ConfigError, match="frame 'process': the adapter cannot show its workers.*LaunchSpec.*adapter="):
+            manager.start_subscribe(frame="process")
+
+
+class NoWorkers:
+    """An adapter a user attached before starting anything."""
+
+    @hookimpl
+    def taskd_monitor(self) -> dict[int, WorkerStatus]:
+        return {}
+
+
+def test_an_attached_adapter_without_workers_is_refused(controller: EmbeddedController) -> None:
+    with DLRecoverManager(pb.ClientInfo(jobId="j", role="r"), controller.address, adapter=NoWorkers()) as manager:
+        with pytest.raises(ConfigError, match="frame 'mine': the adapter has no workers to act on; start the workers"):
+            manager.start_subscribe(frame="mine")
