@@ -92,6 +92,19 @@ class PluginLoadError(PluginError):
         self.cause = cause
 
 
+class FrameworkMissingError(PluginError, ImportError):
+    """An adapter, or the framework an adapter drives, is not installed in this environment.
+
+    Also an :class:`ImportError`: msrun treats a failing import of TaskD's seed
+    paths as "TaskD not there" and logs the message, which then says what to install.
+    """
+
+    def __init__(self, plugin: str, missing: str, install: str) -> None:
+        super().__init__(f"{missing} is not installed in this environment; install it with: {install}", plugin=plugin)
+        self.missing = missing
+        self.install = install
+
+
 class WorkerControlError(PluginError):
     """An adapter hook failed to stop, start or inspect workers."""
 

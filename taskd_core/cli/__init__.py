@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 
 from taskd_core.errors import TaskdError
 from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
@@ -23,8 +24,28 @@ logger = logging.getLogger(__name__)
 _COMMANDS = ("controller", "status", "run", "plugins")
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: taskd-core's version and every installed adapter distribution's, read when asked."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the versions of taskd-core and every adapter")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from taskd_core.plugins import adapter_distributions
+
+        lines = [f"taskd-core {version('taskd-core')}"]
+        lines += [
+            f"{dist} (adapter {', '.join(names)})"
+            for dist, names in adapter_distributions().items()
+            if not dist.startswith("taskd-core ")
+        ]
+        print("\n".join(lines))
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="taskd", description="TaskD process-level fault recovery")
+    parser.add_argument("--version", action=_VersionAction)
     parser.add_argument(
         "--log-level",
         default=os.environ.get("TASKD_LOG_LEVEL", "INFO"),

@@ -15,7 +15,7 @@ from importlib import metadata
 
 import pluggy
 
-from taskd_core.errors import AdapterNotFoundError, PluginLoadError, WorkerControlError
+from taskd_core.errors import AdapterNotFoundError, FrameworkMissingError, PluginLoadError, WorkerControlError
 from taskd_core.models import Strategy, WorkerStatus
 from taskd_core.plugins import hookspecs
 from taskd_core.plugins._markers import PROJECT
@@ -37,6 +37,8 @@ def _instantiate(name: str, ep: metadata.EntryPoint) -> object:
         obj = ep.load()
         # A class is the usual entry point: adapters hold their workers' state.
         return obj() if isinstance(obj, type) else obj
+    except FrameworkMissingError:
+        raise
     except Exception as exc:  # whatever a third-party import raises is the plugin's failure to load
         raise PluginLoadError(name, _distribution(ep), exc) from exc
 
@@ -123,12 +125,17 @@ def load_adapter(name: str, instance: object | None = None) -> Adapter:
 
 @dataclass(frozen=True, slots=True)
 class InstalledAdapter:
-    """One entry point of group ``taskd`` as ``taskd plugins`` shows it."""
+    """One entry point of group ``taskd`` as ``taskd plugins`` shows it.
+
+    ``unavailable`` says what to install when the adapter's framework is
+    missing; ``error`` why an adapter that should work does not.
+    """
 
     name: str
     distribution: str
     value: str
     strategies: tuple[str, ...] = ()
+    unavailable: str = ""
     error: str = ""
 
 
@@ -139,6 +146,20 @@ def list_adapters() -> list[InstalledAdapter]:
         try:
             strategies = tuple(s.value for s in Adapter(ep.name, _instantiate(ep.name, ep)).strategies())
             out.append(InstalledAdapter(ep.name, _distribution(ep), ep.value, strategies))
+        except FrameworkMissingError as exc:
+            out.append(InstalledAdapter(ep.name, _distribution(ep), ep.value, unavailable=str(exc)))
         except (PluginLoadError, WorkerControlError) as exc:
             out.append(InstalledAdapter(ep.name, _distribution(ep), ep.value, error=str(exc)))
+    return out
+
+
+def adapter_distributions() -> dict[str, tuple[str, ...]]:
+    """``"<distribution> <version>"`` of every installed adapter, with the adapter names it provides.
+
+    Read from distribution metadata only: no adapter is imported.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for ep in sorted(_entry_points(), key=lambda e: e.name):
+        dist = _distribution(ep)
+        out[dist] = (*out.get(dist, ()), ep.name)
     return out

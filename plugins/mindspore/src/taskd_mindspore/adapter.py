@@ -39,7 +39,7 @@ from typing import Any
 from taskd_core.agent.pidwatch import wait_gone
 from taskd_core.errors import ConfigError
 from taskd_core.models import Strategy, WorkerState, WorkerStatus
-from taskd_core.plugins import hookimpl
+from taskd_core.plugins import hookimpl, require_module
 from taskd_mindspore.callbacks import ALL_WORKERS, MsrunCallbacks
 from taskd_mindspore.scheduler import Scheduler
 
@@ -52,6 +52,8 @@ STATUS_PID_GONE = 300
 RESTART_COUNT_ENV = "TASKD_RESTART_COUNT"
 #: Seconds SIGKILLed leftovers get to vanish before stopping counts as failed.
 _KILL_GRACE = 5.0
+#: The command that installs MindSpore (and so msrun) in the version this adapter is tested with.
+INSTALL_MINDSPORE = "pip install 'taskd-mindspore[framework]'"
 
 
 def worker_status(local_rank: int, raw: Mapping[str, Any], default_global_rank: int) -> WorkerStatus:
@@ -109,6 +111,7 @@ class MSRunAdapter:
         rank_offset: int = 0,
         stop_timeout: float = 30.0,
     ) -> None:
+        require_module("mindspore", "mindspore", "MindSpore (module mindspore, which provides msrun)", INSTALL_MINDSPORE)
         self._callbacks = callbacks
         self.recover_in_place = recover_in_place
         self.scheduler = scheduler

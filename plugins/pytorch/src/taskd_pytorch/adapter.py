@@ -16,7 +16,15 @@ from typing import Protocol
 
 from taskd_core.errors import ConfigError
 from taskd_core.models import Strategy, WorkerStatus
-from taskd_core.plugins import hookimpl
+from taskd_core.plugins import hookimpl, require_module
+
+#: The command that installs the framework, in every message that says it is missing.
+INSTALL_TORCH = "pip install 'taskd-pytorch[framework]'"
+
+
+def require_torch() -> None:
+    """Raise :class:`~taskd_core.errors.FrameworkMissingError` with :data:`INSTALL_TORCH` unless torch is installed."""
+    require_module("pytorch", "torch", "PyTorch (module torch)", INSTALL_TORCH)
 
 
 class WorkerControl(Protocol):
@@ -46,6 +54,7 @@ class PytorchAdapter:
     """
 
     def __init__(self, agent: WorkerControl | None = None, *, in_place: bool = False) -> None:
+        require_torch()
         self._agent = agent
         self._strategies = ((Strategy.RECOVER_IN_PLACE,) if in_place else ()) + DEFAULT_STRATEGIES
 

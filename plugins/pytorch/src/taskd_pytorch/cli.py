@@ -11,7 +11,7 @@ of a death at once, reports it and carries out what the controller decides.
 Without ``--taskd-controller``, node 0 (``--node-rank=0``) hosts an embedded
 controller and the other nodes reach it at the rendezvous host. Exit codes: 0
 every worker exited 0; 1 the job was given up or failed; 130/143 after
-SIGINT/SIGTERM; 2 for options that cannot work.
+SIGINT/SIGTERM; 2 for options that cannot work, or when torch is not installed.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from taskd_core.errors import ConfigError, TaskdError
+from taskd_core.errors import ConfigError, FrameworkMissingError, TaskdError
 from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
-from taskd_pytorch.options import TaskdOptions, build_parser
+from taskd_pytorch.adapter import require_torch
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -53,6 +53,14 @@ def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     # Before anything imports grpc: torch starts workers beside the agent's gRPC threads.
     disable_grpc_fork_handlers()
+    try:
+        require_torch()
+    except FrameworkMissingError as exc:
+        print(f"taskdrun: {exc}", file=sys.stderr)
+        return 2
+    # Imported once torch is known to be there: the parser is torchrun's own.
+    from taskd_pytorch.options import build_parser
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -85,6 +93,7 @@ def _launch(args: argparse.Namespace) -> int:
     from taskd_core.plugins import load_adapter
     from taskd_pytorch.adapter import PytorchAdapter
     from taskd_pytorch.elastic import TaskdElasticAgent
+    from taskd_pytorch.options import TaskdOptions
 
     _apply_torchrun_defaults(args)
     try:

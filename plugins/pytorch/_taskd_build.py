@@ -1,0 +1,1 @@
+../_taskd_build.py
