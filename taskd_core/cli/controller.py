@@ -48,6 +48,13 @@ def add_parser(subparsers: Any) -> None:
         help="seconds between keep-alive signals (default: %(default)s)",
     )
     p.add_argument("--port-file", type=Path, help="write the bound HOST:PORT here once serving")
+    p.add_argument(
+        "--health-port",
+        type=_port,
+        metavar="PORT",
+        help="also serve the gRPC health service alone, in plaintext, on this port of the --listen host "
+        "(for Kubernetes gRPC probes, which cannot use TLS)",
+    )
     sec = p.add_argument_group("security (see docs/security.md)")
     sec.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM chain)")
     sec.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM)")
@@ -83,6 +90,12 @@ def server_tls(cert: str | None, key: str | None, client_ca: str | None) -> Serv
     return ServerTls(cert, key, client_ca or "")
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535)")
+    return int(text)
+
+
 def run(args: argparse.Namespace) -> int:
     split_listen(args.listen)
     flags = {
@@ -102,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         allow_legacy=args.allow_legacy_clients,
         admin_token_file=args.admin_token_file,
+        health_port=args.health_port,
     )
 
     def ready(address: str) -> None:

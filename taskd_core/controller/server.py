@@ -77,6 +77,9 @@ class ControllerConfig:
     #: file holding the admin token, which may list and change every job.
     admin_token_file: str = ""
     limits: Limits = field(default_factory=Limits)
+    #: also serve the health service alone, in plaintext, on this port of the listen host
+    #: (Kubernetes' gRPC probes cannot speak TLS); None: only on the main port.
+    health_port: int | None = None
 
     def access(self) -> AccessRules:
         """The authorisation rules; checks the listener's security (:class:`ConfigError`)."""
@@ -122,6 +125,9 @@ class ControllerServer:
         self._controller: Controller | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
+        self._probe_server: grpc.aio.Server | None = None
+        #: the bound port of the plaintext health listener (0 without one).
+        self.health_port = 0
 
     @property
     def address(self) -> str:
@@ -156,6 +162,8 @@ class ControllerServer:
         self._server = server
         self._controller.start()
         await server.start()
+        if self.config.health_port is not None:
+            await self._start_probe_server(self.config.health_port)
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         logger.info(
@@ -167,9 +175,24 @@ class ControllerServer:
             "set" if self._access.admin_digest else "none",
         )
 
+    async def _start_probe_server(self, port: int) -> None:
+        """The health service alone, in plaintext: it tells only whether the controller serves."""
+        host, _ = split_listen(self.config.listen)
+        probe = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, probe)
+        try:
+            self.health_port = probe.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as exc:
+            await self.stop(grace=0)
+            raise ConfigError(f"--health-port {port}: cannot bind on {host} ({exc}); pick a free port") from None
+        self._probe_server = probe
+        await probe.start()
+
     async def stop(self, grace: float | None = None) -> None:
         """Graceful: NOT_SERVING, end signal streams, let calls finish, close the store."""
         await self._health.enter_graceful_shutdown()
+        if self._probe_server is not None:
+            await self._probe_server.stop(0)
         if self._controller is not None:
             self._controller.end_streams()
         if self._server is not None:

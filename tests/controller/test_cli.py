@@ -115,3 +115,39 @@ def test_status_presents_tls_and_the_admin_token(tmp_path, controller_factory, m
     assert main([*base, "--job", "tls-job"]) == 0
     monkeypatch.setenv("TASKD_JOB_TOKEN", "wrong")
     assert main([*base, "--job", "tls-job"]) == 2
+
+
+def test_health_port_answers_plaintext_probes_beside_a_tls_listener(tmp_path, controller_process, pki):
+    """What a Kubernetes gRPC probe sees: SERVING over plaintext, while the main port speaks only TLS."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.e2e.harness import free_port
+
+    probe_port = free_port()
+    child = controller_process(
+        tmp_path / "s.db", "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+        "--health-port", str(probe_port),
+    )
+    request = health_pb2.HealthCheckRequest(service="")
+    with grpc.insecure_channel(f"127.0.0.1:{probe_port}") as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(request, timeout=20)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        # Only the health service is there: the recovery service needs the TLS port.
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary("/Recover/QueryStatus")(b"", timeout=20)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert child.terminate() == 0
+
+
+@pytest.mark.parametrize("port", ["-1", "65536", "http"])
+def test_controller_rejects_a_bad_health_port_with_exit_2(port, capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(["controller", "--state", ":memory:", "--listen", "127.0.0.1:0", "--health-port", port])
+    assert ended.value.code == 2
+    assert f"argument --health-port: {port!r} is not a TCP port (0..65535)" in capsys.readouterr().err
+
+
+def test_controller_refuses_a_health_port_in_use_with_exit_2(controller, caplog):
+    busy = controller.address.rpartition(":")[2]
+    assert main(["controller", "--state", ":memory:", "--listen", "127.0.0.1:0", "--health-port", busy]) == 2
+    assert f"--health-port {busy}: cannot bind on 127.0.0.1" in caplog.records[-1].getMessage()

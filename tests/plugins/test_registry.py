@@ -2,48 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-import textwrap
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from plugin_support import GOOD, make_dist
 
 from taskd_core.errors import AdapterNotFoundError, PluginLoadError, WorkerControlError
-
 from taskd_core.plugins import hookimpl, list_adapters, load_adapter
-
-
-@pytest.fixture
-def dist_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A folder on sys.path where tests lay out real (unpacked) distributions."""
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield tmp_path
-    for name in [m for m in sys.modules if m.startswith("tdtest_")]:
-        del sys.modules[name]
-
-
-def make_dist(root: Path, name: str, module_source: str, entry: str) -> None:
-    (root / f"{name}.py").write_text(textwrap.dedent(module_source))
-    info = root / f"{name}-1.2.3.dist-info"
-    info.mkdir()
-    info.joinpath("METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.2.3\n")
-    info.joinpath("entry_points.txt").write_text(f"[taskd]\n{entry}\n")
-
-
-GOOD = """
-from taskd_core.plugins import hookimpl
-from taskd_core.models import WorkerStatus, WorkerState
-
-class Adapter:
-    @hookimpl
-    def taskd_strategies(self):
-        return ["recover", "exit", "bogus"]
-
-    @hookimpl
-    def taskd_monitor(self):
-        return {0: WorkerStatus(0, 4, WorkerState.NOT_STARTED)}
-"""
 
 
 def test_adapter_from_a_real_entry_point(dist_path: Path) -> None:

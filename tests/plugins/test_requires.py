@@ -7,10 +7,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_registry import GOOD, dist_path, make_dist  # noqa: F401  # dist_path is a fixture
+from plugin_support import GOOD, make_dist
 
 from taskd_core.errors import FrameworkMissingError, PluginError
-from taskd_core.plugins import adapter_distributions, adapter_module, list_adapters, load_adapter, require_module
+from taskd_core.plugins import (
+    adapter_distributions,
+    adapter_module,
+    list_adapters,
+    load_adapter,
+    require_module,
+)
 
 NEEDS_FRAMEWORK = """
 from taskd_core.plugins import require_module

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import PROJECTS, ROOT, FreshVenv, checked
+from install_support import PROJECTS, ROOT, FreshVenv, checked
 
 pytestmark = pytest.mark.slow
 
