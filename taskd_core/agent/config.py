@@ -14,6 +14,7 @@ import signal as signals
 from dataclasses import dataclass, field
 
 from taskd_core.errors import ConfigError
+from taskd_core.models import Credentials
 
 
 def check_seconds(value: float, what: str, *, positive: bool = False) -> None:
@@ -60,6 +61,8 @@ class AgentConfig:
     #: so the agent checks less often than the reference client's 1 s.
     health_interval: float = 5.0
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    #: TLS files, the job token and the launch identity the agent presents to the controller.
+    credentials: Credentials = field(default_factory=Credentials)
 
     def __post_init__(self) -> None:
         if not self.job_id:

@@ -79,6 +79,7 @@ class NodeAgent:
             role=config.role,
             agent_id=config.agent_id or f"node-{config.node_rank}",
             node_rank=config.node_rank,
+            credentials=config.credentials,
             handler=self._handle_signal,
             connect_deadline=config.connect_timeout,
             report_deadline=config.report_deadline,

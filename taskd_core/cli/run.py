@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
     settings = node_settings_from_args(
         args,
         os.environ,
-        job_id="default",
+        launcher="taskd",
+        shared=f"{args.master_addr}:{args.master_port or DEFAULT_MASTER_PORT}",
         node_rank=args.node_rank,
         nnodes=args.nnodes,
         master_addr=args.master_addr,

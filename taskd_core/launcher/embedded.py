@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from taskd_core.launcher.settings import check_port, is_loopback, parse_address
-from taskd_core.models import JobPolicy
+from taskd_core.models import Credentials, JobPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ def controller_address(
     controller_port: int,
     policy: JobPolicy,
     state: str = ":memory:",
+    credentials: Credentials | None = None,
+    insecure: bool = False,
 ) -> Iterator[ControllerEndpoint]:
     """Yield the controller this node's agent must use (``HOST:PORT``, and whether it is embedded here).
 
@@ -55,7 +57,10 @@ def controller_address(
         only works for a one-node job, whose agent is told the bound port.
     :param policy: default recovery policy of the embedded controller.
     :param state: its SQLite state file, ``":memory:"`` for none.
-    :raises ConfigError: for an address or port that cannot work.
+    :param credentials: with a certificate and key, the embedded controller serves mutual
+        TLS with them, requiring client certificates signed by their CA.
+    :param insecure: let it serve plaintext on a non-loopback address.
+    :raises ConfigError: for an address or port that cannot work, or plaintext beyond loopback.
     """
     if explicit:
         parse_address(explicit)
@@ -67,9 +72,18 @@ def controller_address(
         return
     # Imported here: only node 0 without --controller needs the controller's code.
     from taskd_core.controller.server import EmbeddedController
+    from taskd_core.rpc.security import ServerTls
 
+    own = credentials or Credentials()
+    tls = ServerTls(own.tls_cert, own.tls_key, own.tls_ca) if own.tls_cert and own.tls_key else None
     bind = "127.0.0.1" if is_loopback(master_addr) else "0.0.0.0"
-    with EmbeddedController(listen=f"{bind}:{controller_port}", state=state, defaults=policy) as controller:
-        logger.info("embedded controller listening on %s:%s", bind, controller.port)
-        # Node 0's own agent always reaches it over loopback, whatever interface serves the others.
-        yield ControllerEndpoint(f"127.0.0.1:{controller.port}", embedded=True)
+    with EmbeddedController(
+        listen=f"{bind}:{controller_port}", state=state, defaults=policy, tls=tls, insecure=insecure
+    ) as controller:
+        logger.info(
+            "embedded controller listening on %s:%s (%s)", bind, controller.port, "mutual TLS" if tls else "plaintext"
+        )
+        # Node 0's own agent reaches it over loopback, whatever interface serves the others; with
+        # TLS at the master address, the name its certificate carries for the other nodes.
+        host = master_addr if tls is not None else "127.0.0.1"
+        yield ControllerEndpoint(f"{host}:{controller.port}", embedded=True)

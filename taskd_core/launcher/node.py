@@ -20,6 +20,7 @@ from taskd_core.errors import ControllerUnavailableError, TaskdError
 from taskd_core.launcher.embedded import controller_address
 from taskd_core.launcher.interrupt import forward_stop_signals
 from taskd_core.launcher.settings import NodeSettings
+from taskd_core.models import Credentials
 from taskd_core.plugins import Adapter
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launche
         controller_port=settings.controller_port,
         policy=settings.policy,
         state=settings.controller_state,
+        credentials=settings.agent.credentials,
+        insecure=settings.insecure,
     ) as endpoint:
         agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter)
         logger.info(
@@ -61,11 +64,15 @@ def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launche
             outcome = agent.run()
         if endpoint.embedded and settings.nnodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
             # The other nodes' agents may still be finishing; they need this controller until they end.
-            wait_for_agents(endpoint.address, settings.job_id, settings.nnodes, settings.linger)
+            wait_for_agents(
+                endpoint.address, settings.job_id, settings.nnodes, settings.linger, settings.agent.credentials
+            )
     return outcome
 
 
-def wait_for_agents(address: str, job_id: str, agents: int, timeout: float) -> bool:
+def wait_for_agents(
+    address: str, job_id: str, agents: int, timeout: float, credentials: Credentials | None = None
+) -> bool:
     """Wait until ``agents`` agents of ``job_id`` have reported their end to the controller at ``address``.
 
     Node 0 calls this before its embedded controller stops with it: an agent
@@ -77,7 +84,7 @@ def wait_for_agents(address: str, job_id: str, agents: int, timeout: float) -> b
     while True:
         remaining = deadline - time.monotonic()
         try:
-            ended = ended_agents(address, job_id, timeout=max(remaining, 0.1))
+            ended = ended_agents(address, job_id, timeout=max(remaining, 0.1), credentials=credentials)
         except ControllerUnavailableError as exc:
             logger.warning("cannot ask the controller about job %s: %s", job_id, exc)
             return False

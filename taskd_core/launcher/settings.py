@@ -19,14 +19,19 @@ the same way and read the reference's environment the same way:
 - the embedded controller's port rule, :func:`embedded_port`;
 - the flags ``taskd run`` and ``taskdrun`` share (:func:`add_node_options`,
   :func:`node_settings_from_args`; ``taskdrun`` prefixes them with ``taskd-``)
-  and the environment names msrun reads (:func:`agent_config_from_env`).
+  and the environment names msrun reads (:func:`agent_config_from_env`);
+- who the launch is (:func:`launch_identity`, :func:`default_job_id`) and what
+  it shows the controller (:func:`job_credentials`: TLS files, the job token).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import ipaddress
+import logging
+import secrets
 import math
 import signal
 from collections.abc import Callable, Mapping
@@ -37,9 +42,10 @@ from taskd_core.agent.config import AgentConfig, DispatchConfig, check_seconds
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.launcher.interrupt import STOP_SIGNALS
-from taskd_core.models import JobPolicy
+from taskd_core.models import Credentials, JobPolicy
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 #: The reference controller's (ClusterD's) gRPC port; the default for multi-node jobs.
 DEFAULT_CONTROLLER_PORT = 8899
@@ -209,6 +215,52 @@ def default_of(cls: type[Any], name: str) -> Any:
     raise AttributeError(f"{cls.__name__} has no field {name!r}")
 
 
+# --- who the launch is ------------------------------------------------------------------------
+
+
+def launch_identity(nnodes: int, shared: str) -> str:
+    """The identity of one launch of a job, the same on all its nodes.
+
+    One node: random, so every launch differs. Several nodes: derived from
+    ``shared``, what every node of the launch is given alike (the master
+    address and port, torchrun's rendezvous, msrun's scheduler), so the nodes
+    agree without talking; two live launches cannot share those (their
+    rendezvous would collide).
+    """
+    if nnodes == 1:
+        return secrets.token_hex(8)
+    return hashlib.sha256(shared.encode()).hexdigest()[:16]
+
+
+def default_job_id(launcher: str, launch: str) -> str:
+    """The job id of a launch that names none: unique per launch (see :func:`launch_identity`)."""
+    return f"{launcher}-{launch[:12]}"
+
+
+def job_credentials(
+    env: Mapping[str, str], *, tls_ca: str | None, nnodes: int, controller_host: str, launch: str
+) -> Credentials:
+    """What this node's agent shows the controller: TLS files, the job token and the launch identity.
+
+    The token is ``TASKD_JOB_TOKEN``; a one-node launch without one generates
+    its own (nobody else needs to know it). Several nodes must share one: a
+    launch without it is refused unless its controller is on loopback, where
+    the agents register as a legacy job.
+    """
+    credentials = Credentials.from_env(env, tls_ca=tls_ca)
+    token = credentials.token
+    if not token and nnodes == 1:
+        token = secrets.token_urlsafe(32)
+    elif not token and not is_loopback(controller_host):
+        raise ConfigError(
+            "a job on several nodes needs TASKD_JOB_TOKEN: set it to the same secret on every node "
+            "(see docs/security.md)"
+        )
+    elif not token:
+        logger.warning("TASKD_JOB_TOKEN is not set: the job registers without a token (legacy job)")
+    return dataclasses.replace(credentials, token=token, launch=launch)
+
+
 # --- the chain's outer link ---------------------------------------------------------------
 
 
@@ -233,6 +285,8 @@ class NodeSettings:
     linger: float = 60.0
     #: signals that stop the job while the agent runs (``taskdrun`` adds SIGHUP, as torchrun does).
     stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS
+    #: let an embedded controller on a non-loopback address serve plaintext.
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -277,7 +331,18 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     )
     g.add_argument(
         f"{p}job-id", default=None, metavar="ID",
-        help="job id, the same on every node (default: $TASKD_JOB_ID, else $MINDX_TASK_ID)",
+        help="job id, the same on every node (default: $TASKD_JOB_ID, else $MINDX_TASK_ID, else unique per "
+        "launch)",
+    )
+    g.add_argument(
+        f"{p}tls-ca", default=None, metavar="FILE",
+        help="CA of the controller's certificate: talk TLS (default: $TASKD_TLS_CA). $TASKD_TLS_CERT and "
+        "$TASKD_TLS_KEY add a client certificate (mutual TLS); on node 0 they also make the embedded controller "
+        "serve mutual TLS. The job token is $TASKD_JOB_TOKEN (see docs/security.md)",
+    )
+    g.add_argument(
+        f"{p}insecure", action="store_true",
+        help="let node 0's embedded controller serve plaintext on a non-loopback master address",
     )
     seconds = argtype(parse_seconds)
     positive_seconds = argtype(lambda t: parse_seconds(t, positive=True))
@@ -329,7 +394,9 @@ def node_settings_from_args(
     env: Mapping[str, str],
     *,
     prefix: str = "",
-    job_id: str,
+    launcher: str,
+    shared: str,
+    job_id: str | None = None,
     node_rank: int,
     nnodes: int,
     master_addr: str,
@@ -339,7 +406,10 @@ def node_settings_from_args(
 ) -> NodeSettings:
     """The :class:`NodeSettings` of the flags :func:`add_node_options` added.
 
-    :param job_id: the launcher's own job id when neither the flag nor the environment gives one.
+    :param launcher: the launcher's name, which starts its default job ids.
+    :param shared: what every node of this launch is given alike (see :func:`launch_identity`).
+    :param job_id: the launcher's own job id when neither the flag nor the environment gives one;
+        None: unique per launch (:func:`default_job_id`).
     :param max_cycles: the launcher's cycle budget when the flag is not given (default: the policy's).
     """
 
@@ -347,17 +417,26 @@ def node_settings_from_args(
         return getattr(args, _dest(prefix, name))
 
     controller = arg("controller") or controller_from_env(env) or ""
+    launch = launch_identity(nnodes, shared)
+    credentials = job_credentials(
+        env,
+        tls_ca=arg("tls-ca"),
+        nnodes=nnodes,
+        controller_host=parse_address(controller)[0] if controller else master_addr,
+        launch=launch,
+    )
     cycles = arg("max-cycles")
     if cycles is None:
         cycles = default_of(JobPolicy, "max_cycles") if max_cycles is None else max_cycles
     agent = AgentConfig(
-        job_id=arg("job-id") or job_id_from_env(env) or job_id,
+        job_id=arg("job-id") or job_id_from_env(env) or job_id or default_job_id(launcher, launch),
         controller=controller,
         node_rank=node_rank,
         connect_timeout=arg("connect-timeout"),
         report_deadline=arg("report-deadline"),
         health_interval=arg("health-interval"),
         dispatch=DispatchConfig(arg("stop-timeout"), arg("dump-signal"), arg("dump-grace")),
+        credentials=credentials,
     )
     return NodeSettings(
         agent=agent,
@@ -375,6 +454,7 @@ def node_settings_from_args(
         ),
         linger=arg("linger"),
         stop_signals=stop_signals,
+        insecure=arg("insecure"),
     )
 
 
@@ -393,9 +473,12 @@ def env_count(env: Mapping[str, str], key: str, default: int) -> int:
     return parse_count(text, key) if text else default
 
 
-def agent_config_from_env(env: Mapping[str, str], *, job_id: str, node_rank: int) -> AgentConfig:
+def agent_config_from_env(
+    env: Mapping[str, str], *, job_id: str, node_rank: int, credentials: Credentials | None = None
+) -> AgentConfig:
     """The agent's settings from ``TASKD_*`` variables (``TASKD_STOP_TIMEOUT``, ``TASKD_DUMP_GRACE``,
-    ``TASKD_CONNECT_TIMEOUT``, ``TASKD_REPORT_DEADLINE``, ``TASKD_HEALTH_INTERVAL``) and the controller's."""
+    ``TASKD_CONNECT_TIMEOUT``, ``TASKD_REPORT_DEADLINE``, ``TASKD_HEALTH_INTERVAL``) and the controller's;
+    ``credentials`` from :func:`job_credentials`."""
 
     def seconds(key: str, cls: type[Any], attr: str, positive: bool = False) -> float:
         value: float = env_seconds(env, key, default_of(cls, attr), positive=positive)
@@ -412,4 +495,5 @@ def agent_config_from_env(env: Mapping[str, str], *, job_id: str, node_rank: int
             stop_timeout=seconds("TASKD_STOP_TIMEOUT", DispatchConfig, "stop_timeout"),
             dump_grace=seconds("TASKD_DUMP_GRACE", DispatchConfig, "dump_grace"),
         ),
+        credentials=credentials or Credentials(),
     )

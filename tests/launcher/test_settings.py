@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 
 import pytest
@@ -19,15 +20,18 @@ from taskd_core.launcher.settings import (
     job_id_from_env,
     node_settings_from_args,
 )
-from taskd_core.models import JobPolicy, Strategy
+from taskd_core.models import Credentials, JobPolicy, Strategy
 
 
 def run_settings(argv: list[str], env: dict[str, str] | None = None) -> NodeSettings:
     """The NodeSettings `taskd run ARGV -- true` builds."""
     args = build_parser().parse_args(["run", *argv, "--", "true"])
-    return node_settings_from_args(
-        args, env or {}, job_id="default", node_rank=args.node_rank, nnodes=args.nnodes, master_addr=args.master_addr
+    settings = node_settings_from_args(
+        args, env or {}, launcher="taskd", shared=f"{args.master_addr}:{args.master_port}", job_id="default",
+        node_rank=args.node_rank, nnodes=args.nnodes, master_addr=args.master_addr,
     )
+    # Credentials have their own tests (test_security_settings.py); the rest of the chain is compared here.
+    return dataclasses.replace(settings, agent=dataclasses.replace(settings.agent, credentials=Credentials()))
 
 
 @pytest.mark.parametrize(

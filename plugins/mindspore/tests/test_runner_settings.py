@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig
 from taskd_core.errors import ConfigError
-from taskd_core.models import WorkerState, WorkerStatus
+from taskd_core.models import Credentials, WorkerState, WorkerStatus
 from taskd_mindspore.runner import MsrunSettings
 
 TWO_LOCAL = {r: WorkerStatus(r, r, WorkerState.NOT_STARTED) for r in range(2)}
 
 
 def settings(**env: str) -> MsrunSettings:
-    return MsrunSettings.from_env(env, TWO_LOCAL)
+    """Credentials are compared in their own test; here they are blanked."""
+    got = MsrunSettings.from_env(env, TWO_LOCAL)
+    agent = dataclasses.replace(got.node.agent, credentials=Credentials())
+    return dataclasses.replace(got, node=dataclasses.replace(got.node, agent=agent))
 
 
 def test_the_reference_environment_is_read_as_taskd_run_reads_it() -> None:
@@ -53,3 +58,16 @@ def test_the_port_rule_is_the_launchers_one() -> None:
 def test_bad_variables_are_named(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         settings(**env)
+
+
+def test_msrun_credentials_and_launch_identity() -> None:
+    one = MsrunSettings.from_env({}, TWO_LOCAL).node
+    again = MsrunSettings.from_env({}, TWO_LOCAL).node
+    assert one.agent.credentials.token and one.agent.credentials.token != again.agent.credentials.token
+    assert one.job_id.startswith("msrun-") and one.job_id != again.job_id  # unique per launch
+    env = {"MS_WORKER_NUM": "4", "MS_SCHED_HOST": "10.0.0.1", "MS_SCHED_PORT": "9000", "TASKD_JOB_TOKEN": "t"}
+    node0, node1 = (MsrunSettings.from_env({**env, "MS_NODE_RANK": str(n)}, TWO_LOCAL).node for n in (0, 1))
+    assert node0.job_id == node1.job_id and node0.agent.credentials.launch == node1.agent.credentials.launch
+    with pytest.raises(ConfigError, match="needs TASKD_JOB_TOKEN"):
+        MsrunSettings.from_env({**env, "TASKD_JOB_TOKEN": ""}, TWO_LOCAL)
+    assert MsrunSettings.from_env({**env, "TASKD_INSECURE": "1"}, TWO_LOCAL).node.insecure

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 from taskd_pytorch.options import STOP_SIGNALS, TaskdOptions, build_parser
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig
+from taskd_core.models import Credentials
 
 
 def options(argv: list[str], env: dict[str, str] | None = None, nnodes: int = 1) -> TaskdOptions:
     args = build_parser().parse_args([*argv, "train.py"])
-    return TaskdOptions.from_args(args, env or {}, nnodes=nnodes, master_addr="10.0.0.1")
+    # Several nodes beyond loopback need a shared token; credentials are compared in their own test.
+    got = TaskdOptions.from_args(args, {"TASKD_JOB_TOKEN": "t", **(env or {})}, nnodes=nnodes, master_addr="10.0.0.1")
+    agent = dataclasses.replace(got.node.agent, credentials=Credentials())
+    return dataclasses.replace(got, node=dataclasses.replace(got.node, agent=agent))
 
 
 def test_the_reference_environment_is_read_as_taskd_run_reads_it() -> None:
@@ -21,7 +26,8 @@ def test_the_reference_environment_is_read_as_taskd_run_reads_it() -> None:
 
 
 def test_agent_settings_are_settable_and_default_from_the_types() -> None:
-    assert options([]).node.agent == AgentConfig(job_id="default")
+    agent = options([]).node.agent
+    assert agent == AgentConfig(job_id=agent.job_id) and agent.job_id.startswith("taskdrun-")
     node = options(
         ["--taskd-report-deadline", "7", "--taskd-health-interval", "2", "--taskd-dump-signal", "USR2",
          "--taskd-job-id", "j", "--node-rank", "1"],

@@ -11,8 +11,9 @@ controller address         ``TASKD_CONTROLLER`` (HOST:PORT); ``MINDX_SERVER_IP``
 embedded controller port   ``TASKD_CONTROLLER_PORT``; else any free port on one node and
                            ``MS_SCHED_PORT + 1`` on several (msrun's ``--master_port`` plus
                            one: known to every node, next to the scheduler's port)
-job id                     ``TASKD_JOB_ID``; ``MINDX_TASK_ID``; else ``msrun-<host>-<port>`` of the
-                           scheduler, the same on every node of one job
+job id                     ``TASKD_JOB_ID``; ``MINDX_TASK_ID``; else ``msrun-<launch>``: random on
+                           one node, derived from the scheduler's host and port on several (the
+                           same on every node of one launch)
 node rank                  ``MS_NODE_RANK``; else global rank of local rank 0 (from ``MONITOR``)
                            divided by the local worker count (msrun does not export it)
 recover-in-place           ``TASKD_RECOVER_IN_PLACE`` or the reference's
@@ -26,6 +27,11 @@ scheduler grace            ``TASKD_SCHEDULER_GRACE`` seconds (default 30) the sc
                            exit by itself after the job succeeded
 controller linger          ``TASKD_LINGER`` seconds (default 60) node 0 keeps its embedded
                            controller for the other nodes' agents to finish
+security                   ``TASKD_JOB_TOKEN`` (generated on one node when unset, required on several
+                           unless the controller is on loopback); ``TASKD_TLS_CA``,
+                           ``TASKD_TLS_CERT``, ``TASKD_TLS_KEY`` (node 0's embedded controller then
+                           serves mutual TLS); ``TASKD_INSECURE`` = 1 lets it serve plaintext
+                           beyond loopback (docs/security.md)
 =========================  ======================================================================
 """
 
@@ -43,8 +49,13 @@ from taskd_core.launcher.settings import (
     default_of,
     embedded_port,
     env_count,
+    controller_from_env,
+    default_job_id,
     env_seconds,
+    job_credentials,
     job_id_from_env,
+    launch_identity,
+    parse_address,
 )
 from taskd_core.models import JobPolicy, WorkerState, WorkerStatus
 from taskd_core.plugins import load_adapter
@@ -85,8 +96,20 @@ class MsrunSettings:
         )
         if env.get("TASKD_STRATEGIES", "").strip():
             policy = replace(policy, strategies=parse_strategies(env["TASKD_STRATEGIES"], key="TASKD_STRATEGIES"))
+        explicit = controller_from_env(env)
+        launch = launch_identity(nnodes, f"{host}:{sched_port}")
+        credentials = job_credentials(
+            env,
+            tls_ca=None,
+            nnodes=nnodes,
+            controller_host=parse_address(explicit)[0] if explicit else host,
+            launch=launch,
+        )
         agent = agent_config_from_env(
-            env, job_id=job_id_from_env(env) or f"msrun-{host}-{sched_port}", node_rank=node_rank
+            env,
+            job_id=job_id_from_env(env) or default_job_id("msrun", launch),
+            node_rank=node_rank,
+            credentials=credentials,
         )
         port_text = env.get("TASKD_CONTROLLER_PORT", "").strip()
         node = NodeSettings(
@@ -101,6 +124,7 @@ class MsrunSettings:
             ),
             policy=policy,
             linger=env_seconds(env, "TASKD_LINGER", default_of(NodeSettings, "linger")),
+            insecure=env.get("TASKD_INSECURE", "").strip().lower() in _TRUE,
         )
         return cls(
             node=node,
