@@ -31,8 +31,8 @@ import dataclasses
 import hashlib
 import ipaddress
 import logging
-import secrets
 import math
+import secrets
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field

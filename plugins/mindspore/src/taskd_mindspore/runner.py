@@ -46,11 +46,11 @@ from taskd_core.launcher.node import run_node_agent
 from taskd_core.launcher.settings import (
     NodeSettings,
     agent_config_from_env,
+    controller_from_env,
+    default_job_id,
     default_of,
     embedded_port,
     env_count,
-    controller_from_env,
-    default_job_id,
     env_seconds,
     job_credentials,
     job_id_from_env,
