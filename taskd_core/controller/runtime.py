@@ -6,6 +6,12 @@ blocks either (SQLite commits in WAL mode take well under a millisecond).
 Requests come in as :mod:`taskd_core.models` values from the service layer;
 refusals are raised as :class:`~taskd_core.errors.RequestRejected` carrying
 the wire code, and the service turns them into ``Status`` or gRPC errors.
+
+Each job carries its :class:`~taskd_core.controller.access.Claim` (token
+digest, launch identity); every RPC for a job is checked against it before it
+touches the job. A job that ended, or whose launch is gone, is retired when a
+new launch registers its id; jobs and their inputs are bounded by
+:class:`Limits`.
 """
 
 from __future__ import annotations
