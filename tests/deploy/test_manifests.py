@@ -216,6 +216,7 @@ def test_training_pods_reach_the_controller_with_tls_and_their_job_token(name: s
         assert os.path.dirname(env[variable]) in mounted
 
 
+@pytest.mark.slow  # imports torch (taskdrun's parser is torchrun's)
 def test_pytorchjob_command_is_one_taskdrun_accepts() -> None:
     (_, container), *_ = _job_containers()
     script = container["command"][-1]

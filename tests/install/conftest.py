@@ -1,7 +1,7 @@
 """Fixtures of the packaging tests: the three distributions built once, and fresh virtualenvs.
 
 ``dist`` builds sdists and wheels as users do (``python -m build``: the wheel
-from the sdist); ``wheelhouse`` holds the third-party wheels the fresh
+from the sdist), from ``checkout``, a copy of the checkout's files; ``wheelhouse`` holds the third-party wheels the fresh
 environments need (see :mod:`wheelhouse`); ``fresh_venv(name, *requirements)``
 makes a virtualenv without torch or MindSpore and installs into it with pip
 and ``--no-index``, so nothing reaches for the network.
@@ -15,16 +15,23 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from install_support import PROJECTS, FreshVenv, checked
+from install_support import PROJECTS, ROOT, FreshVenv, checked, fresh_checkout
 from wheelhouse import repack, requirement_closure
 
 
 @pytest.fixture(scope="session")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This checkout's files as a fresh clone has them (see :func:`fresh_checkout`)."""
+    return fresh_checkout(tmp_path_factory.mktemp("checkout"))
+
+
+@pytest.fixture(scope="session")
+def dist(tmp_path_factory: pytest.TempPathFactory, checkout: Path) -> Path:
     out = tmp_path_factory.mktemp("dist")
     for project in PROJECTS.values():
         # --no-isolation: the build tools are this environment's (test extra), so no index is needed.
-        checked([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(project)])
+        source = checkout / project.relative_to(ROOT)
+        checked([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)])
     return out
 
 

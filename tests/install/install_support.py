@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,6 +15,21 @@ STEP_TIMEOUT = 600
 
 def run(argv: list[str], *, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False)
+
+
+def fresh_checkout(target: Path) -> Path:
+    """A copy of this checkout's files (tracked and new, links kept as links), as a fresh clone has them.
+
+    Installing from it leaves no build directories in the working tree and
+    sees none left there by earlier builds.
+    """
+    listed = checked(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"]).stdout
+    for name in filter(None, listed.split("\0")):
+        source, copy = ROOT / name, target / name
+        if source.is_symlink() or source.is_file():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy, follow_symlinks=False)
+    return target
 
 
 def checked(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:

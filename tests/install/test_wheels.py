@@ -7,13 +7,16 @@ Everything here builds wheels or virtualenvs (tens of seconds), so it is all
 from __future__ import annotations
 
 import sys
+import sysconfig
 import tomllib
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from install_support import PROJECTS, ROOT, FreshVenv, checked
+from install_support import PROJECTS, ROOT, FreshVenv, checked, run
+
+from tests.e2e.harness import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -139,9 +142,9 @@ def test_msrun_import_paths_and_packaged_proto_work_without_mindspore(from_wheel
 
 
 @pytest.fixture(scope="module")
-def from_checkout(fresh_venv: Callable[..., FreshVenv]) -> FreshVenv:
+def from_checkout(fresh_venv: Callable[..., FreshVenv], checkout: Path) -> FreshVenv:
     # Exactly the README's command from a checkout: the adapter alone, the core found in the checkout.
-    return fresh_venv("from-checkout", str(ROOT / "plugins/pytorch"))
+    return fresh_venv("from-checkout", str(checkout / "plugins/pytorch"))
 
 
 def test_adapter_alone_installs_from_a_checkout_with_the_core(from_checkout: FreshVenv) -> None:
@@ -159,3 +162,27 @@ def test_msrun_paths_without_the_mindspore_adapter_name_the_install_command(from
             "the TaskD mindspore adapter (taskd-mindspore) is not installed in this environment; "
             "install it with: pip install taskd-mindspore\n"
         )
+
+
+def test_real_msrun_with_fault_tolerance_and_only_the_core_says_what_to_install(
+    fresh_venv: Callable[..., FreshVenv], dist: Path, tmp_path: Path
+) -> None:
+    """msrun (MindSpore 2.10, from this environment) beside taskd-core alone: it logs the install command and runs on."""
+    core = fresh_venv("core-with-mindspore", "taskd-core", find_links=(dist,))
+    # MindSpore comes from this environment's site-packages; its .pth files (the editable
+    # taskd-mindspore among them) are not processed there, so the adapter stays absent.
+    (site,) = core.path.glob("lib/python*/site-packages")
+    (site / "mindspore_from_test_env.pth").write_text(str(Path(sysconfig.get_paths()["purelib"])) + "\n")
+    assert "No module named 'taskd_mindspore'" in core.python("import taskd_mindspore").stderr
+    (tmp_path / "train.py").write_text("print('worker ran')\n")
+    env = {**core.env, "MS_ENABLE_TFT": "{ARF:1}"}
+    msrun = "import sys; from mindspore.parallel.cluster.run import main; sys.argv[0] = 'msrun'; sys.exit(main())"
+    done = run([str(core.bin / "python"), "-c", msrun, "--worker_num=1", "--local_worker_num=1",
+                f"--master_port={free_port()}", "--join=True", f"--log_dir={tmp_path / 'logs'}", "train.py"],
+               cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = done.stdout + done.stderr
+    assert ("Import task agent: the TaskD mindspore adapter (taskd-mindspore) is not installed in this "
+            "environment; install it with: pip install taskd-mindspore") in said
+    assert "Traceback" not in said
+    assert "worker ran" in (tmp_path / "logs/worker_0.log").read_text()
