@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -119,7 +120,12 @@ def load_checkpoint(path: Path, model: nn.Module, velocity: list[torch.Tensor]) 
     return int(state["step"])
 
 
-def sgd_step(model: nn.Module, velocity: list[torch.Tensor], world_size: int) -> None:
+def sgd_step(
+    model: nn.Module,
+    velocity: list[torch.Tensor],
+    world_size: int,
+    all_reduce: Callable[[torch.Tensor], object] = dist.all_reduce,
+) -> None:
     """Average gradients over all ranks, then SGD with momentum.
 
     One all_reduce of all gradients before any update: if a peer dies during
@@ -128,7 +134,7 @@ def sgd_step(model: nn.Module, velocity: list[torch.Tensor], world_size: int) ->
     """
     params = list(model.parameters())
     grads = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-    dist.all_reduce(grads)
+    all_reduce(grads)
     grads /= world_size
     with torch.no_grad():
         offset = 0

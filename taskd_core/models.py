@@ -65,6 +65,9 @@ class Strategy(str, enum.Enum):
     """Recovery strategies, in the order the controller tries them (the ladder)."""
 
     RETRY = "retry"
+    #: healthy ranks keep running; lost ranks are replaced and get the state
+    #: from a live replica (workers opt in through a framework's live API).
+    RECOVER_LIVE = "recover-live"
     RECOVER_IN_PLACE = "recover-in-place"
     RECOVER = "recover"
     DUMP = "dump"
@@ -98,6 +101,14 @@ class Action(str, enum.Enum):
 
 #: ``extraParams`` marking a ``recover`` that restarts only the faulty ranks.
 EXTRA_RECOVER_IN_PLACE = "recover-in-place"
+#: ``extraParams`` marking a ``recover`` that replaces the faulty ranks while the
+#: others keep running and hand them the job's state (live recovery).
+EXTRA_RECOVER_LIVE = "recover-live"
+#: ``recover`` variants that travel as ``recover`` plus an ``extraParams`` marker.
+RECOVER_VARIANTS: dict[str, Strategy] = {
+    EXTRA_RECOVER_IN_PLACE: Strategy.RECOVER_IN_PLACE,
+    EXTRA_RECOVER_LIVE: Strategy.RECOVER_LIVE,
+}
 #: ``extraParams`` of the ``exit`` that follows a dump.
 EXTRA_DUMP_EXIT = "dump_exit"
 
@@ -129,9 +140,9 @@ class Signal:
 
     @property
     def strategy(self) -> Strategy | None:
-        """The strategy this signal asks for, with recover-in-place decoded."""
-        if self.change_strategy == Strategy.RECOVER and self.extra_params == EXTRA_RECOVER_IN_PLACE:
-            return Strategy.RECOVER_IN_PLACE
+        """The strategy this signal asks for, with the ``recover`` variants decoded."""
+        if self.change_strategy == Strategy.RECOVER and self.extra_params in RECOVER_VARIANTS:
+            return RECOVER_VARIANTS[self.extra_params]
         try:
             return Strategy(self.change_strategy)
         except ValueError:
@@ -204,7 +215,15 @@ class Credentials:
 class JobPolicy:
     """How the controller recovers one job."""
 
-    strategies: tuple[Strategy, ...] = (Strategy.RECOVER_IN_PLACE, Strategy.RECOVER, Strategy.DUMP, Strategy.EXIT)
+    #: chosen only where every agent reports it too, so offering live recovery
+    #: by default costs nothing for jobs whose workers do not opt in.
+    strategies: tuple[Strategy, ...] = (
+        Strategy.RECOVER_LIVE,
+        Strategy.RECOVER_IN_PLACE,
+        Strategy.RECOVER,
+        Strategy.DUMP,
+        Strategy.EXIT,
+    )
     recovery_enabled: bool = True
     #: deadline of each wait for the agents' reports (the reference waits 15 min).
     report_timeout: float = 900.0

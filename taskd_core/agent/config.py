@@ -36,10 +36,14 @@ class DispatchConfig:
     dump_signal: signals.Signals = signals.SIGUSR1
     #: seconds workers get to save before they are stopped.
     dump_grace: float = 30.0
+    #: seconds every local worker gets to join a live recovery round before the
+    #: node reports ``recover-live`` as failed (the controller then restarts the job).
+    live_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         check_seconds(self.stop_timeout, "stop timeout")
         check_seconds(self.dump_grace, "dump grace")
+        check_seconds(self.live_timeout, "live timeout")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,9 @@ signal / action               what the node does, then reports
 ``on_global_rank``            → ``ReportRecoverStrategy`` with the adapter's strategies
 ``change_strategy`` recover   stop all, restart all → ``ReportRecoverStatus``
 recover + recover-in-place    restart only this node's faulty ranks → ``ReportRecoverStatus``
+recover + recover-live        announce the new round to the running workers,
+                              restart this node's faulty ranks, wait until every
+                              local worker joined the round → ``ReportRecoverStatus``
 ``change_strategy`` dump      dump signal to every worker, wait the grace period,
                               stop all → ``ReportRecoverStatus``
 ``change_strategy`` exit      stop all (the controller does not wait for a report)
@@ -15,7 +18,8 @@ recover + recover-in-place    restart only this node's faulty ranks → ``Report
 ============================  ==================================================
 
 ``stop_train`` stops only the faulty ranks because the strategy is not known
-yet: with ``recover-in-place`` the healthy workers must keep running.
+yet: with ``recover-in-place`` and ``recover-live`` the healthy workers must
+keep running.
 ``fault_nodes_exit`` / ``fault_nodes_restart`` only describe the decision that
 ``change_strategy`` carries, so they need no action of their own.
 Adapters never see any of this; they only implement the hooks.
@@ -177,6 +181,8 @@ class ActionDispatcher:
                     self.stop(local)
                     self.adapter.restart_list(local)
                 code, msg = Code.OK, f"restarted local ranks {local}"
+            elif strategy is Strategy.RECOVER_LIVE:
+                code, msg = self._recover_live(signal)
             elif strategy is Strategy.DUMP:
                 code, msg = self._dump()
             else:
@@ -186,6 +192,22 @@ class ActionDispatcher:
             code, msg = Code.CLIENT_ERROR, str(exc)
         # Reported as the controller named it: recover-in-place travels as "recover".
         return [functools.partial(self.reporter.report_recover_status, code, msg, faults, signal.change_strategy)]
+
+    def _recover_live(self, signal: Signal) -> tuple[Code, str]:
+        # The round is the controller's cycle, the one number every agent of the job shares.
+        if signal.cycle <= 0:
+            return Code.UNRECOVERABLE_RETRY_ERROR, "recover-live needs the cycle number a TaskD controller sends"
+        self.adapter.begin_round(signal.cycle)
+        local = self._local_faulty(signal, self.adapter.monitor())
+        if local:
+            self.stop(local)
+            self.adapter.restart_list(local)
+        if not self.adapter.await_round(signal.cycle, self.config.live_timeout):
+            return (
+                Code.RECOVERABLE_RETRY_ERROR,
+                f"local workers did not all join live round {signal.cycle} within {self.config.live_timeout}s",
+            )
+        return Code.OK, f"live round {signal.cycle}: replaced local ranks {local}, every local worker joined"
 
     def _dump(self) -> tuple[Code, str]:
         statuses = self.adapter.monitor()

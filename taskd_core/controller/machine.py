@@ -33,8 +33,8 @@ from typing import Any
 
 from taskd_core.models import (
     EXTRA_DUMP_EXIT,
-    EXTRA_RECOVER_IN_PLACE,
     LADDER,
+    RECOVER_VARIANTS,
     Action,
     Code,
     FaultRank,
@@ -631,13 +631,14 @@ class JobMachine:
         s.strategy = choice.value
         s.tried.append(choice.value)
         s.statuses = {}
-        if choice is Strategy.RECOVER_IN_PLACE:
+        variant = _VARIANT_EXTRA.get(choice)
+        if variant is not None:
             self._send(
                 fx,
                 SignalType.CHANGE_STRATEGY,
                 [Action.CHANGE_STRATEGY, Action.FAULT_NODES_RESTART],
                 strategy=Strategy.RECOVER.value,
-                extra=EXTRA_RECOVER_IN_PLACE,
+                extra=variant,
             )
         else:
             self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY], strategy=choice.value)
@@ -669,11 +670,15 @@ class JobMachine:
         return Reply(Code.OK, f"jobId={self.job_id}, receive ReportAgentExit")
 
 
+#: The ``recover`` variants and the ``extraParams`` each travels with.
+_VARIANT_EXTRA = {strategy: extra for extra, strategy in RECOVER_VARIANTS.items()}
+
+
 def _same_strategy(reported: str, decided: str) -> bool:
-    """Agents report recover-in-place as either name; empty means 'the one you sent'."""
+    """Agents report a ``recover`` variant as either name; empty means 'the one you sent'."""
     if not reported or reported == decided:
         return True
-    return decided == Strategy.RECOVER_IN_PLACE.value and reported == Strategy.RECOVER.value
+    return reported == Strategy.RECOVER.value and decided in {s.value for s in _VARIANT_EXTRA}
 
 
 _CONCLUDE: dict[State, Callable[[JobMachine, _Effects], None]] = {

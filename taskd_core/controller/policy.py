@@ -4,7 +4,7 @@ A policy file has a ``[defaults]`` table and one ``[jobs."<job id>"]`` table
 per job that differs::
 
     [defaults]
-    strategies = ["recover-in-place", "recover", "dump", "exit"]
+    strategies = ["recover-live", "recover-in-place", "recover", "dump", "exit"]
     recovery = true
     report_timeout = 900      # seconds each wait for the agents' reports may take
     flush_seconds = 0.1       # window that collects faults arriving together

@@ -357,6 +357,9 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
         "stop-timeout": ("seconds between SIGTERM and SIGKILL when workers are stopped", DispatchConfig,
                          "stop_timeout"),
         "dump-grace": ("seconds workers get to save after the dump signal", DispatchConfig, "dump_grace"),
+        "live-timeout": ("seconds every local worker gets to join a live recovery round (recover-live) before "
+                         "the node reports it failed and the job falls back to a full restart", DispatchConfig,
+                         "live_timeout"),
     }
     for name, (text, cls, attr) in agent_seconds.items():
         g.add_argument(
@@ -435,7 +438,7 @@ def node_settings_from_args(
         connect_timeout=arg("connect-timeout"),
         report_deadline=arg("report-deadline"),
         health_interval=arg("health-interval"),
-        dispatch=DispatchConfig(arg("stop-timeout"), arg("dump-signal"), arg("dump-grace")),
+        dispatch=DispatchConfig(arg("stop-timeout"), arg("dump-signal"), arg("dump-grace"), arg("live-timeout")),
         credentials=credentials,
     )
     return NodeSettings(

@@ -1,7 +1,8 @@
 """Hook specifications: the plugin author's reference.
 
 A framework adapter implements these five hooks for the workers of *one node*
-and nothing else. When to call them — which controller action stops which
+and nothing else; an adapter that offers live recovery (``"recover-live"``)
+also implements the two hooks of the last section. When to call them — which controller action stops which
 ranks, when to restart, when to report — is decided once, in the core
 (:mod:`taskd_core.agent.dispatcher`), never in an adapter.
 
@@ -34,8 +35,11 @@ def taskd_strategies() -> Sequence[str] | None:
     Return values of :class:`~taskd_core.models.Strategy`: ``"recover"``
     (restart every local worker), ``"recover-in-place"`` (restart only the
     faulty ranks while the others keep running: claim it only when healthy
-    workers survive a peer's restart), ``"dump"`` (workers can save on the
-    dump signal) and ``"exit"``. ``"retry"`` needs in-process step retry,
+    workers survive a peer's restart), ``"recover-live"`` (replace the faulty
+    ranks while the others keep running and hand them the job's state: claim it
+    only when every local worker uses a live-recovery API and the adapter
+    implements :func:`taskd_begin_round` and :func:`taskd_await_round`),
+    ``"dump"`` (workers can save on the dump signal) and ``"exit"``. ``"retry"`` needs in-process step retry,
     which only a framework runtime can do.
 
     :returns: the strategies; stops at the first non-None result.
@@ -93,4 +97,34 @@ def taskd_monitor() -> Mapping[int, WorkerStatus] | None:
     ``WorkerState.NOT_STARTED``.
 
     :returns: ``{local_rank: WorkerStatus}``.
+    """
+
+
+# --- live recovery (only adapters that offer "recover-live") ---------------------
+
+
+@hookspec(firstresult=True)
+def taskd_begin_round(round_no: int) -> bool | None:
+    """Tell every local worker that live recovery round ``round_no`` begins.
+
+    Running workers leave their broken process group and wait to meet the
+    others in the new round; workers started from now on join it. Every agent
+    of the job is called with the same number (the controller's cycle), before
+    the faulty ranks are started again with :func:`taskd_restart_list`. Must
+    not block.
+
+    :param round_no: the new round, larger than every earlier one of the job.
+    :returns: ``True`` once the workers can see the new round.
+    """
+
+
+@hookspec(firstresult=True)
+def taskd_await_round(round_no: int, timeout: float) -> bool | None:
+    """Wait until every local worker has joined round ``round_no`` and holds the job's state.
+
+    :param round_no: the round announced by :func:`taskd_begin_round`.
+    :param timeout: seconds to wait at most.
+    :returns: ``True`` when every local worker joined in time, ``False`` when
+        one did not (it died, or the deadline passed): the core then reports
+        the strategy as failed and the controller falls back to a full restart.
     """

@@ -93,6 +93,12 @@ class Adapter:
         ranks = tuple(local_ranks)
         self._call("restart workers", "taskd_restart_list", ranks, local_ranks=ranks)
 
+    def begin_round(self, round_no: int) -> None:
+        self._call("begin a live recovery round", "taskd_begin_round", round_no=round_no)
+
+    def await_round(self, round_no: int, timeout: float) -> bool:
+        return bool(self._call("await a live recovery round", "taskd_await_round", round_no=round_no, timeout=timeout))
+
     def monitor(self) -> dict[int, WorkerStatus]:
         raw = self._call("monitor workers", "taskd_monitor")
         if not isinstance(raw, Mapping) or not all(isinstance(v, WorkerStatus) for v in raw.values()):

@@ -132,6 +132,13 @@ def test_expected_agents_keep_a_wait_open_until_its_deadline():
         ),
         (((0, "0"), (1, "2")), ("retry", "recover"), ALL, ("recover", "", ("change_strategy",))),
         (((0, "1"),), ("dump", "recover"), ("dump", "exit"), ("dump", "", ("change_strategy",))),
+        (
+            ((0, "1"),),
+            ("recover-live", "recover-in-place", "recover"),
+            ALL,
+            ("recover", "recover-live", ("change_strategy", "fault_nodes_restart")),
+        ),
+        (((0, "1"),), ("recover-live", "recover"), ("recover", "exit"), ("recover", "", ("change_strategy",))),
     ],
 )
 def test_strategy_choice_follows_the_ladder(faults, reported, policy, wire):
@@ -156,6 +163,26 @@ def test_recover_in_place_results_may_name_either_strategy():
     assert m.handle(StatusReported("a", 0, "dump"), NOW).reply.code == Code.ORDER_MIX
     assert m.handle(StatusReported("a", 0, "recover"), NOW).reply.code == Code.OK
     assert m.state is State.IDLE
+
+
+def test_a_failed_live_recovery_falls_back_to_a_full_restart_in_the_same_cycle():
+    m = machine("a", "b")
+    to_decision(m, ("recover-live", "recover", "exit"))
+    assert m.snap.strategy == "recover-live"
+    assert m.handle(StatusReported("a", 0, "recover"), NOW).reply.code == Code.OK  # either name, like in-place
+    r = m.handle(StatusReported("b", Code.RECOVERABLE_RETRY_ERROR, "recover-live"), NOW)
+    (change,) = r.signals
+    assert (change.change_strategy, change.extra_params, change.cycle) == ("recover", "", 1)
+    assert m.snap.tried == ["recover-live", "recover"] and m.state is State.WAIT_STATUS
+
+
+def test_the_default_policy_offers_live_recovery_first_to_jobs_that_report_it():
+    m = JobMachine("job", JobPolicy(flush_seconds=0), {"a": AgentInfo("a")})
+    (change,) = to_decision(m, ("recover-live", "recover", "dump", "exit")).signals
+    assert (change.change_strategy, change.extra_params) == ("recover", "recover-live")
+    m = JobMachine("job", JobPolicy(flush_seconds=0), {"a": AgentInfo("a")})
+    (change,) = to_decision(m, ("recover", "dump", "exit")).signals
+    assert (change.change_strategy, change.extra_params) == ("recover", "")
 
 
 def test_failures_walk_down_the_ladder_to_kill_master():

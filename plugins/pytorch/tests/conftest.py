@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pt_support import WORKERS, Launcher
+from pt_support import WORKERS, Launcher, events, finish, run_job
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
 
     yield make
     for agent in made:
-        agent.stop(None, timeout=1.0)
+        agent.close()
         agent.get_worker_group().spec.rdzv_handler.shutdown()
 
 
@@ -60,3 +60,16 @@ def launch(tmp_path: Path) -> Iterator[Launcher]:
     launcher = Launcher(tmp_path)
     yield launcher
     launcher.cleanup()
+
+
+@pytest.fixture(scope="session")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    """Final parameters of ``examples/train_ddp.py`` run without faults (2 nodes x 2 workers)."""
+    launcher = Launcher(tmp_path_factory.mktemp("fault_free"))
+    try:
+        nodes, progress, result = run_job(launcher, launcher.root / "job")
+        done = finish(nodes, result)
+        assert {e["restart"] for e in events(progress)} == {0}
+        yield done
+    finally:
+        launcher.cleanup()

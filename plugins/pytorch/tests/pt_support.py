@@ -11,8 +11,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 WORKERS = Path(__file__).parent / "workers"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+#: The training job of the DDP tests (``examples/train_ddp.py`` or its live twin) and its options.
+STEPS = 30
+TRAIN_ARGS = ("--steps", str(STEPS), "--ckpt-every", "3", "--step-time", "0.1")
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
@@ -82,6 +87,37 @@ class Launcher:
         for pid in worker_pids(self.root):
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def events(progress: Path) -> list[dict[str, Any]]:
+    """The training job's progress events so far."""
+    lines = progress.read_text().splitlines() if progress.exists() else []
+    # The last line may still be being written by a worker.
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def run_job(
+    launch: Launcher, work: Path, *extra: str, script: str = "train_ddp.py", max_cycles: int = 4,
+    taskd: tuple[str, ...] = (),
+) -> tuple[list[subprocess.Popen[bytes]], Path, Path]:
+    """Start the two ``taskdrun`` nodes (2 workers each) of one training job in ``work``.
+
+    :returns: the two launchers, the progress log and the result file.
+    """
+    work.mkdir()
+    progress, result = work / "progress.jsonl", work / "result.json"
+    common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+              f"--rdzv-id={work.name}", "--taskd-controller-port", str(free_port()),
+              "--taskd-max-cycles", str(max_cycles), "--taskd-stop-timeout", "5", *taskd]
+    job = [str(EXAMPLES / script), "--ckpt-dir", str(work / "ckpt"), "--progress", str(progress),
+           "--result", str(result), *TRAIN_ARGS, *extra]
+    return [launch(*common, f"--node-rank={n}", *job, log=f"{work.name}{n}") for n in (0, 1)], progress, result
+
+
+def finish(nodes: list[subprocess.Popen[bytes]], result: Path) -> dict[str, Any]:
+    """Both launchers' exit codes must be 0; returns the job's result file."""
+    assert [node.wait(timeout=300) for node in nodes] == [0, 0]
+    return dict(json.loads(result.read_text()))
 
 
 def worker_pids(root: Path) -> set[int]:

@@ -12,6 +12,7 @@ from taskd_core.errors import WorkerControlError
 from taskd_core.models import WorkerState
 from taskd_core.plugins import load_adapter
 from taskd_pytorch import PytorchAdapter
+from taskd_pytorch.live._channel import LiveChannel
 
 
 def test_restart_all_starts_every_rank_with_torchrun_environment(make_agent, out_dir: Path) -> None:
@@ -52,6 +53,40 @@ def test_stop_escalates_to_sigkill_for_a_worker_that_ignores_sigterm(make_agent,
     adapter.stop(None, timeout=0.5)
 
     assert adapter.monitor()[0].exit_code == -signal.SIGKILL
+
+
+def test_a_stopped_worker_is_continued_so_that_sigterm_ends_it_before_the_timeout(make_agent, out_dir: Path) -> None:
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir), nproc=1)))
+    adapter.restart_all()
+    wait_for(lambda: records(out_dir), 30, "the worker to start")
+    kill(adapter.monitor()[0].pid, signal.SIGSTOP)
+
+    adapter.stop(None, timeout=120)
+
+    assert adapter.monitor()[0].exit_code == -signal.SIGTERM
+
+
+def test_live_recovery_is_offered_once_every_local_worker_joined_a_round(make_agent, out_dir: Path) -> None:
+    agent = make_agent(str(out_dir))
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(agent))
+    adapter.restart_all()
+    first = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 30, "both workers")
+    (path,) = {r["TASKD_LIVE_DIR"] for r in first}  # one channel per node
+    channel = LiveChannel(Path(path))
+    assert "recover-live" not in [s.value for s in adapter.strategies()]
+    channel.mark_joined(0, 0)
+    assert "recover-live" not in [s.value for s in adapter.strategies()]
+    channel.mark_joined(1, 0)
+    assert [s.value for s in adapter.strategies()][0] == "recover-live"
+
+    adapter.begin_round(3)
+    assert channel.current_round() == 3
+    assert not adapter.await_round(3, timeout=0.2)  # nobody joined round 3
+    channel.mark_joined(0, 3)
+    channel.mark_joined(1, 3)
+    assert adapter.await_round(3, timeout=5)
+    adapter.restart_all()
+    assert channel.current_round() == 0 and "recover-live" not in [s.value for s in adapter.strategies()]
 
 
 def test_restart_list_keeps_other_pids_and_the_same_environment(make_agent, out_dir: Path) -> None:

@@ -7,58 +7,13 @@ parameters of a fault-free one.
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pt_support import Launcher, free_port, kill, pid_alive, wait_for
-
-TRAIN = str(Path(__file__).resolve().parents[3] / "examples" / "train_ddp.py")
-STEPS = 30
-TRAIN_ARGS = ("--steps", str(STEPS), "--ckpt-every", "3", "--step-time", "0.1")
+from pt_support import STEPS, events, finish, kill, pid_alive, run_job, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def events(progress: Path) -> list[dict[str, object]]:
-    lines = progress.read_text().splitlines() if progress.exists() else []
-    # The last line may still be being written by a worker.
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
-def run_job(
-    launch: Launcher, work: Path, *extra: str, max_cycles: int = 4
-) -> tuple[list[subprocess.Popen[bytes]], Path, Path]:
-    """Start the two ``taskdrun`` nodes of one training job in ``work``; returns them, the progress log and result."""
-    work.mkdir()
-    progress, result = work / "progress.jsonl", work / "result.json"
-    common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-              f"--rdzv-id={work.name}", "--taskd-controller-port", str(free_port()),
-              "--taskd-max-cycles", str(max_cycles), "--taskd-stop-timeout", "5"]
-    job = [TRAIN, "--ckpt-dir", str(work / "ckpt"), "--progress", str(progress), "--result", str(result), *TRAIN_ARGS,
-           *extra]
-    return [launch(*common, f"--node-rank={n}", *job, log=f"{work.name}{n}") for n in (0, 1)], progress, result
-
-
-def finish(nodes: list[subprocess.Popen[bytes]], result: Path) -> dict[str, object]:
-    assert [node.wait(timeout=300) for node in nodes] == [0, 0]
-    return json.loads(result.read_text())
-
-
-@pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
-    """Final parameters of the job without faults."""
-    launcher = Launcher(tmp_path_factory.mktemp("fault_free"))
-    try:
-        nodes, progress, result = run_job(launcher, launcher.root / "job")
-        done = finish(nodes, result)
-        assert {e["restart"] for e in events(progress)} == {0}
-        yield done
-    finally:
-        launcher.cleanup()
 
 
 def pids_of_round(progress: Path, restart: int) -> dict[int, int]:

@@ -38,8 +38,15 @@ class WorkerControl(Protocol):
 
     def statuses(self) -> Mapping[int, WorkerStatus]: ...
 
+    def live_ready(self) -> bool: ...
 
-#: Every job can be restarted whole, dumped or ended. Restarting single ranks
+    def begin_round(self, round_no: int) -> None: ...
+
+    def await_round(self, round_no: int, timeout: float) -> bool: ...
+
+
+#: Every job can be restarted whole, dumped or ended (``recover-live`` is added
+#: when every local worker uses :mod:`taskd_pytorch.live`). Restarting single ranks
 #: is not offered by default: in a DDP job the healthy ranks block or fail in
 #: their next collective when a peer restarts, so they cannot survive it.
 DEFAULT_STRATEGIES: tuple[Strategy, ...] = (Strategy.RECOVER, Strategy.DUMP, Strategy.EXIT)
@@ -66,7 +73,9 @@ class PytorchAdapter:
 
     @hookimpl
     def taskd_strategies(self) -> list[str]:
-        return [s.value for s in self._strategies]
+        # Asked after a fault: the lost ranks' marks from their last life still count.
+        live = (Strategy.RECOVER_LIVE,) if self._agent is not None and self._agent.live_ready() else ()
+        return [s.value for s in live + self._strategies]
 
     @hookimpl
     def taskd_stop_workers(self, local_ranks: Sequence[int] | None, timeout: float) -> bool:
@@ -82,6 +91,15 @@ class PytorchAdapter:
     def taskd_restart_list(self, local_ranks: Sequence[int]) -> bool:
         self.agent.restart_list(local_ranks)
         return True
+
+    @hookimpl
+    def taskd_begin_round(self, round_no: int) -> bool:
+        self.agent.begin_round(round_no)
+        return True
+
+    @hookimpl
+    def taskd_await_round(self, round_no: int, timeout: float) -> bool:
+        return self.agent.await_round(round_no, timeout)
 
     @hookimpl
     def taskd_monitor(self) -> dict[int, WorkerStatus]:

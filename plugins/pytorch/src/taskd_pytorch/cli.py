@@ -148,7 +148,7 @@ def _launch(args: argparse.Namespace) -> int:
         outcome = run_node_agent(adapter, settings, who="taskdrun")
     finally:
         # Whatever path the agent took, no worker outlives taskdrun.
-        elastic.stop(None, stop_timeout)
+        elastic.close()
         if outcome is not None and outcome.kind is not Outcome.INTERRUPTED:
             _close_rendezvous(rdzv)
     return outcome.exit_code

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from string import Template
 
@@ -40,6 +41,7 @@ from torch.distributed.elastic.utils import macros
 from taskd_core.errors import ConfigError
 from taskd_core.models import WorkerState, WorkerStatus
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
+from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
 from taskd_pytorch.processes import Launch, RankProcesses
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ VERIFIED_TORCH = "2.13"
 RESTART_COUNT_ENV = "TASKD_RESTART_COUNT"
 #: Unknown global rank of a worker that was never started (no rendezvous yet).
 NO_RANK = -1
+#: How often the agent looks whether its workers joined a live round.
+_ROUND_POLL = 0.005
 
 
 class TaskdElasticAgent(LocalElasticAgent):
@@ -96,6 +100,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         # The node agent serialises its hook calls; this also guards direct callers.
         self._taskd_lock = threading.RLock()
         self._taskd_round_stores = RoundStores()
+        self._taskd_live = LiveChannel.create()
 
     # --- what the TaskD hooks do ------------------------------------------------------
 
@@ -105,6 +110,8 @@ class TaskdElasticAgent(LocalElasticAgent):
             group = self.get_worker_group()
             self._taskd_procs.stop(None, self._taskd_stop_timeout)
             group.state = TorchState.STOPPED
+            # A whole group starts from its checkpoints, in live round 0 of a new store.
+            self._taskd_live.reset()
             # torch's template method: rendezvous, rank assignment, then our _start_workers.
             self._initialize_workers(group)
             self._taskd_starts += 1
@@ -118,6 +125,36 @@ class TaskdElasticAgent(LocalElasticAgent):
             for worker in self.get_worker_group().workers:
                 worker.id = pids.get(worker.local_rank, worker.id)
             return pids
+
+    def live_ready(self) -> bool:
+        """Every local worker uses the live API (``taskd_pytorch.live``), so it survives a peer's loss."""
+        return self._taskd_live.opted_in(range(self.get_worker_group().spec.local_world_size))
+
+    def begin_round(self, round_no: int) -> None:
+        """Announce live recovery round ``round_no`` to the local workers."""
+        self._taskd_live.begin_round(round_no)
+
+    def await_round(self, round_no: int, timeout: float) -> bool:
+        """True once every local worker joined ``round_no``; False if one ended or ``timeout`` passed."""
+        deadline = time.monotonic() + timeout
+        size = self.get_worker_group().spec.local_world_size
+        while time.monotonic() < deadline:
+            joined = [self._taskd_live.joined(rank) or 0 for rank in range(size)]
+            if all(r >= round_no for r in joined):
+                return True
+            with self._taskd_lock:
+                ended = [r for r in range(size) if self._taskd_procs.status(r).state is not WorkerState.RUNNING]
+            if ended:
+                logger.warning("live round %s: local ranks %s ended before joining it", round_no, ended)
+                return False
+            time.sleep(_ROUND_POLL)
+        logger.warning("live round %s: local workers did not all join within %ss", round_no, timeout)
+        return False
+
+    def close(self) -> None:
+        """Stop every worker and remove what this agent created on disk."""
+        self.stop(None, self._taskd_stop_timeout)
+        self._taskd_live.remove()
 
     def stop(self, local_ranks: Sequence[int] | None, timeout: float) -> None:
         """Stop the given local workers (all when None) and reap them."""
@@ -169,6 +206,7 @@ class TaskdElasticAgent(LocalElasticAgent):
                 "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
                 "TORCHELASTIC_USE_AGENT_STORE": USE_AGENT_STORE,
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                LIVE_DIR_ENV: str(self._taskd_live.path),
                 RESTART_COUNT_ENV: str(self._taskd_starts),
             }
             prefix = Template(self._taskd_prefix or "[${role_name}${local_rank}]:").safe_substitute(

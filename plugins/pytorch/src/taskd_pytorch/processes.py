@@ -14,6 +14,7 @@ group, and each rank's context is handed its own slice of that layout.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -171,6 +172,9 @@ class RankProcesses:
         wait = max(timeout, _MIN_CLOSE_WAIT)
         for rank in chosen:
             logger.info("stopping %s local rank %s (pid %s) with %s", self.name, rank, self._pids[rank], death_sig.name)
+        for rank in chosen:
+            # A stopped worker (SIGSTOP, Ctrl-Z) would hold the polite signal until SIGKILL.
+            _continue(self._pids[rank])
         with ThreadPoolExecutor(max_workers=len(chosen), thread_name_prefix="taskd-stop") as pool:
             # list() re-raises the first close() failure here instead of losing it.
             list(pool.map(lambda ctx: ctx.close(death_sig, wait), chosen.values()))  # type: ignore[arg-type]
@@ -200,3 +204,11 @@ class RankProcesses:
         self._ended[rank] = ended
         logger.info("%s local rank %s (pid %s) ended with exit code %s", self.name, rank, ended.pid, ended.exit_code)
         return ended
+
+
+def _continue(pid: int) -> None:
+    """SIGCONT to the worker's process group (torch starts each worker in a session of its own)."""
+    try:
+        os.killpg(pid, signal.SIGCONT)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,96 @@
+"""``examples/train_ddp.py`` adapted to live recovery: a lost rank costs no committed step.
+
+Same job, same options, same progress events and ``--result`` file as
+``train_ddp.py`` (it reuses that script's model, data, checkpoints and
+update); only ``main`` differs, by the lines that adopt
+:mod:`taskd_pytorch.live`. Run it under ``taskdrun``::
+
+    taskdrun --nproc-per-node=2 examples/train_live.py --ckpt-dir /tmp/ckpt --steps 200
+
+When a rank is lost, the others keep running; the replacement receives the
+parameters and momentum of the most advanced live rank and the interrupted
+step runs again. Checkpoints are still written: they are what a full restart
+falls back to when live recovery cannot be done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from types import FrameType
+
+import torch
+from torch import nn
+from train_ddp import (
+    Progress,
+    batch,
+    inject_fault,
+    load_checkpoint,
+    make_model,
+    params_digest,
+    parse_args,
+    save_checkpoint,
+    sgd_step,
+)
+
+from taskd_pytorch.live import LiveSession
+
+
+def main() -> int:
+    args = parse_args()
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    restart = int(os.environ.get("TASKD_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    progress = Progress(args.progress, rank, restart)
+    progress.log("start", 0)
+
+    model = make_model()
+    velocity = [torch.zeros_like(p) for p in model.parameters()]
+    session = LiveSession(model=model, velocity=velocity)
+    dump_requested = False
+
+    def on_dump(signum: int, frame: FrameType | None) -> None:
+        nonlocal dump_requested
+        dump_requested = True
+        session.request_stop()
+
+    signal.signal(signal.SIGUSR1, on_dump)
+
+    args.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = args.ckpt_dir / "ckpt.pt"
+    # A replacement rank gets the live state here, ahead of the checkpoint.
+    done = session.start(load_checkpoint(ckpt, model, velocity))
+    if done:
+        progress.log("resumed", done)
+    first_life = restart == 0 and session.round == 0
+    loss_fn = nn.MSELoss()
+    for step in session.steps(args.steps):
+        with step:
+            if step.number == args.fail_at_step and rank == args.fail_rank and first_life:
+                inject_fault(args.fail_mode, step.number)
+            if args.step_time:
+                time.sleep(args.step_time)  # stands for compute, as in train_ddp.py
+            model.zero_grad()
+            x, y = batch(step.number, rank)
+            loss_fn(model(x), y).backward()
+            sgd_step(model, velocity, world_size, session.all_reduce)
+            progress.log("step", step.number + 1)
+            if rank == 0 and ((step.number + 1) % args.ckpt_every == 0 or step.number + 1 == args.steps):
+                save_checkpoint(ckpt, step.number + 1, model, velocity)
+    done = session.step
+    if dump_requested:
+        if rank == 0:
+            save_checkpoint(ckpt, done, model, velocity)
+        progress.log("dump", done)
+        return 0
+    if rank == 0 and args.result is not None:
+        args.result.write_text(json.dumps({"steps": done, **params_digest(model)}))
+    progress.log("done", done)
+    session.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

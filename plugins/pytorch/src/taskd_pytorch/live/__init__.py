@@ -1,0 +1,66 @@
+"""Live recovery for data-parallel PyTorch: healthy ranks never exit, nothing committed is lost.
+
+This is the worker's API and its reference. A script opts in by naming its
+state and running its steps through a :class:`LiveSession`; ``taskdrun`` and
+the TaskD controller do the rest::
+
+    from taskd_pytorch.live import LiveSession
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    done = load_checkpoint(...)                       # as before: every start may resume
+    session = LiveSession(model=model, optimizer=optimizer)   # instead of init_process_group
+    session.start(done)                               # a replacement receives the live state here
+    for step in session.steps(total_steps):
+        with step:                                    # commits when the block ends cleanly
+            loss = loss_fn(model(batch(step.number)), ...)
+            loss.backward()
+            session.all_reduce(grads)                 # or dist.all_reduce on the default group
+            optimizer.step()
+            if step.number % 100 == 0: save_checkpoint(...)
+    session.close()
+
+What happens when a rank is lost (killed, crashed, or stopped and then
+killed by its agent):
+
+1. The other ranks' collective fails at once (a dead peer's connection is
+   closed); one blocked on a stopped peer is left when the node agent
+   announces the next round (:meth:`LiveSession.all_reduce` waits in short
+   slices and looks). The failed step is not committed, nothing else happens
+   to the healthy processes: same pids, same imported modules, same memory.
+2. The controller chooses ``recover-live`` when every node's workers use this
+   API. Each node agent announces round *n* (the controller's cycle number)
+   through the node's channel directory (``TASKD_LIVE_DIR``) and starts the
+   lost local ranks again, with the same ``RANK`` and environment (warm,
+   from the fork server, where one runs).
+3. Every rank forms a new process group in a fresh key space of the job's
+   store (``taskd/live/<restart>/<round>/``). The ranks exchange their
+   committed step; the live replica with the most steps sends the registered
+   state to every rank that is new or behind, checked by a checksum.
+4. The interrupted step runs again on every rank; no committed step is lost.
+
+If a round cannot be formed in time (the node's ``--taskd-live-timeout``),
+the node reports the strategy as failed and the controller falls back to a
+full restart from the checkpoint, as without this API.
+
+Rules for the training step, so that a replica's state is always a committed one:
+
+* change registered state only after the step's last collective (what DDP
+  plus ``optimizer.step()`` and the hand-written all-reduce of
+  ``examples/train_live.py`` do);
+* derive per-rank randomness (data order, dropout) from the step and the
+  rank, not from a private generator that a lost rank takes with it;
+* the session owns the default process group: call no
+  ``init_process_group`` or ``destroy_process_group`` of your own. A model
+  wrapped in ``DistributedDataParallel`` is bound to one group; wrap it again
+  after a rebuild (compare ``session.round`` with the round you wrapped in).
+
+Without ``TASKD_LIVE_DIR`` (plain ``torchrun``, ``taskd run``) the session
+still trains; a lost peer then fails the step as usual and the launcher's
+own recovery takes over.
+"""
+
+from taskd_pytorch.live._session import LiveRecoveryError, LiveSession, LiveStep, PeerLost
+from taskd_pytorch.live._state import StateTransferError
+
+__all__ = ["LiveRecoveryError", "LiveSession", "LiveStep", "PeerLost", "StateTransferError"]

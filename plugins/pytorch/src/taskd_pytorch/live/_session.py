@@ -1,0 +1,287 @@
+"""The live session: a worker's process group that can be rebuilt in place, and its step loop."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from taskd_core.errors import ConfigError, TaskdError
+from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
+from taskd_pytorch.live._state import capture, check_registrable, pack, recv_state, restore, send_packed
+
+logger = logging.getLogger(__name__)
+
+#: How long one wait on a collective lasts before the channel is looked at again.
+_WAIT_SLICE = timedelta(milliseconds=50)
+#: How often a worker whose group broke looks for the agent's new round.
+_ROUND_POLL = 0.005
+
+
+class PeerLost(TaskdError):
+    """A peer of this worker's process group is gone; the step runs again in the next round."""
+
+
+class LiveRecoveryError(TaskdError):
+    """This worker could not rejoin its job; it exits and the controller falls back to a full restart."""
+
+
+class LiveSession:
+    """One worker's membership in a data-parallel job that survives the loss of ranks.
+
+    :param backend: the process group's backend (``"gloo"``; any backend whose
+        ``init_process_group`` accepts a store works the same way).
+    :param collective_timeout: seconds one collective, or the formation of a
+        group, may take before it counts as a lost peer (gloo waits 30 min).
+    :param rejoin_timeout: seconds a worker whose group broke waits for its
+        agent to announce the next round before it gives up and exits.
+    :param state: the job's replicated state by name: modules, optimizers,
+        schedulers, tensors and lists of tensors. A replacement rank receives
+        all of it, plus the step counter, from a live replica.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str = "gloo",
+        collective_timeout: float = 300.0,
+        rejoin_timeout: float = 300.0,
+        **state: object,
+    ) -> None:
+        for name, obj in state.items():
+            check_registrable(name, obj)
+        self._state = state
+        self._backend = backend
+        self._collective_timeout = timedelta(seconds=collective_timeout)
+        self._rejoin_timeout = rejoin_timeout
+        env = _Env.read()
+        self.rank, self.world_size, self._local_rank = env.rank, env.world_size, env.local_rank
+        self._prefix = f"taskd/live/{env.restart}/"
+        self._store = dist.TCPStore(
+            env.master_addr, env.master_port, is_master=env.hosts_store, timeout=self._collective_timeout
+        )
+        self._channel = LiveChannel(env.live_dir) if env.live_dir is not None else None
+        #: steps committed on every rank: the number of the next step to run.
+        self.step = 0
+        #: the round of the process group this worker is in (-1: none yet).
+        self.round = -1
+        #: why the last step failed; only text, see :meth:`_fail`.
+        self._failure: str | None = None
+        self._stop_requested = False
+
+    # --- the loop ------------------------------------------------------------------
+
+    def start(self, step: int = 0) -> int:
+        """Join the job with ``step`` steps done (from this rank's checkpoint); returns the job's step.
+
+        A rank that replaces a lost one receives the job's state from a live
+        replica here, so the value returned may be ahead of ``step``.
+        """
+        self.step = step
+        self._join(self._channel.current_round() if self._channel else 0, fresh=True)
+        return self.step
+
+    def steps(self, stop: int) -> Iterator[LiveStep]:
+        """One :class:`LiveStep` per step until ``stop`` steps are committed; a failed step comes again."""
+        if self.round < 0:
+            raise ConfigError("call LiveSession.start() before iterating its steps")
+        while self.step < stop and not self._stop_requested:
+            if self._failure is not None or self._new_round() is not None:
+                self._recover()
+                if self._stop_requested:
+                    return
+            yield LiveStep(self, self.step)
+
+    def request_stop(self) -> None:
+        """End :meth:`steps` at the next step boundary, also while waiting for a new round.
+
+        Safe to call from a signal handler (for example the dump signal's).
+        """
+        self._stop_requested = True
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        """``dist.all_reduce`` that leaves at once when the agent announces a new round.
+
+        A collective blocked on a stopped (not dead) peer never fails by
+        itself before the group's timeout; this one is waited for in short
+        slices and gives up as soon as the node's agent says the job moved on.
+        """
+        work = dist.all_reduce(tensor, op=op, async_op=True)
+        deadline = time.monotonic() + self._collective_timeout.total_seconds()
+        while True:
+            try:
+                work.wait(timeout=_WAIT_SLICE)
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+            new = self._new_round()
+            if new is not None:
+                raise PeerLost(f"rank {self.rank}: round {new} announced while waiting for all_reduce")
+            if time.monotonic() > deadline:
+                raise PeerLost(f"rank {self.rank}: all_reduce took longer than {self._collective_timeout}")
+
+    def close(self) -> None:
+        """Leave the process group (at the end of training)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # --- steps ---------------------------------------------------------------------
+
+    def _commit(self, number: int) -> None:
+        self.step = number + 1
+
+    def _fail(self, exc: BaseException) -> None:
+        logger.warning("rank %s: step %s failed (%s); it runs again once the group is rebuilt", self.rank, self.step, exc)
+        # Not the exception: its traceback holds the failed collective, which keeps
+        # the old group's connections open, so peers blocked on them never fail
+        # and this rank's own teardown of the group waits for them.
+        self._failure = f"{type(exc).__name__}: {exc}"
+
+    # --- rounds --------------------------------------------------------------------
+
+    def _new_round(self) -> int | None:
+        if self._channel is None:
+            return None
+        current = self._channel.current_round()
+        return current if current > self.round else None
+
+    def _recover(self) -> None:
+        failure, self._failure = self._failure or "a new round was announced", None
+        if self._channel is None:
+            raise LiveRecoveryError(
+                f"rank {self.rank} lost a peer ({failure}) but runs without a TaskD agent ({LIVE_DIR_ENV} is not set); "
+                "start the job with taskdrun for live recovery"
+            )
+        deadline = time.monotonic() + self._rejoin_timeout
+        while True:
+            new = self._new_round()
+            if new is not None:
+                break
+            if self._stop_requested:
+                return
+            if time.monotonic() > deadline:
+                raise LiveRecoveryError(
+                    f"rank {self.rank}: no new round was announced within {self._rejoin_timeout}s of losing a peer "
+                    f"({failure})"
+                )
+            time.sleep(_ROUND_POLL)
+        # Whatever still refers to the failed collective (a traceback in a cycle) goes first.
+        gc.collect()
+        self.close()
+        self._join(new, fresh=False)
+
+    def _join(self, round_no: int, *, fresh: bool) -> None:
+        began = time.monotonic()
+        dist.init_process_group(
+            self._backend,
+            store=dist.PrefixStore(f"{self._prefix}{round_no}/", self._store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self._collective_timeout,
+        )
+        self.round = round_no
+        self._sync(fresh)
+        if self._channel is not None:
+            self._channel.mark_joined(self._local_rank, round_no)
+        logger.info("rank %s joined round %s at step %s in %.3fs", self.rank, round_no, self.step, time.monotonic() - began)
+
+    def _sync(self, fresh: bool) -> None:
+        """Every rank ends with the state of the most advanced live replica."""
+        table: list[tuple[int, bool]] = [(0, True)] * self.world_size
+        dist.all_gather_object(table, (self.step, fresh))
+        source = _source(table)
+        target = table[source][0]
+        needy = [r for r, (step, new) in enumerate(table) if r != source and (new or step < target)]
+        if not table[source][1] and needy:
+            if self.rank == source:
+                began = time.monotonic()
+                packed = pack(capture(self._state))
+                for dst in needy:
+                    size = send_packed(packed, dst)
+                logger.info(
+                    "rank %s sent the state of step %s (%d bytes) to ranks %s in %.3fs",
+                    self.rank, target, size, needy, time.monotonic() - began,
+                )
+            elif self.rank in needy:
+                restore(self._state, recv_state(source))
+        self.step = target
+
+
+def _source(table: list[tuple[int, bool]]) -> int:
+    """The rank whose state every rank takes: a live replica with the most steps, lowest rank first.
+
+    With no live replica (the job's first start, or a full restart) every rank
+    loaded the same checkpoint, so the most advanced rank is only a tie-break.
+    """
+    live = [r for r, (_, new) in enumerate(table) if not new] or list(range(len(table)))
+    return max(live, key=lambda r: (table[r][0], -r))
+
+
+class LiveStep:
+    """One training step as a context manager: it commits when its block ends without error.
+
+    When a peer is lost inside the block, the error is swallowed and the same
+    step comes again from :meth:`LiveSession.steps` once the group is rebuilt.
+    Other errors propagate as usual.
+    """
+
+    def __init__(self, session: LiveSession, number: int) -> None:
+        self._session = session
+        #: the step's number (steps done before it).
+        self.number = number
+
+    def __enter__(self) -> LiveStep:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is None:
+            self._session._commit(self.number)
+            return False
+        if _peer_failure(exc) and self._session._channel is not None:
+            self._session._fail(exc)
+            return True
+        return False
+
+
+def _peer_failure(exc: BaseException) -> bool:
+    """An error that a lost or stopped peer causes in a collective (gloo raises plain RuntimeErrors)."""
+    if isinstance(exc, PeerLost | dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and "gloo" in str(exc).lower()
+
+
+class _Env:
+    """What the launcher tells a worker, read once."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        try:
+            self.rank = int(env["RANK"])
+            self.world_size = int(env["WORLD_SIZE"])
+            self.local_rank = int(env.get("LOCAL_RANK", "0"))
+            self.master_addr = env["MASTER_ADDR"]
+            self.master_port = int(env["MASTER_PORT"])
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(
+                f"LiveSession needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from its launcher ({exc}); "
+                "start the script with taskdrun"
+            ) from exc
+        self.restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # torchrun and taskdrun host the workers' store in the agent, which outlives any rank.
+        self.hosts_store = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and self.rank == 0
+        live_dir = env.get(LIVE_DIR_ENV)
+        self.live_dir = Path(live_dir) if live_dir else None
+
+    @classmethod
+    def read(cls) -> _Env:
+        return cls(dict(os.environ))

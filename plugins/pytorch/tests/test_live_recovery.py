@@ -1,0 +1,90 @@
+"""Live recovery on 2 nodes x 2 gloo workers under ``taskdrun``: healthy ranks keep running, nothing is lost.
+
+The job is ``examples/train_live.py`` (``train_ddp.py`` adapted to
+:mod:`taskd_pytorch.live`); both are deterministic, so a run with faults must
+end with exactly the parameters of a fault-free ``train_ddp.py`` run.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pt_support import STEPS, Launcher, events, finish, kill, pid_alive, run_job, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def current_pids(progress: Path) -> dict[int, int]:
+    """Each rank's latest incarnation (the pid of its last ``start`` event)."""
+    return {int(e["rank"]): int(e["pid"]) for e in events(progress) if e["event"] == "start"}
+
+
+def stepped_since(progress: Path, pids: dict[int, int], step: int) -> bool:
+    """Every given incarnation logged a step beyond ``step``."""
+    done = {int(e["pid"]) for e in events(progress) if e["event"] == "step" and int(e["step"]) > step}
+    return set(pids.values()) <= done
+
+
+def last_step(progress: Path) -> int:
+    return max((int(e["step"]) for e in events(progress) if e["event"] == "step"), default=0)
+
+
+def test_every_loss_is_repaired_live_and_the_run_matches_a_fault_free_one(
+    launch: Launcher, tmp_path: Path, fault_free: dict[str, Any]
+) -> None:
+    nodes, progress, result = run_job(launch, tmp_path / "live", script="train_live.py", max_cycles=8)
+    wait_for(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, 180, "every rank to train")
+    # Rank 3, then rank 0 (store host and state source of the first start), then one rank of each
+    # node together, then a rank that is stopped first and killed a moment later.
+    for victims, stop_first in (((3,), False), ((0,), False), ((1, 2), False), ((3,), True)):
+        before = current_pids(progress)
+        at = last_step(progress)
+        for victim in victims:
+            if stop_first:
+                kill(before[victim], signal.SIGSTOP)
+                time.sleep(0.5)
+            kill(before[victim], signal.SIGKILL)
+        wait_for(
+            lambda: all(current_pids(progress)[v] != before[v] for v in victims)
+            and stepped_since(progress, current_pids(progress), at + 1),
+            180, f"ranks {victims} to be replaced and every rank to step again",
+        )
+        after = current_pids(progress)
+        assert {r: p for r, p in after.items() if r not in victims} == {r: p for r, p in before.items() if r not in victims}
+
+    final = finish(nodes, result)
+
+    assert final["steps"] == STEPS and final["sha256"] == fault_free["sha256"]
+    log = events(progress)
+    assert {e["restart"] for e in log} == {0}  # never a whole-group restart
+    assert len([e for e in log if e["event"] == "start"]) == 4 + 5
+    for rank in range(4):
+        steps = [int(e["step"]) for e in log if e["event"] == "step" and int(e["rank"]) == rank]
+        # The committed step never goes back; at most the interrupted step runs again.
+        assert all(b >= a for a, b in zip(steps, steps[1:], strict=False)), steps
+        assert steps[-1] == STEPS
+    assert not [pid for pid in current_pids(progress).values() if pid_alive(pid)]
+
+
+def test_a_round_that_cannot_form_in_time_falls_back_to_a_full_restart(
+    launch: Launcher, tmp_path: Path, fault_free: dict[str, Any]
+) -> None:
+    nodes, progress, result = run_job(
+        launch, tmp_path / "fallback", script="train_live.py", taskd=("--taskd-live-timeout", "5")
+    )
+    wait_for(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, 180, "every rank to train")
+    before = current_pids(progress)
+    # Rank 1 is stopped, not dead: it cannot join the round that replaces rank 3.
+    kill(before[1], signal.SIGSTOP)
+    kill(before[3], signal.SIGKILL)
+
+    final = finish(nodes, result)
+
+    assert final["steps"] == STEPS and final["sha256"] == fault_free["sha256"]
+    restarted = {int(e["rank"]) for e in events(progress) if e["event"] == "start" and e["restart"] == 1}
+    assert restarted == {0, 1, 2, 3}  # the fallback restarted every rank from the checkpoint
+    assert not pid_alive(before[1])
