@@ -56,7 +56,6 @@ class _Ref:
 
 #: Payloads are padded to whole rows of the checksum's weight vector.
 _ROW = 1024
-_WEIGHTS = torch.arange(1, _ROW + 1, dtype=torch.int64)
 
 
 def check_registrable(name: str, obj: object) -> None:
@@ -119,7 +118,8 @@ def pack(tree: Any) -> Packed:
 
     skeleton = strip(tree)
     padded = -(-offset // (8 * _ROW)) * 8 * _ROW
-    payload = torch.zeros(padded, dtype=torch.uint8)
+    payload = torch.empty(padded, dtype=torch.uint8)
+    payload[offset:] = 0
     for start, flat in tensors:
         payload[start : start + flat.numel()] = flat
     buf = io.BytesIO()
@@ -128,12 +128,12 @@ def pack(tree: Any) -> Packed:
 
 
 def unpack(skeleton: bytes, payload: torch.Tensor) -> Any:
-    """The tree :func:`pack` was given, with tensors copied out of ``payload``."""
+    """The tree :func:`pack` was given, its tensors views of ``payload`` (loading copies them where it must)."""
 
     def fill(node: Any) -> Any:
         if isinstance(node, _Ref):
             raw = payload[node.offset : node.offset + node.nbytes]
-            return raw.view(node.dtype).reshape(node.shape).clone()
+            return raw.view(node.dtype).reshape(node.shape)
         if isinstance(node, dict):
             return {k: fill(v) for k, v in node.items()}
         if isinstance(node, list | tuple):
@@ -145,14 +145,16 @@ def unpack(skeleton: bytes, payload: torch.Tensor) -> Any:
 
 
 def checksum(payload: torch.Tensor) -> tuple[int, int]:
-    """Two wrapping 64-bit sums of the payload's words, plain and position-weighted.
+    """Two wrapping 64-bit sums of the payload's words: plain, and weighted by row.
 
-    Fast enough for gigabytes (a vectorised pass, unlike CRC-32 in Python's
-    zlib at about half a gigabyte a second) and it catches lost, flipped or
-    shifted bytes; it is a transfer check, not a cryptographic one.
+    One vectorised pass over the payload (the sums of its words in rows of
+    ``_ROW``), several times faster than CRC-32 in Python's zlib. It catches
+    lost and flipped bytes and bytes moved across rows; it is a transfer
+    check, not a cryptographic one.
     """
-    words = payload.view(torch.int64).view(-1, _ROW)
-    return int(words.sum()), int((words * _WEIGHTS).sum())
+    rows = payload.view(torch.int64).view(-1, _ROW).sum(dim=1)
+    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64)
+    return int(rows.sum()), int((rows * weights).sum())
 
 
 def send_packed(packed: Packed, dst: int) -> int:

@@ -1,0 +1,114 @@
+"""How fast a live replica hands its state to a replacement: ``taskd_pytorch.live``'s transfer over loopback.
+
+Two processes form a gloo group; rank 0 packs a state of the given size (a
+model's parameters plus SGD momentum, as equal float32 tensors) and sends it
+with the same calls live recovery uses (:func:`pack`, :func:`send_packed`,
+:func:`recv_state` with its checksum check, :func:`restore`). Each trial
+reports the wire rate (send to received, excluding packing) and the
+end-to-end rate (pack → restored on the receiver).
+
+    python bench/transfer_bench.py --gib 1 --trials 3 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_TENSORS = 64
+
+
+def _worker(rank: int, port: int, size: int, trials: int, out: Path | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from taskd_pytorch.live._state import capture, pack, recv_state, restore, send_packed
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    per = size // (4 * _TENSORS)
+    state = {"params": [torch.full((per,), float(rank)) for _ in range(_TENSORS)]}
+    results = []
+    for _ in range(trials):
+        dist.barrier()
+        began = time.perf_counter()
+        if rank == 0:
+            packed = pack(capture(state))
+            packed_at = time.perf_counter()
+            send_packed(packed, 1)
+            dist.barrier()
+            results.append({"pack_s": packed_at - began})
+        else:
+            values = recv_state(0)
+            received_at = time.perf_counter()
+            restore(state, values)
+            restored_at = time.perf_counter()
+            dist.barrier()
+            results.append({"received_s": received_at - began, "restored_s": restored_at - began})
+            assert all(bool((t == 0).all()) for t in state["params"])
+            for t in state["params"]:
+                t.fill_(1.0)
+    gathered: list[object] = [None, None]
+    dist.all_gather_object(gathered, results)
+    if rank == 1 and out is not None:
+        sender, receiver = gathered
+        out.write_text(json.dumps({"bytes": per * 4 * _TENSORS, "sender": sender, "receiver": receiver}))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default: %(default)s)")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--_worker", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--_out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    size = int(args.gib * 2**30)
+    if args._worker:
+        rank, port, trials = args._worker
+        _worker(rank, port, size, trials, args._out)
+        return 0
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _common import free_port
+
+    port, out = free_port(), Path(os.environ.get("TMPDIR", "/tmp")) / f"transfer-{os.getpid()}.json"
+    cmd = [sys.executable, __file__, "--gib", str(args.gib), "--_out", str(out), "--_worker"]
+    procs = [subprocess.Popen([*cmd, str(rank), str(port), str(args.trials)]) for rank in (0, 1)]
+    try:
+        codes = [p.wait(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if codes != [0, 0]:
+        print(f"transfer workers failed: exit codes {codes}", file=sys.stderr)
+        return 1
+    data = json.loads(out.read_text())
+    out.unlink()
+    gb = data["bytes"] / 1e9
+    wire = [gb / (r["received_s"] - s["pack_s"]) for s, r in zip(data["sender"], data["receiver"], strict=True)]
+    total = [gb / r["restored_s"] for r in data["receiver"]]
+    summary = {
+        "bytes": data["bytes"],
+        "wire_gb_s_median": statistics.median(wire),
+        "end_to_end_gb_s_median": statistics.median(total),
+        "trials": data,
+    }
+    print(
+        f"state {data['bytes'] / 2**30:.2f} GiB: wire {summary['wire_gb_s_median']:.2f} GB/s, "
+        f"pack → restored {summary['end_to_end_gb_s_median']:.2f} GB/s (median of {args.trials})"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
