@@ -68,6 +68,12 @@ class Reports:
         self.statuses: list[tuple[int, str, str]] = []
 
     def report_stop_complete(self, code: int, msg: str, fault_ranks: Mapping[int, int]) -> int:
+        return 0
+
+    def report_recover_strategy(self, fault_ranks: Mapping[int, int], strategy_list: Iterable[str]) -> int:
+        return 0
+
+    def report_recover_status(self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str) -> int:
         self.statuses.append((code, msg, strategy))
         return 0
 
