@@ -27,7 +27,6 @@ _TENSORS = 64
 def _worker(rank: int, port: int, size: int, trials: int, out: Path | None) -> None:
     import torch
     import torch.distributed as dist
-
     from taskd_pytorch.live._state import capture, pack, recv_state, restore, send_packed
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -23,6 +23,7 @@ import time
 from types import FrameType
 
 import torch
+from taskd_pytorch.live import LiveSession
 from torch import nn
 from train_ddp import (
     Progress,
@@ -35,8 +36,6 @@ from train_ddp import (
     save_checkpoint,
     sgd_step,
 )
-
-from taskd_pytorch.live import LiveSession
 
 
 def main() -> int:

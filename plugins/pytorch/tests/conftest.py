@@ -8,19 +8,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from pt_support import WORKERS, Launcher, events, finish, run_job
 
 
 @pytest.fixture
 def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
     """Build ``TaskdElasticAgent`` s on a one-node c10d rendezvous; every worker is stopped at teardown."""
+    from taskd_pytorch.elastic import TaskdElasticAgent
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-    from taskd_pytorch.elastic import TaskdElasticAgent
 
     made: list[TaskdElasticAgent] = []
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 from pt_support import kill, pid_alive, records, wait_for
+from taskd_pytorch import PytorchAdapter
+from taskd_pytorch.live._channel import LiveChannel
 
 from taskd_core.errors import WorkerControlError
 from taskd_core.models import WorkerState
 from taskd_core.plugins import load_adapter
-from taskd_pytorch import PytorchAdapter
-from taskd_pytorch.live._channel import LiveChannel
 
 
 def test_restart_all_starts_every_rank_with_torchrun_environment(make_agent, out_dir: Path) -> None:

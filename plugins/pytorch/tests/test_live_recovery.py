@@ -7,6 +7,7 @@ end with exactly the parameters of a fault-free ``train_ddp.py`` run.
 
 from __future__ import annotations
 
+import itertools
 import signal
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_every_loss_is_repaired_live_and_the_run_matches_a_fault_free_one(
                 time.sleep(0.5)
             kill(before[victim], signal.SIGKILL)
         wait_for(
-            lambda: all(current_pids(progress)[v] != before[v] for v in victims)
+            lambda before=before, victims=victims, at=at: all(current_pids(progress)[v] != before[v] for v in victims)
             and stepped_since(progress, current_pids(progress), at + 1),
             180, f"ranks {victims} to be replaced and every rank to step again",
         )
@@ -65,7 +66,7 @@ def test_every_loss_is_repaired_live_and_the_run_matches_a_fault_free_one(
     for rank in range(4):
         steps = [int(e["step"]) for e in log if e["event"] == "step" and int(e["rank"]) == rank]
         # The committed step never goes back; at most the interrupted step runs again.
-        assert all(b >= a for a, b in zip(steps, steps[1:], strict=False)), steps
+        assert all(b >= a for a, b in itertools.pairwise(steps)), steps
         assert steps[-1] == STEPS
     assert not [pid for pid in current_pids(progress).values() if pid_alive(pid)]
 

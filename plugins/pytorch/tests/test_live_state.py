@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from taskd_pytorch.live._state import capture, check_registrable, checksum, pack, restore, unpack
+from torch import nn
 
 
 def trained() -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:

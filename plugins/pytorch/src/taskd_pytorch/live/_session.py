@@ -13,6 +13,7 @@ from types import TracebackType
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from taskd_core.errors import ConfigError, TaskdError
 from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
@@ -65,7 +66,7 @@ class LiveSession:
         env = _Env.read()
         self.rank, self.world_size, self._local_rank = env.rank, env.world_size, env.local_rank
         self._prefix = f"taskd/live/{env.restart}/"
-        self._store = dist.TCPStore(
+        self._store = TCPStore(
             env.master_addr, env.master_port, is_master=env.hosts_store, timeout=self._collective_timeout
         )
         self._channel = LiveChannel(env.live_dir) if env.live_dir is not None else None
@@ -140,7 +141,9 @@ class LiveSession:
         self.step = number + 1
 
     def _fail(self, exc: BaseException) -> None:
-        logger.warning("rank %s: step %s failed (%s); it runs again once the group is rebuilt", self.rank, self.step, exc)
+        logger.warning(
+            "rank %s: step %s failed (%s); it runs again once the group is rebuilt", self.rank, self.step, exc
+        )
         # Not the exception: its traceback holds the failed collective, which keeps
         # the old group's connections open, so peers blocked on them never fail
         # and this rank's own teardown of the group waits for them.
@@ -158,8 +161,8 @@ class LiveSession:
         failure, self._failure = self._failure or "a new round was announced", None
         if self._channel is None:
             raise LiveRecoveryError(
-                f"rank {self.rank} lost a peer ({failure}) but runs without a TaskD agent ({LIVE_DIR_ENV} is not set); "
-                "start the job with taskdrun for live recovery"
+                f"rank {self.rank} lost a peer ({failure}) but runs without a TaskD agent "
+                f"({LIVE_DIR_ENV} is not set); start the job with taskdrun for live recovery"
             )
         deadline = time.monotonic() + self._rejoin_timeout
         while True:
@@ -170,8 +173,8 @@ class LiveSession:
                 return
             if time.monotonic() > deadline:
                 raise LiveRecoveryError(
-                    f"rank {self.rank}: no new round was announced within {self._rejoin_timeout}s of losing a peer "
-                    f"({failure})"
+                    f"rank {self.rank}: no new round was announced within {self._rejoin_timeout}s "
+                    f"of losing a peer ({failure})"
                 )
             time.sleep(_ROUND_POLL)
         # Whatever still refers to the failed collective (a traceback in a cycle) goes first.
@@ -183,7 +186,7 @@ class LiveSession:
         began = time.monotonic()
         dist.init_process_group(
             self._backend,
-            store=dist.PrefixStore(f"{self._prefix}{round_no}/", self._store),
+            store=PrefixStore(f"{self._prefix}{round_no}/", self._store),
             rank=self.rank,
             world_size=self.world_size,
             timeout=self._collective_timeout,
@@ -192,7 +195,9 @@ class LiveSession:
         self._sync(fresh)
         if self._channel is not None:
             self._channel.mark_joined(self._local_rank, round_no)
-        logger.info("rank %s joined round %s at step %s in %.3fs", self.rank, round_no, self.step, time.monotonic() - began)
+        logger.info(
+            "rank %s joined round %s at step %s in %.3fs", self.rank, round_no, self.step, time.monotonic() - began
+        )
 
     def _sync(self, fresh: bool) -> None:
         """Every rank ends with the state of the most advanced live replica."""

@@ -128,7 +128,7 @@ def pack(tree: Any) -> Packed:
 
 
 def unpack(skeleton: bytes, payload: torch.Tensor) -> Any:
-    """The tree :func:`pack` was given, its tensors views of ``payload`` (loading copies them where it must)."""
+    """The tree :func:`pack` was given; its tensors are views of ``payload`` (loading copies them)."""
 
     def fill(node: Any) -> Any:
         if isinstance(node, _Ref):
