@@ -45,40 +45,43 @@ def main() -> int:
     progress = Progress(args.progress, rank, restart)
     progress.log("start", 0)
 
-    model = make_model()
-    velocity = [torch.zeros_like(p) for p in model.parameters()]
-    session = LiveSession(model=model, velocity=velocity)
+    # The dump signal only sets a flag: the loop saves at the next step boundary,
+    # where the parameters are consistent on every rank.
     dump_requested = False
 
     def on_dump(signum: int, frame: FrameType | None) -> None:
         nonlocal dump_requested
         dump_requested = True
-        session.request_stop()
+        session.request_stop()  # also ends a wait for the next live round
 
+    model = make_model()
+    velocity = [torch.zeros_like(p) for p in model.parameters()]
+    session = LiveSession(model=model, velocity=velocity)  # the state a replacement receives
     signal.signal(signal.SIGUSR1, on_dump)
-
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt_dir / "ckpt.pt"
-    # A replacement rank gets the live state here, ahead of the checkpoint.
+    # Joins the job; a rank that replaces a lost one receives the live state here.
     done = session.start(load_checkpoint(ckpt, model, velocity))
     if done:
         progress.log("resumed", done)
-    first_life = restart == 0 and session.round == 0
     loss_fn = nn.MSELoss()
-    for step in session.steps(args.steps):
-        with step:
-            if step.number == args.fail_at_step and rank == args.fail_rank and first_life:
-                inject_fault(args.fail_mode, step.number)
+    for live_step in session.steps(args.steps):
+        with live_step:
+            step = live_step.number
+            if step == args.fail_at_step and rank == args.fail_rank and restart == 0 and session.round == 0:
+                inject_fault(args.fail_mode, step)
             if args.step_time:
-                time.sleep(args.step_time)  # stands for compute, as in train_ddp.py
+                # Stands for compute: the window in which a peer's fault is handled.
+                time.sleep(args.step_time)
             model.zero_grad()
-            x, y = batch(step.number, rank)
+            x, y = batch(step, rank)
             loss_fn(model(x), y).backward()
             sgd_step(model, velocity, world_size, session.all_reduce)
-            progress.log("step", step.number + 1)
-            if rank == 0 and ((step.number + 1) % args.ckpt_every == 0 or step.number + 1 == args.steps):
-                save_checkpoint(ckpt, step.number + 1, model, velocity)
-    done = session.step
+            done = step + 1
+            progress.log("step", done)
+            if rank == 0 and (done % args.ckpt_every == 0 or done == args.steps):
+                save_checkpoint(ckpt, done, model, velocity)
+    done = session.step  # a step that failed here may have been completed by a replica
     if dump_requested:
         if rank == 0:
             save_checkpoint(ckpt, done, model, velocity)

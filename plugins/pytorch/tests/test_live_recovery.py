@@ -40,8 +40,9 @@ def test_every_loss_is_repaired_live_and_the_run_matches_a_fault_free_one(
     nodes, progress, result = run_job(launch, tmp_path / "live", script="train_live.py", max_cycles=8)
     wait_for(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, 180, "every rank to train")
     # Rank 3, then rank 0 (store host and state source of the first start), then one rank of each
-    # node together, then a rank that is stopped first and killed a moment later.
-    for victims, stop_first in (((3,), False), ((0,), False), ((1, 2), False), ((3,), True)):
+    # node together, then every rank of node 1, then a rank that is stopped first and killed a moment later.
+    faults = (((3,), False), ((0,), False), ((1, 2), False), ((2, 3), False), ((3,), True))
+    for victims, stop_first in faults:
         before = current_pids(progress)
         at = last_step(progress)
         for victim in victims:
@@ -62,7 +63,7 @@ def test_every_loss_is_repaired_live_and_the_run_matches_a_fault_free_one(
     assert final["steps"] == STEPS and final["sha256"] == fault_free["sha256"]
     log = events(progress)
     assert {e["restart"] for e in log} == {0}  # never a whole-group restart
-    assert len([e for e in log if e["event"] == "start"]) == 4 + 5
+    assert len([e for e in log if e["event"] == "start"]) == 4 + sum(len(victims) for victims, _ in faults)
     for rank in range(4):
         steps = [int(e["step"]) for e in log if e["event"] == "step" and int(e["rank"]) == rank]
         # The committed step never goes back; at most the interrupted step runs again.

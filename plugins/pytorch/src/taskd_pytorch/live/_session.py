@@ -236,7 +236,9 @@ class LiveStep:
 
     When a peer is lost inside the block, the error is swallowed and the same
     step comes again from :meth:`LiveSession.steps` once the group is rebuilt.
-    Other errors propagate as usual.
+    Other errors propagate as usual. Leaving the block early (``break``,
+    ``return``) also commits the step: decide to stop before entering it, or
+    call :meth:`LiveSession.request_stop`.
     """
 
     def __init__(self, session: LiveSession, number: int) -> None:
