@@ -21,7 +21,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     quiet "${pip[@]}" "mindspore==2.10.0"
     # compat mode puts the source folders on sys.path, which keeps the shared
     # PEP 420 namespace "taskd" importable from both distributions.
-    quiet "${pip[@]}" --config-settings editable_mode=compat -e "$root[test]"
+    quiet "${pip[@]}" --config-settings editable_mode=compat -e "$root[test,timeline]"
     for plugin in "$root"/plugins/*/; do
         if [ -f "$plugin/pyproject.toml" ]; then
             quiet "${pip[@]}" --config-settings editable_mode=compat -e "$plugin"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Code(enum.IntEnum):
@@ -179,6 +180,53 @@ class WorkerStatus:
     @property
     def succeeded(self) -> bool:
         return self.state is WorkerState.EXITED and self.exit_code == 0
+
+
+class WorkerEventKind(str, enum.Enum):
+    """What happened to a worker process, as an agent reports it for the journal."""
+
+    STARTED = "started"
+    EXITED = "exited"
+    #: training resumed at ``WorkerEvent.step`` (reported by progress-aware adapters).
+    RESUMED = "resumed"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEvent:
+    """One worker incarnation's start, end or resumption (``ReportWorkerEvents``)."""
+
+    kind: WorkerEventKind
+    rank: int
+    local_rank: int
+    pid: int
+    #: Unix time by the reporting agent's clock.
+    time: float
+    exit_code: int | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEvent:
+    """One entry of a job's event journal (docs/events.md describes the kinds and details)."""
+
+    seq: int
+    time: float
+    job_id: str
+    cycle: int
+    kind: str
+    detail: Mapping[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable JSON-lines form of ``taskd events --json`` (schema version 1)."""
+        return {
+            "schema": 1,
+            "seq": self.seq,
+            "time": self.time,
+            "job": self.job_id,
+            "cycle": self.cycle,
+            "kind": self.kind,
+            "detail": dict(self.detail),
+        }
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from taskd_core.agent.config import AgentConfig
 from taskd_core.agent.dispatcher import ActionDispatcher
+from taskd_core.agent.lifecycle import WorkerLedger
 from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.client.manager import DLRecoverManager
 from taskd_core.errors import ConfigError, TaskdError
@@ -71,6 +72,7 @@ class NodeAgent:
         self._shutdown_signal: int | None = None
         #: (local rank, pid) of workers whose end is not a fault: stopped on purpose or already reported.
         self._settled: set[tuple[int, int | None]] = set()
+        self._ledger = WorkerLedger()
         if not config.controller:
             raise ConfigError(f"the agent of job {config.job_id} needs a controller address")
         self.client = DLRecoverManager.for_job(
@@ -105,7 +107,9 @@ class NodeAgent:
         self._watch.wake()
 
     def _settle(self, statuses: Iterable[WorkerStatus]) -> None:
-        self._settled.update((s.local_rank, s.pid) for s in statuses)
+        chosen = list(statuses)
+        self._ledger.stopping(chosen)
+        self._settled.update((s.local_rank, s.pid) for s in chosen)
 
     # --- the supervision loop -------------------------------------------------------------
 
@@ -166,13 +170,17 @@ class NodeAgent:
             if self._shutdown_signal is not None:
                 signum = self._shutdown_signal
                 self._stop_all()
+                if recovery:
+                    self._report_changes()
                 self._final_report(128 + signum, f"agent interrupted by signal {signum}")
                 return AgentOutcome(Outcome.INTERRUPTED, 128 + signum, f"signal {signum}")
             if self.dispatcher.given_up.is_set():
+                self._report_changes()
                 self._final_report(1, "job given up by the controller")
                 return AgentOutcome(Outcome.GIVEN_UP, 1, "the controller gave the job up")
             with self._lock:
                 statuses = self.adapter.monitor()
+                changes = self._ledger.update(statuses)
             failed = [s for s in statuses.values() if s.failed and (s.local_rank, s.pid) not in self._settled]
             if failed:
                 self._settle(failed)
@@ -185,6 +193,10 @@ class NodeAgent:
                     self.client.report_process_fault, {s.global_rank: int(FaultType.NORMAL.value) for s in failed}
                 )
                 report.add_done_callback(_log_failed_report)
+            if recovery and changes:
+                # Queued behind the fault report: the journal keeps the order, the recovery never waits for it.
+                self._fault_reports.submit(self.client.report_worker_events, changes)
+            if failed:
                 continue
             # After dump or exit the workers may end with 0, but the job is
             # being given up: wait for killMaster instead of claiming success.
@@ -196,7 +208,17 @@ class NodeAgent:
                 continue
             self._watch.wait(_WAIT_CAP)
 
+    def _report_changes(self) -> None:
+        with self._lock:
+            changes = self._ledger.update(self.adapter.monitor())
+        self.client.report_worker_events(changes)
+
     def _final_report(self, code: int, msg: str) -> None:
+        # Reports still queued (the last workers' exits) reach the journal before the agent's end does.
+        try:
+            self._fault_reports.submit(lambda: None).result(timeout=_FINAL_REPORT_DEADLINE)
+        except (TimeoutError, RuntimeError):
+            logger.warning("earlier reports to the controller are still pending as this agent ends")
         try:
             # Short deadline: a launcher that is told to stop must not hang on a controller that is gone.
             self.client.report_agent_exit(code, msg, deadline=_FINAL_REPORT_DEADLINE)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 #: Sub-command modules of this package; each has ``add_parser(subparsers)``
 #: which registers its parser with ``func=<callable(args) -> int>``.
-_COMMANDS = ("controller", "status", "run", "plugins")
+_COMMANDS = ("controller", "status", "events", "timeline", "run", "plugins")
 
 
 class _VersionAction(argparse.Action):

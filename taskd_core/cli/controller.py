@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from taskd_core.controller.policy import load_policies, parse_strategies
-from taskd_core.controller.server import ControllerConfig, serve, split_listen
+from taskd_core.controller.server import ControllerConfig, ControllerServer, serve, split_listen
 from taskd_core.errors import ConfigError
+from taskd_core.launcher.settings import argtype, parse_port
 from taskd_core.rpc.security import ServerTls
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,13 @@ def add_parser(subparsers: Any) -> None:
     sec.add_argument(
         "--admin-token-file", metavar="FILE", default="", help="token that may list and change every job"
     )
+    p.add_argument(
+        "--metrics-port",
+        type=argtype(parse_port),
+        metavar="P",
+        help="serve Prometheus /metrics on this port of the --listen host, over HTTPS with --tls-cert "
+        "(0: any free port; default: off)",
+    )
     p.set_defaults(func=run)
 
 
@@ -116,14 +124,19 @@ def run(args: argparse.Namespace) -> int:
         allow_legacy=args.allow_legacy_clients,
         admin_token_file=args.admin_token_file,
         health_port=args.health_port,
+        metrics_port=args.metrics_port,
     )
 
-    def ready(address: str) -> None:
+    def ready(server: ControllerServer) -> None:
         if args.port_file is not None:
             tmp = args.port_file.with_suffix(".tmp")
-            tmp.write_text(address + "\n")
+            tmp.write_text(server.address + "\n")
             tmp.replace(args.port_file)  # readers never see a half-written file
-        print(f"listening on {address}", flush=True)
+        print(f"listening on {server.address}", flush=True)
+        if server.metrics_port is not None:
+            scheme = "http" if config.tls is None else "https"
+            host = server.address.rsplit(":", 1)[0]
+            print(f"metrics on {scheme}://{host}:{server.metrics_port}/metrics", flush=True)
 
     asyncio.run(serve(config, on_ready=ready, handle_signals=True))
     return 0

@@ -33,10 +33,10 @@ from taskd_core.errors import (
     RecoveryDisabledError,
     TaskdError,
 )
-from taskd_core.models import PERMISSION_DENIED_INFO, Code, Credentials, Signal, SignalType
+from taskd_core.models import PERMISSION_DENIED_INFO, Code, Credentials, Signal, SignalType, WorkerEvent
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc as pb_grpc
-from taskd_core.rpc.convert import fault_dict_to_pb, signal_from_pb
+from taskd_core.rpc.convert import fault_dict_to_pb, signal_from_pb, worker_event_to_pb
 from taskd_core.rpc.security import open_channel
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,8 @@ class DLRecoverManager:
         self._handler_factory = handler_factory
         self._connect_deadline = connect_deadline
         self._report_deadline = report_deadline
+        #: False once the controller turned out not to have ReportWorkerEvents.
+        self._worker_events = True
         self._rpc_timeout = rpc_timeout
         self._health_interval = health_interval
         self._backoff = backoff or Backoff()
@@ -364,6 +366,30 @@ class DLRecoverManager:
         """
         req = pb.AgentExitRequest(jobId=self.job_id, agentId=self.agent_id, role=self.role, status=pb.Status(code=code, info=msg))
         return self._report("ReportAgentExit", self._stub.ReportAgentExit, req, deadline)
+
+    def report_worker_events(self, events: Sequence[WorkerEvent]) -> int:
+        """TaskD extension: workers started, ended or resumed (journalled for timelines and metrics).
+
+        Best effort and never slow: one attempt with the RPC timeout; a
+        controller without the RPC (a real ClusterD) is not asked again.
+        """
+        if not events or not self._worker_events:
+            return int(Code.OK)
+        req = pb.WorkerEventsRequest(
+            jobId=self.job_id, agentId=self.agent_id, events=[worker_event_to_pb(e) for e in events]
+        )
+        try:
+            status = self._stub.ReportWorkerEvents(req, timeout=self._rpc_timeout)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                logger.info("controller %s does not journal worker events; not sending them", self.server_addr)
+                self._worker_events = False
+            else:
+                logger.warning("ReportWorkerEvents for job %s failed: %s", self.job_id, exc.code())
+            return int(Code.SERVER_INNER_ERROR)
+        if status.code != Code.OK:
+            logger.warning("ReportWorkerEvents for job %s answered %s: %s", self.job_id, status.code, status.info)
+        return int(status.code)
 
     # --- shutdown ----------------------------------------------------------------------
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from taskd_core.controller.access import (
     AccessRules,
@@ -48,7 +49,7 @@ from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to
 from taskd_core.controller.store import EventRecord, JobRow, Store
 from taskd_core.controller.subscriber import Subscriber
 from taskd_core.errors import DuplicateSubscriberError, RequestRejected
-from taskd_core.models import Code, FaultRank, JobPolicy, Signal, SignalType
+from taskd_core.models import Code, FaultRank, JobPolicy, Signal, SignalType, WorkerEvent
 from taskd_core.rpc.security import Caller
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,16 @@ MAX_JOB_ID = 256
 LIVE_GRACE = 30.0
 #: Least seconds between two journal entries about refused requests of one job (log floods stay out).
 DENIAL_JOURNAL_INTERVAL = 1.0
+#: Journal entries one QueryEvents answer carries at most.
+EVENTS_PAGE = 1000
 _TERMINAL = (State.FINISHED, State.GIVEN_UP)
 _ANONYMOUS = Caller()
+
+
+class JournalObserver(Protocol):
+    """Told about every journal entry as it is committed (the metrics hook); runs on the loop."""
+
+    def journalled(self, job_id: str, entries: Sequence[JournalEntry], now: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +127,32 @@ class JobStatus:
     legacy: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class ControllerGauges:
+    """What a metrics scrape reads from the live controller."""
+
+    jobs_by_state: Mapping[State, int]
+    agents_registered: int
+    agents_connected: int
+    journal_entries: int
+
+
+def worker_detail(agent: str, event: WorkerEvent) -> dict[str, object]:
+    """A worker event as its journal detail (the ``worker *`` kinds of docs/events.md)."""
+    detail: dict[str, object] = {
+        "agent": agent,
+        "rank": event.rank,
+        "local_rank": event.local_rank,
+        "pid": event.pid,
+        "at": event.time,
+    }
+    if event.exit_code is not None:
+        detail["exit_code"] = event.exit_code
+    if event.step is not None:
+        detail["step"] = event.step
+    return detail
+
+
 def check_job_id(job_id: str) -> str:
     if not job_id:
         raise RequestRejected(
@@ -164,9 +199,11 @@ class Controller:
         limits: Limits | None = None,
         clock: Callable[[], float] = time.time,
         access: AccessRules | None = None,
+        observer: JournalObserver | None = None,
     ) -> None:
         self._store = store
         self._access = access or AccessRules()
+        self._observer = observer
         self._policies = policies
         self._keepalive_interval = keepalive_interval
         self._limits = limits or Limits()
@@ -351,6 +388,42 @@ class Controller:
         self._save(job, [JournalEntry("policy set", job.machine.snap.cycle, policy_to_dict(policy))])
         return Reply(Code.OK, f"jobId={job_id}: policy set")
 
+    def worker_events(
+        self, job_id: str, agent_id: str, events: Sequence[WorkerEvent], caller: Caller = _ANONYMOUS
+    ) -> Reply:
+        """Journal an agent's worker starts, exits and resumptions (for timelines and metrics)."""
+        job = self._registered(job_id, caller, "ReportWorkerEvents")
+        agent = self._attribute(job, agent_id)
+        cycle = job.machine.snap.cycle
+        entries = [JournalEntry(f"worker {e.kind.value}", cycle, worker_detail(agent, e)) for e in events]
+        if entries:
+            self._save(job, entries)
+        return Reply(Code.OK, f"jobId={job_id}: {len(entries)} worker event(s) journalled")
+
+    def events_after(
+        self, job_id: str, after: int, limit: int, caller: Caller = _ANONYMOUS
+    ) -> tuple[list[EventRecord], State]:
+        """A job's journal entries after ``after``, oldest first, and the job's state now (who may see it)."""
+        job = self._jobs.get(check_job_id(job_id))
+        if job is None:
+            raise RequestRejected(
+                Code.UNREGISTERED, f"jobId={job_id[:MAX_JOB_ID]} is not known to this controller"
+            )
+        if not may_see(self._access, job.claim, caller):
+            raise forbidden(job_id, "reading this job's journal needs its token (TASKD_JOB_TOKEN) or the admin token")
+        page = min(limit, EVENTS_PAGE) if limit > 0 else EVENTS_PAGE
+        return self._store.events_after(job.job_id, max(0, after), page), job.machine.state
+
+    def gauges(self) -> ControllerGauges:
+        """Counts over every job for a metrics scrape (cheap: one pass, no I/O)."""
+        states: dict[State, int] = dict.fromkeys(State, 0)
+        registered = connected = 0
+        for job in self._jobs.values():
+            states[job.machine.snap.state] += 1
+            registered += sum(1 for a in job.agents.values() if a.exit_code is None)
+            connected += len(job.subscribers)
+        return ControllerGauges(states, registered, connected, self._store.journal_size())
+
     def status(self, job_id: str = "", events: int = 10, caller: Caller = _ANONYMOUS) -> list[JobStatus]:
         """One job (its token or the admin token), or every job the caller may see."""
         if job_id and job_id not in self._jobs:
@@ -514,7 +587,11 @@ class Controller:
         row = JobRow(
             job.job_id, job.inited, policy_to_dict(job.machine.policy), job.machine.snap.to_dict(), job.claim
         )
-        self._store.commit(row, list(journal), agents, now=self._clock())
+        entries = list(journal)
+        now = self._clock()
+        self._store.commit(row, entries, agents, now=now)
+        if self._observer is not None and entries:
+            self._observer.journalled(job.job_id, entries, now)
 
     def _broadcast(self, job: _Job, signal: Signal) -> None:
         for sub in list(job.subscribers.values()):

@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from taskd_core.controller.access import AccessRules
+from taskd_core.controller.metrics import ControllerMetrics, MetricsEndpoint, RpcMetricsInterceptor, on_loop
 from taskd_core.controller.policy import PolicyBook, validated
 from taskd_core.controller.runtime import Controller, Limits
 from taskd_core.controller.service import RecoverService
@@ -80,6 +81,9 @@ class ControllerConfig:
     #: also serve the health service alone, in plaintext, on this port of the listen host
     #: (Kubernetes' gRPC probes cannot speak TLS); None: only on the main port.
     health_port: int | None = None
+    #: serve Prometheus ``/metrics`` on this port of the listen host (0: any free port); None: off.
+    #: With ``tls`` it is served over HTTPS with the same certificate (and client CA).
+    metrics_port: int | None = None
 
     def access(self) -> AccessRules:
         """The authorisation rules; checks the listener's security (:class:`ConfigError`)."""
@@ -119,6 +123,8 @@ class ControllerServer:
             raise ConfigError("--keepalive-interval must be greater than 0")
         self._access = config.access()
         self._credentials = config.tls.credentials() if config.tls is not None else None
+        if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {config.metrics_port}: expected a port in 0..65535")
         self.config = config
         self.port = 0
         self._store: Store | None = None
@@ -128,6 +134,12 @@ class ControllerServer:
         self._probe_server: grpc.aio.Server | None = None
         #: the bound port of the plaintext health listener (0 without one).
         self.health_port = 0
+        self._metrics_endpoint: MetricsEndpoint | None = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The bound ``/metrics`` port, None when metrics are off."""
+        return self._metrics_endpoint.port if self._metrics_endpoint else None
 
     @property
     def address(self) -> str:
@@ -139,14 +151,19 @@ class ControllerServer:
 
     async def start(self) -> None:
         self._store = Store(self.config.state)
+        metrics = ControllerMetrics() if self.config.metrics_port is not None else None
         self._controller = Controller(
             self._store,
             self.config.policies,
             keepalive_interval=self.config.keepalive_interval,
             access=self._access,
             limits=self.config.limits,
+            observer=metrics,
         )
-        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RequestGuard(SERVICE_NAME)])
+        interceptors: list[grpc.aio.ServerInterceptor] = [RequestGuard(SERVICE_NAME)]
+        if metrics is not None:
+            interceptors.append(RpcMetricsInterceptor(metrics, SERVICE_NAME))
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         recover_pb2_grpc.add_RecoverServicer_to_server(RecoverService(self._controller), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
@@ -159,6 +176,18 @@ class ControllerServer:
             raise ConfigError(
                 f"--listen {self.config.listen}: cannot bind ({exc}); pick a free port"
             ) from None
+        if metrics is not None and self.config.metrics_port is not None:
+            metrics.attach(on_loop(asyncio.get_running_loop(), self._controller.gauges))
+            host, _ = split_listen(self.config.listen)
+            try:
+                self._metrics_endpoint = MetricsEndpoint(
+                    metrics, host.strip("[]"), self.config.metrics_port, self.config.tls
+                )
+            except ConfigError:
+                self._store.close()
+                raise
+            scheme = "http" if self.config.tls is None else "https"
+            logger.info("metrics on %s://%s:%d/metrics", scheme, host, self._metrics_endpoint.port)
         self._server = server
         self._controller.start()
         await server.start()
@@ -199,6 +228,8 @@ class ControllerServer:
             await self._server.stop(self.config.grace if grace is None else grace)
         if self._controller is not None:
             await self._controller.close()
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.close()
         if self._store is not None:
             # Every transition was committed when it happened; closing checkpoints the WAL.
             self._store.close()
@@ -209,12 +240,12 @@ async def serve(
     config: ControllerConfig,
     *,
     stop: asyncio.Event | None = None,
-    on_ready: Callable[[str], None] | None = None,
+    on_ready: Callable[[ControllerServer], None] | None = None,
     handle_signals: bool = False,
 ) -> None:
     """Run a controller until ``stop`` is set (or SIGTERM/SIGINT with ``handle_signals``).
 
-    ``on_ready`` gets the reachable address once the port is bound.
+    ``on_ready`` gets the running server once its ports are bound (``.address``, ``.metrics_port``).
     """
     stop = stop or asyncio.Event()
     server = ControllerServer(config)
@@ -225,7 +256,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     try:
         if on_ready is not None:
-            on_ready(server.address)
+            on_ready(server)
         await stop.wait()
         logger.info("controller shutting down")
     finally:
@@ -238,7 +269,8 @@ class EmbeddedController:
     """A controller on a background thread with its own event loop.
 
     Starts in the constructor and is ready when it returns; :attr:`address`
-    (``"127.0.0.1:PORT"``) and :attr:`port` say where it listens. :meth:`stop`
+    (``"127.0.0.1:PORT"``) and :attr:`port` say where it listens, :attr:`metrics_port`
+    where ``/metrics`` is served (None unless ``metrics_port`` is given; 0 picks a free port). :meth:`stop`
     (or leaving the ``with`` block) shuts it down gracefully within
     ``stop_timeout`` seconds. ``defaults`` is every job's policy unless
     ``policies`` gives a full :class:`~taskd_core.controller.policy.PolicyBook`.
@@ -259,19 +291,20 @@ class EmbeddedController:
         allow_legacy: bool | None = None,
         admin_token_file: str = "",
         limits: Limits | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         book = policies or PolicyBook(validated(defaults or JobPolicy(), "defaults: "))
         self._config = ControllerConfig(
             listen, state, book, keepalive_interval, grace, tls, insecure, allow_legacy, admin_token_file,
-            limits or Limits(),
+            limits or Limits(), metrics_port=metrics_port,
         )
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
-        self._ready: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self._ready: concurrent.futures.Future[tuple[str, int | None]] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, name="taskd-controller", daemon=True)
         self._thread.start()
         try:
-            self.address = self._ready.result(timeout=start_timeout)
+            self.address, self.metrics_port = self._ready.result(timeout=start_timeout)
         except concurrent.futures.TimeoutError:
             self.stop()
             raise ConfigError(
@@ -293,7 +326,11 @@ class EmbeddedController:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        await serve(self._config, stop=self._stop, on_ready=self._ready.set_result)
+        await serve(
+            self._config,
+            stop=self._stop,
+            on_ready=lambda server: self._ready.set_result((server.address, server.metrics_port)),
+        )
 
     def stop(self, timeout: float = 5.0) -> None:
         """Shut down gracefully; waits at most ``timeout`` seconds. Idempotent."""

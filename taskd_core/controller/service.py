@@ -10,12 +10,13 @@ a :class:`~taskd_core.errors.ProtocolError` or
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
 
 from taskd_core.controller.machine import Reply, StatusReported, StopReported, StrategiesReported
 from taskd_core.controller.runtime import AgentIdentity, Controller, JobStatus, policy_changes
+from taskd_core.controller.store import EventRecord
 from taskd_core.errors import (
     ConfigError,
     DuplicateSubscriberError,
@@ -32,6 +33,7 @@ from taskd_core.rpc.convert import (
     fault_ranks_to_pb,
     parse_rank,
     signal_to_pb,
+    worker_event_from_pb,
 )
 from taskd_core.rpc.security import caller_of
 
@@ -138,6 +140,10 @@ def _agent(agent_id: str) -> str:
     return check_name(agent_id, "agentId")
 
 
+def event_views(records: Iterable[EventRecord]) -> list[pb.EventView]:
+    return [pb.EventView(seq=e.seq, time=e.time, cycle=e.cycle, kind=e.kind, detail=e.detail) for e in records]
+
+
 def job_view(job: JobStatus) -> pb.JobView:
     agents = [
         pb.AgentView(
@@ -150,9 +156,6 @@ def job_view(job: JobStatus) -> pb.JobView:
         )
         for a in job.agents
     ]
-    events = [
-        pb.EventView(seq=e.seq, time=e.time, cycle=e.cycle, kind=e.kind, detail=e.detail) for e in job.events
-    ]
     return pb.JobView(
         jobId=job.job_id,
         state=job.state.value,
@@ -163,7 +166,7 @@ def job_view(job: JobStatus) -> pb.JobView:
         maxCycles=job.policy.max_cycles,
         strategies=[s.value for s in job.policy.strategies],
         agents=agents,
-        events=events,
+        events=event_views(job.events),
         outcome=job.outcome or f"waiting for {job.expects}",
         legacy=job.legacy,
     )
@@ -307,3 +310,28 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
             return Reply(Code.OK, f"{len(views)} job(s)")
 
         return pb.ControllerStatus(status=_answer(call), jobs=views)
+
+    async def ReportWorkerEvents(
+        self, request: pb.WorkerEventsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Status:
+        caller = caller_of(context)
+
+        def call() -> Reply:
+            _ranks(request.events, "events")
+            events = tuple(worker_event_from_pb(e) for e in request.events)
+            return self._ctl.worker_events(request.jobId, _agent(request.agentId), events, caller)
+
+        return _answer(call)
+
+    async def QueryEvents(self, request: pb.EventQuery, context: grpc.aio.ServicerContext) -> pb.EventPage:
+        caller = caller_of(context)
+        page = pb.EventPage()
+
+        def call() -> Reply:
+            records, state = self._ctl.events_after(request.jobId, request.afterSeq, request.limit, caller)
+            page.events.extend(event_views(records))
+            page.state = state.value
+            return Reply(Code.OK, f"{len(records)} event(s)")
+
+        page.status.CopyFrom(_answer(call))
+        return page

@@ -19,6 +19,7 @@ import logging
 import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from taskd_core.controller.access import Claim
@@ -101,17 +102,26 @@ class EventRecord:
 class Store:
     """One SQLite database; use from one thread (the controller's event loop)."""
 
-    def __init__(self, path: str, max_events: int = MAX_EVENTS_PER_JOB) -> None:
+    def __init__(self, path: str, max_events: int = MAX_EVENTS_PER_JOB, *, readonly: bool = False) -> None:
+        """Open (or create) the store; ``readonly`` reads an existing file, even a live controller's."""
         self.path = path
         self.max_events = max_events
         #: journal entries written per job since its last rotation.
         self._unrotated: dict[str, int] = {}
         try:
+            if readonly:
+                if path == ":memory:" or not Path(path).is_file():
+                    raise ConfigError(f"state file {path}: no such file; give a controller's --state file")
+                self._db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+                self._db.execute("SELECT 1 FROM events LIMIT 1")
+                return
             self._db = sqlite3.connect(path, isolation_level=None)
             if path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            # Counted once; commits keep it up to date (a count(*) per scrape would grow with the journal).
+            self._entries: int = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
         except sqlite3.Error as exc:
             raise ConfigError(f"state file {path}: cannot open it as SQLite ({exc}); check --state") from None
 
@@ -185,13 +195,14 @@ class Store:
                 "INSERT INTO events (time, job_id, cycle, kind, detail) VALUES (?, ?, ?, ?, ?)",
                 [(now, row.job_id, e.cycle, e.kind, json.dumps(e.detail, sort_keys=True)) for e in journal],
             )
+            self._entries += len(journal)
             written = self._unrotated.get(row.job_id, 0) + len(journal)
             if written >= ROTATE_EVERY:
-                self._db.execute(
+                self._entries -= self._db.execute(
                     "DELETE FROM events WHERE job_id = ? AND seq <= ("
                     " SELECT seq FROM events WHERE job_id = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)",
                     (row.job_id, row.job_id, self.max_events),
-                )
+                ).rowcount
                 written = 0
             self._unrotated[row.job_id] = written
 
@@ -205,7 +216,9 @@ class Store:
         with self._transaction():
             self._unrotated.pop(job_id, None)
             for table in ("jobs", "agents", "claims", "events"):
-                self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
+                deleted = self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,)).rowcount
+                if table == "events":
+                    self._entries -= deleted
 
     def _transaction(self) -> sqlite3.Connection:
         # isolation_level=None leaves transactions to us; the context manager commits or rolls back.
@@ -220,6 +233,22 @@ class Store:
             (job_id, limit),
         ).fetchall()
         return [EventRecord(*r) for r in reversed(rows)]
+
+    def events_after(self, job_id: str, after: int, limit: int) -> list[EventRecord]:
+        """At most ``limit`` journal entries of a job with ``seq > after``, oldest first."""
+        rows = self._db.execute(
+            "SELECT seq, time, job_id, cycle, kind, detail FROM events"
+            " WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (job_id, after, limit),
+        ).fetchall()
+        return [EventRecord(*r) for r in rows]
+
+    def has_job(self, job_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM jobs WHERE job_id = ?", (job_id,)).fetchone() is not None
+
+    def journal_size(self) -> int:
+        """Entries in the journal now (rotation deletes old ones)."""
+        return self._entries
 
     def close(self) -> None:
         self._db.close()

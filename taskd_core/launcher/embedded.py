@@ -47,6 +47,7 @@ def controller_address(
     state: str = ":memory:",
     credentials: Credentials | None = None,
     insecure: bool = False,
+    metrics_port: int | None = None,
 ) -> Iterator[ControllerEndpoint]:
     """Yield the controller this node's agent must use (``HOST:PORT``, and whether it is embedded here).
 
@@ -60,6 +61,7 @@ def controller_address(
     :param credentials: with a certificate and key, the embedded controller serves mutual
         TLS with them, requiring client certificates signed by their CA.
     :param insecure: let it serve plaintext on a non-loopback address.
+    :param metrics_port: where it serves Prometheus ``/metrics`` (same interface, HTTPS with TLS); None: off.
     :raises ConfigError: for an address or port that cannot work, or plaintext beyond loopback.
     """
     if explicit:
@@ -78,11 +80,19 @@ def controller_address(
     tls = ServerTls(own.tls_cert, own.tls_key, own.tls_ca) if own.tls_cert and own.tls_key else None
     bind = "127.0.0.1" if is_loopback(master_addr) else "0.0.0.0"
     with EmbeddedController(
-        listen=f"{bind}:{controller_port}", state=state, defaults=policy, tls=tls, insecure=insecure
+        listen=f"{bind}:{controller_port}",
+        state=state,
+        defaults=policy,
+        tls=tls,
+        insecure=insecure,
+        metrics_port=metrics_port,
     ) as controller:
         logger.info(
             "embedded controller listening on %s:%s (%s)", bind, controller.port, "mutual TLS" if tls else "plaintext"
         )
+        if controller.metrics_port is not None:
+            scheme = "https" if tls else "http"
+            logger.info("embedded controller metrics on %s://%s:%s/metrics", scheme, bind, controller.metrics_port)
         # Node 0's own agent reaches it over loopback, whatever interface serves the others; with
         # TLS at the master address, the name its certificate carries for the other nodes.
         host = master_addr if tls is not None else "127.0.0.1"

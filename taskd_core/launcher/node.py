@@ -48,6 +48,7 @@ def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launche
         state=settings.controller_state,
         credentials=settings.agent.credentials,
         insecure=settings.insecure,
+        metrics_port=settings.metrics_port,
     ) as endpoint:
         agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter)
         logger.info(

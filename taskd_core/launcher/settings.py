@@ -129,6 +129,13 @@ def parse_count(text: str, what: str = "", *, low: int = 0) -> int:
     return value
 
 
+def parse_port(text: str, what: str = "port") -> int:
+    """A TCP port from ``text``: 0..65535 (0 lets the system pick a free one)."""
+    port = parse_count(text, what)
+    check_port(port, what, allow_zero=True)
+    return port
+
+
 def parse_signal(text: str, what: str = "signal") -> signal.Signals:
     """A signal by name (``USR1``, ``SIGUSR1``) or number."""
     name = text.strip().upper()
@@ -279,6 +286,8 @@ class NodeSettings:
     controller_port: int = DEFAULT_CONTROLLER_PORT
     #: SQLite state file of an embedded controller.
     controller_state: str = ":memory:"
+    #: port of an embedded controller's Prometheus ``/metrics`` (0: any free port); None: off.
+    metrics_port: int | None = None
     #: recovery policy of an embedded controller.
     policy: JobPolicy = field(default_factory=JobPolicy)
     #: node 0 with an embedded controller: seconds to wait for the other agents to end.
@@ -297,6 +306,8 @@ class NodeSettings:
             )
         check_host(self.master_addr, "master address")
         check_seconds(self.linger, "linger")
+        if self.metrics_port is not None:
+            check_port(self.metrics_port, "metrics port", allow_zero=True)
 
     @property
     def job_id(self) -> str:
@@ -328,6 +339,10 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
         metavar="PORT",
         help=f"port of node 0's embedded controller (default: any free port on one node, "
         f"{DEFAULT_CONTROLLER_PORT} on several)",
+    )
+    g.add_argument(
+        f"{p}metrics-port", type=argtype(parse_port), default=None, metavar="PORT",
+        help="node 0's embedded controller serves Prometheus /metrics on this port (default: off; docs/metrics.md)",
     )
     g.add_argument(
         f"{p}job-id", default=None, metavar="ID",
@@ -447,6 +462,7 @@ def node_settings_from_args(
         master_addr=master_addr,
         controller_port=embedded_port(arg("controller-port"), nnodes=nnodes, controller=controller),
         controller_state=controller_state,
+        metrics_port=arg("metrics-port"),
         policy=JobPolicy(
             strategies=arg("strategies"),
             report_timeout=arg("report-timeout"),

@@ -8,10 +8,11 @@ answers with ``Code.INVALID_PARAM`` and the client logs and skips.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 from taskd_core.errors import ProtocolError
-from taskd_core.models import FaultRank, FaultType, Signal
+from taskd_core.models import FaultRank, FaultType, Signal, WorkerEvent, WorkerEventKind
 from taskd_core.rpc._gen import recover_pb2 as pb
 
 #: Largest rank id accepted; keeps int() of a hostile string cheap and bounded.
@@ -102,4 +103,40 @@ def signal_to_pb(signal: Signal) -> pb.ProcessManageSignal:
         extraParams=signal.extra_params,
         signalSeq=signal.seq,
         cycle=signal.cycle,
+    )
+
+
+def worker_event_to_pb(event: WorkerEvent) -> pb.WorkerEvent:
+    return pb.WorkerEvent(
+        kind=event.kind.value,
+        rank=event.rank,
+        localRank=event.local_rank,
+        pid=event.pid,
+        time=event.time,
+        exitCode=event.exit_code,
+        step=event.step,
+    )
+
+
+def worker_event_from_pb(msg: pb.WorkerEvent) -> WorkerEvent:
+    """A reported worker event, checked; :class:`ProtocolError` names the bad field."""
+    try:
+        kind = WorkerEventKind(msg.kind)
+    except ValueError:
+        known = ", ".join(repr(k.value) for k in WorkerEventKind)
+        raise ProtocolError(f"kind must be one of {known}, got {msg.kind[:32]!r}", field="kind") from None
+    if not 0 <= msg.rank <= MAX_RANK:
+        raise ProtocolError(f"rank must be in 0..{MAX_RANK}, got {msg.rank}", field="rank")
+    if msg.pid < 0 or msg.localRank < 0:
+        raise ProtocolError(f"pid and localRank must not be negative (pid {msg.pid})", field="pid")
+    if not math.isfinite(msg.time) or msg.time < 0:
+        raise ProtocolError(f"time must be Unix seconds, got {msg.time}", field="time")
+    return WorkerEvent(
+        kind=kind,
+        rank=msg.rank,
+        local_rank=msg.localRank,
+        pid=msg.pid,
+        time=msg.time,
+        exit_code=msg.exitCode if msg.HasField("exitCode") else None,
+        step=msg.step if msg.HasField("step") else None,
     )

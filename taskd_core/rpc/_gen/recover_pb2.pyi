@@ -219,3 +219,51 @@ class ControllerStatus(_message.Message):
     status: Status
     jobs: _containers.RepeatedCompositeFieldContainer[JobView]
     def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[JobView, _Mapping]]] = ...) -> None: ...
+
+class WorkerEvent(_message.Message):
+    __slots__ = ("kind", "rank", "localRank", "pid", "time", "exitCode", "step")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCALRANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    EXITCODE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    rank: int
+    localRank: int
+    pid: int
+    time: float
+    exitCode: int
+    step: int
+    def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., localRank: _Optional[int] = ..., pid: _Optional[int] = ..., time: _Optional[float] = ..., exitCode: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class WorkerEventsRequest(_message.Message):
+    __slots__ = ("jobId", "agentId", "events")
+    JOBID_FIELD_NUMBER: _ClassVar[int]
+    AGENTID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    jobId: str
+    agentId: str
+    events: _containers.RepeatedCompositeFieldContainer[WorkerEvent]
+    def __init__(self, jobId: _Optional[str] = ..., agentId: _Optional[str] = ..., events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ...) -> None: ...
+
+class EventQuery(_message.Message):
+    __slots__ = ("jobId", "afterSeq", "limit")
+    JOBID_FIELD_NUMBER: _ClassVar[int]
+    AFTERSEQ_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    jobId: str
+    afterSeq: int
+    limit: int
+    def __init__(self, jobId: _Optional[str] = ..., afterSeq: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class EventPage(_message.Message):
+    __slots__ = ("status", "events", "state")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    events: _containers.RepeatedCompositeFieldContainer[EventView]
+    state: str
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., events: _Optional[_Iterable[_Union[EventView, _Mapping]]] = ..., state: _Optional[str] = ...) -> None: ...

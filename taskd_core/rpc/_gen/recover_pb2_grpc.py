@@ -89,6 +89,16 @@ class RecoverStub:
                 request_serializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.StatusQuery.SerializeToString,
                 response_deserializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.ControllerStatus.FromString,
                 _registered_method=True)
+        self.ReportWorkerEvents = channel.unary_unary(
+                '/Recover/ReportWorkerEvents',
+                request_serializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.WorkerEventsRequest.SerializeToString,
+                response_deserializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.Status.FromString,
+                _registered_method=True)
+        self.QueryEvents = channel.unary_unary(
+                '/Recover/QueryEvents',
+                request_serializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.EventQuery.SerializeToString,
+                response_deserializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.EventPage.FromString,
+                _registered_method=True)
 
 
 class RecoverServicer:
@@ -165,6 +175,20 @@ class RecoverServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportWorkerEvents(self, request, context):
+        """An agent's workers started, ended or resumed training: journalled for timelines and metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def QueryEvents(self, request, context):
+        """A job's journal after a cursor, oldest first (`taskd events`, `taskd timeline`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RecoverServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +246,16 @@ def add_RecoverServicer_to_server(servicer, server):
                     servicer.QueryStatus,
                     request_deserializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.StatusQuery.FromString,
                     response_serializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.ControllerStatus.SerializeToString,
+            ),
+            'ReportWorkerEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWorkerEvents,
+                    request_deserializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.WorkerEventsRequest.FromString,
+                    response_serializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.Status.SerializeToString,
+            ),
+            'QueryEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.QueryEvents,
+                    request_deserializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.EventQuery.FromString,
+                    response_serializer=taskd__core_dot_rpc_dot___gen_dot_recover__pb2.EventPage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -521,6 +555,60 @@ class Recover:
             '/Recover/QueryStatus',
             taskd__core_dot_rpc_dot___gen_dot_recover__pb2.StatusQuery.SerializeToString,
             taskd__core_dot_rpc_dot___gen_dot_recover__pb2.ControllerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWorkerEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/Recover/ReportWorkerEvents',
+            taskd__core_dot_rpc_dot___gen_dot_recover__pb2.WorkerEventsRequest.SerializeToString,
+            taskd__core_dot_rpc_dot___gen_dot_recover__pb2.Status.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def QueryEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/Recover/QueryEvents',
+            taskd__core_dot_rpc_dot___gen_dot_recover__pb2.EventQuery.SerializeToString,
+            taskd__core_dot_rpc_dot___gen_dot_recover__pb2.EventPage.FromString,
             options,
             channel_credentials,
             insecure,

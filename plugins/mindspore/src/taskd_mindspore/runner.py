@@ -32,6 +32,8 @@ security                   ``TASKD_JOB_TOKEN`` (generated on one node when unset
                            ``TASKD_TLS_CERT``, ``TASKD_TLS_KEY`` (node 0's embedded controller then
                            serves mutual TLS); ``TASKD_INSECURE`` = 1 lets it serve plaintext
                            beyond loopback (docs/security.md)
+metrics                    ``TASKD_METRICS_PORT``: node 0's embedded controller serves Prometheus
+                           ``/metrics`` there (default: off)
 =========================  ======================================================================
 """
 
@@ -122,6 +124,7 @@ class MsrunSettings:
                 controller=agent.controller,
                 multi_node=sched_port + 1,
             ),
+            metrics_port=env_count(env, "TASKD_METRICS_PORT", 0) if env.get("TASKD_METRICS_PORT", "").strip() else None,
             policy=policy,
             linger=env_seconds(env, "TASKD_LINGER", default_of(NodeSettings, "linger")),
             insecure=env.get("TASKD_INSECURE", "").strip().lower() in _TRUE,
