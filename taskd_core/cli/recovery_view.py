@@ -46,6 +46,8 @@ class Fault:
     fault_type: str
     #: seconds until the rank ran again; None if it never did.
     lost: float | None = None
+    #: the faulty worker's exit code, where its agent reported it.
+    exit_code: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +110,7 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
     open_runs: dict[int, tuple[int, float]] = {}
     runs: list[Incarnation] = []
     fault_marks: list[tuple[int, float, str]] = []
-    exits: dict[int, list[float]] = {}
+    exits: dict[int, list[tuple[float, int | None]]] = {}
     starts: dict[int, list[float]] = {}
     resumes: dict[int, list[float]] = {}
     signals: list[SignalMark] = []
@@ -124,8 +126,9 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
             starts.setdefault(rank, []).append(at)
         elif e.kind == "worker exited":
             rank, at = int(d["rank"]), float(d["at"]) - origin
-            _close(open_runs, runs, rank, at, d.get("exit_code"))
-            exits.setdefault(rank, []).append(at)
+            code = d.get("exit_code")
+            _close(open_runs, runs, rank, at, code)
+            exits.setdefault(rank, []).append((at, None if code is None else int(code)))
         elif e.kind == "worker resumed":
             resumes.setdefault(int(d["rank"]), []).append(float(d["at"]) - origin)
         elif e.kind == "fault":
@@ -173,11 +176,11 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
 
 
 def _close(
-    open_runs: dict[int, tuple[int, float]], runs: list[Incarnation], rank: int, at: float, code: object
+    open_runs: dict[int, tuple[int, float]], runs: list[Incarnation], rank: int, at: float, code: int | None
 ) -> None:
     if rank in open_runs:
         pid, start = open_runs.pop(rank)
-        runs.append(Incarnation(rank, pid, start, max(start, at), None if code is None else int(str(code))))
+        runs.append(Incarnation(rank, pid, start, max(start, at), code))
 
 
 def _first_after(times: Iterable[float], after: float) -> float | None:
@@ -189,15 +192,15 @@ def _fault(
     rank: int,
     journalled: float,
     kind: str,
-    exits: dict[int, list[float]],
+    exits: dict[int, list[tuple[float, int | None]]],
     starts: dict[int, list[float]],
     resumes: dict[int, list[float]],
 ) -> Fault:
     # The worker's end precedes the report; take the latest end before it (agents' clocks may lead by a little).
-    ended = [t for t in exits.get(rank, []) if t <= journalled + 1.0]
-    at = max(ended) if ended else journalled
+    ended = [(t, code) for t, code in exits.get(rank, []) if t <= journalled + 1.0]
+    at, code = max(ended, key=lambda e: e[0]) if ended else (journalled, None)
     back = _first_after(resumes.get(rank, []), at) or _first_after(starts.get(rank, []), at)
-    return Fault(rank, at, kind, None if back is None else back - at)
+    return Fault(rank, at, kind, None if back is None else back - at, code)
 
 
 def _phases(c: _CycleMarks, faults: Sequence[Fault]) -> list[Phase]:

@@ -66,6 +66,12 @@ def draw(view: JobTimeline, out: Path) -> None:
     fmt = output_format(out)
     plt = _pyplot()
     lanes = max(1, len(view.ranks))
+    # SVG text stays text (searchable, smaller) instead of glyph outlines.
+    with plt.rc_context({"svg.fonttype": "none"}):
+        _render(plt, view, out, fmt, lanes)
+
+
+def _render(plt: Any, view: JobTimeline, out: Path, fmt: str, lanes: int) -> None:
     fig, (top, ax) = plt.subplots(
         2,
         1,
@@ -129,20 +135,23 @@ def _draw_lanes(ax: Any, view: JobTimeline) -> None:
     labelled = lanes <= _LABELLED_LANES
     end = max(view.duration, 1e-3)
     counts: dict[int, int] = {}
+    faulted = {(f.rank, f.time) for f in view.faults}
     for run in view.incarnations:
         nth = counts[run.rank] = counts.get(run.rank, -1) + 1
         stop = run.end if run.end is not None else end
         ax.barh(y[run.rank], stop - run.start, left=run.start, height=0.62, color=_RUN_COLORS[nth % 2])
         if labelled:
             ax.text(run.start, y[run.rank], f" pid {run.pid}", va="center", fontsize=7, color="white", clip_on=True)
-        if run.exit_code not in (None, 0) and (labelled or nth == 0):
+        # A fault's exit code goes with its mark; other non-zero ends (stopped workers) only on small jobs.
+        if run.exit_code not in (None, 0) and labelled and (run.rank, stop) not in faulted:
             ax.text(stop, y[run.rank] + 0.38, f"exit {run.exit_code}", fontsize=6, ha="right", clip_on=True)
     for cycle in view.cycles:
         ax.axvspan(cycle.start, cycle.end if cycle.end is not None else end, color="#e6550d", alpha=0.08)
     for fault in view.faults:
         ax.plot(fault.time, y[fault.rank], marker="X", color="#d62728", markersize=9, zorder=5)
         lost = "never back" if fault.lost is None else f"lost {fault.lost:.2f} s"
-        ax.text(fault.time, y[fault.rank] - 0.45, f" fault ({lost})", fontsize=7, color="#d62728", va="bottom")
+        code = "" if fault.exit_code is None else f"exit {fault.exit_code}, "
+        ax.text(fault.time, y[fault.rank] - 0.4, f" fault ({code}{lost})", fontsize=7, color="#d62728", va="bottom")
     for sig in view.signals:
         ax.axvline(sig.time, color="#888888", linewidth=0.5, linestyle=":")
     step = 1 if lanes <= _LABELLED_LANES else max(1, lanes // 16)
