@@ -200,7 +200,8 @@ async def many_jobs(bench: Bench, jobs_n: int) -> dict[str, Any]:
     return {"jobs": jobs_n, "join_all_s": round(joined, 2), "fault_to_change_strategy": summary_ms(latencies)}
 
 
-def start_controller(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_controller(workdir: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], str]:
+    """``taskd controller`` on a free loopback port (``extra``: more of its options); its process and address."""
     port_file = workdir / "port"
     proc = subprocess.Popen(
         [
@@ -224,6 +225,7 @@ def start_controller(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
             "1000000",
             "--strategies",
             "recover,exit",
+            *extra,
         ],
         cwd=ROOT,
     )

@@ -6,7 +6,8 @@ Run with ``bash scripts/demo.sh`` (which installs everything first), or
 It starts ``taskd run --nproc N -- python examples/train_ddp.py ...``, waits
 until training passes step ``--kill-at``, SIGKILLs one worker, and prints what
 happened: the fault the agent saw, the strategy the controller chose, the
-restarted workers, the step training resumed from, and how the job ended.
+restarted workers, the step training resumed from, and how the job ended,
+then draws the recovery (``taskd timeline``) and prints the picture's path.
 Everything it prints comes from the job itself (the launcher's log and the
 workers' progress log); its files stay in ``runs/demo-<time>/``.
 """
@@ -55,7 +56,7 @@ def main() -> int:
     progress, launcher_log = run / "progress.jsonl", run / "taskd-run.log"
     command = [
         sys.executable, "-m", "taskd_core", "run", "--nproc", str(args.nproc), "--job-id", "demo",
-        "--log-dir", str(run / "logs"), "--flush-seconds", "0.2", "--",
+        "--log-dir", str(run / "logs"), "--flush-seconds", "0.2", "--controller-state", str(run / "state.db"), "--",
         sys.executable, str(ROOT / "examples" / "train_ddp.py"), "--steps", str(args.steps),
         "--ckpt-every", str(args.ckpt_every), "--ckpt-dir", str(run / "ckpt"), "--progress", str(progress),
         "--result", str(run / "result.json"), "--step-time", "0.05",
@@ -94,6 +95,16 @@ def main() -> int:
     print(f"[finished] {len(done)} of {args.nproc} ranks finished step {args.steps}; taskd run exited {code}")
     if (run / "result.json").exists():
         print(f"[result]   final parameters: {(run / 'result.json').read_text().strip()[:120]}")
+    timeline = run / "timeline.png"
+    drawn = subprocess.run(
+        [sys.executable, "-m", "taskd_core", "timeline", "demo", "--state", str(run / "state.db"), "--out", str(timeline)],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )
+    if drawn.returncode == 0:
+        print(f"[timeline] {timeline}")
+    else:
+        print(f"[timeline] not drawn: {drawn.stderr.strip().splitlines()[-1:]}")
+    print(f"[journal]  taskd events demo --state {run / 'state.db'} --json")
     return code
 
 

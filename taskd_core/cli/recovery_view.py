@@ -15,7 +15,8 @@ restart  → every agent reported the strategy's result
 resumed  → the last faulty rank runs again (or resumed, where reported)
 ======== ===========================================================
 
-The time lost by a fault is its worker's end to its rank's next start (or resumption).
+The time lost by a fault is its worker's end to its rank resuming training, where an adapter
+reports that (``worker resumed``), else to its rank's next process start.
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ class Fault:
     #: when the worker ended (or, if no agent said, when the fault was journalled).
     time: float
     fault_type: str
-    #: seconds until the rank ran again; None if it never did.
+    #: seconds until the rank ran again (see ``back``); None if it never did.
     lost: float | None = None
     #: the faulty worker's exit code, where its agent reported it.
     exit_code: int | None = None
+    #: how ``lost`` ends: "resumed" (training resumed, where reported) or "restarted" (a new process).
+    back: str = "restarted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +202,10 @@ def _fault(
     # The worker's end precedes the report; take the latest end before it (agents' clocks may lead by a little).
     ended = [(t, code) for t, code in exits.get(rank, []) if t <= journalled + 1.0]
     at, code = max(ended, key=lambda e: e[0]) if ended else (journalled, None)
-    back = _first_after(resumes.get(rank, []), at) or _first_after(starts.get(rank, []), at)
-    return Fault(rank, at, kind, None if back is None else back - at, code)
+    resumed = _first_after(resumes.get(rank, []), at)
+    back = resumed if resumed is not None else _first_after(starts.get(rank, []), at)
+    how = "resumed" if resumed is not None else "restarted"
+    return Fault(rank, at, kind, None if back is None else back - at, code, how)
 
 
 def _phases(c: _CycleMarks, faults: Sequence[Fault]) -> list[Phase]:

@@ -149,7 +149,7 @@ def _draw_lanes(ax: Any, view: JobTimeline) -> None:
         ax.axvspan(cycle.start, cycle.end if cycle.end is not None else end, color="#e6550d", alpha=0.08)
     for fault in view.faults:
         ax.plot(fault.time, y[fault.rank], marker="X", color="#d62728", markersize=9, zorder=5)
-        lost = "never back" if fault.lost is None else f"lost {fault.lost:.2f} s"
+        lost = "never back" if fault.lost is None else f"{fault.back} after {fault.lost:.2f} s"
         code = "" if fault.exit_code is None else f"exit {fault.exit_code}, "
         ax.text(fault.time, y[fault.rank] - 0.4, f" fault ({code}{lost})", fontsize=7, color="#d62728", va="bottom")
     for sig in view.signals:

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 #: Recovery phases last from milliseconds (warm restarts) to minutes (cold restarts, deadlines).
 _RECOVERY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
-_RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_RPC_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.5)
 #: Seconds a scrape waits for the event loop to read the gauges.
 _READ_TIMEOUT = 5.0
 _FAULT_NAMES = {t.value: t.name.lower().replace("_", "-") for t in FaultType}

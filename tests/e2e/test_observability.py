@@ -141,7 +141,7 @@ def test_recovery_in_metrics_events_and_timeline(tmp_path: Path, cluster: Cluste
         assert drawn.wait(timeout=DEADLINE) == 0
         text = svg.read_text()
         assert text.lstrip().startswith("<?xml") and "rank 0" in text and "rank 1" in text
-        assert "fault (lost" in text and "cycle 1: recover, recovered" in text and "finished" in text
+        assert "restarted after" in text and "cycle 1: recover, recovered" in text and "finished" in text
     finally:
         if follower is not None and follower.poll() is None:
             follower.kill()
@@ -177,4 +177,4 @@ def test_timeline_of_64_ranks(tmp_path: Path, cluster: Cluster) -> None:
     assert drawn.wait(timeout=DEADLINE) == 0
     text = svg.read_text()
     assert "64 ranks, 1 recovery cycle" in text and "rank 0" in text and "rank 60" in text
-    assert text.count("fault (lost") == 1
+    assert text.count("restarted after") == 1

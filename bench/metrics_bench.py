@@ -1,0 +1,189 @@
+"""Metrics cost: the controller with ``--metrics-port`` against the same controller without it.
+
+For each mode (``off``, ``on``), in alternating rounds, a fresh ``taskd controller``:
+
+1. fault → changeStrategy latency of one agent over ``--cycles`` recovery cycles
+   (``controller_bench.single_agent``: every counter and histogram moves on each cycle);
+2. ``--jobs`` jobs registered and subscribed, one agent each: the controller's RSS;
+3. its idle CPU over ``--seconds`` while it keeps those streams alive (``utime + stime``);
+4. with metrics on: ``--scrapes`` GETs of ``/metrics`` with those jobs (wall time per
+   scrape, from this process, and the exposition's size).
+
+Run::
+
+    .venv/bin/python bench/metrics_bench.py --jobs 1000 --cycles 200 --seconds 20 --json /tmp/metrics.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import controller_bench
+from _common import (
+    Children,
+    cpu_seconds,
+    exit_on_sigterm,
+    fmt,
+    free_port,
+    machine,
+    markdown_table,
+    percentile,
+    rss_mib,
+    setup_logging,
+    write_json,
+)
+
+logger = logging.getLogger(__name__)
+
+MODES = ("off", "on")
+#: Targets of issue 12: scrape of 1000 jobs, and what metrics may add to idle CPU and fault → strategy.
+SCRAPE_TARGET_MS = 100.0
+ADDED_TARGET_PERCENT = 5.0
+
+
+def _scrape(port: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        size = len(reply.read())
+    return time.perf_counter() - t0, size
+
+
+async def _measure(
+    address: str, pid: int, metrics_port: int | None, jobs: int, cycles: int, seconds: float, scrapes: int
+) -> dict[str, Any]:
+    bench = controller_bench.Bench(address, timeout=300.0)
+    try:
+        latency = await controller_bench.single_agent(bench, cycles)
+        await bench.start_agents([(f"bench-job-{i}", "a0") for i in range(jobs)])
+        await asyncio.sleep(2.0)  # let the joins settle before the idle window
+        rss = rss_mib(pid)
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        await asyncio.sleep(seconds)
+        idle = 100.0 * (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+        times, size = [], 0
+        if metrics_port is not None:
+            for _ in range(scrapes):
+                took, size = await asyncio.to_thread(_scrape, metrics_port)
+                times.append(took)
+        return {
+            "fault_to_change_strategy": latency,
+            "rss_mib": rss,
+            "idle_cpu_percent": idle,
+            "scrape_ms": [t * 1e3 for t in times],
+            "scrape_bytes": size,
+        }
+    finally:
+        await bench.close()
+
+
+def one_run(mode: str, jobs: int, cycles: int, seconds: float, scrapes: int, workdir: Path) -> dict[str, Any]:
+    workdir.mkdir(parents=True)
+    port = free_port() if mode == "on" else None
+    extra = ["--metrics-port", str(port)] if port is not None else []
+    with Children() as children:
+        controller, address = controller_bench.start_controller(workdir, extra)
+        children.own(controller)
+        return asyncio.run(_measure(address, controller.pid, port, jobs, cycles, seconds, scrapes))
+
+
+def _median(values: list[float]) -> float:
+    return percentile(values, 50)
+
+
+def summarize_modes(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per mode, the median over rounds of each figure (scrapes pooled)."""
+    out = {}
+    for mode, rounds in runs.items():
+        scrapes = [t for r in rounds for t in r["scrape_ms"]]
+        out[mode] = {
+            "latency_p50_ms": _median([r["fault_to_change_strategy"]["p50_ms"] for r in rounds]),
+            "latency_p99_ms": _median([r["fault_to_change_strategy"]["p99_ms"] for r in rounds]),
+            "idle_cpu_percent": _median([r["idle_cpu_percent"] for r in rounds]),
+            "rss_mib": _median([r["rss_mib"] for r in rounds]),
+            "scrape_p50_ms": percentile(scrapes, 50),
+            "scrape_p99_ms": percentile(scrapes, 99),
+            "scrape_max_ms": max(scrapes) if scrapes else float("nan"),
+            "scrape_kib": rounds[-1]["scrape_bytes"] / 1024,
+        }
+    return out
+
+
+def added_percent(summary: dict[str, dict[str, float]], key: str) -> float:
+    off, on = summary["off"][key], summary["on"][key]
+    return 100.0 * (on - off) / off if off else float("nan")
+
+
+def report(data: dict[str, Any]) -> str:
+    s = data["summary"]
+    rows = [
+        [
+            mode,
+            fmt(s[mode]["latency_p50_ms"], 2),
+            fmt(s[mode]["latency_p99_ms"], 2),
+            fmt(s[mode]["idle_cpu_percent"], 2),
+            fmt(s[mode]["rss_mib"], 1),
+            "—" if mode == "off" else f"{fmt(s[mode]['scrape_p50_ms'], 1)} / {fmt(s[mode]['scrape_p99_ms'], 1)}",
+        ]
+        for mode in MODES
+    ]
+    return markdown_table(
+        [
+            "metrics",
+            "fault → changeStrategy p50 ms",
+            "p99 ms",
+            f"idle CPU % ({data['jobs']} jobs)",
+            "RSS MiB",
+            f"scrape p50 / p99 ms ({data['jobs']} jobs)",
+        ],
+        rows,
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=1000)
+    p.add_argument("--cycles", type=int, default=200, help="recovery cycles for the latency figure")
+    p.add_argument("--seconds", type=float, default=20.0, help="idle CPU window per run")
+    p.add_argument("--scrapes", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=2, help="off/on pairs (alternating, medians reported)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args()
+    setup_logging(args.log_level)
+    exit_on_sigterm()
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory(prefix="taskd-metrics-bench-") as tmp:
+        for i in range(args.rounds):
+            for mode in MODES:
+                logger.info("round %d, metrics %s", i + 1, mode)
+                result = one_run(mode, args.jobs, args.cycles, args.seconds, args.scrapes, Path(tmp) / f"{mode}{i}")
+                runs[mode].append(result)
+    summary = summarize_modes(runs)
+    data = {
+        "machine": machine(),
+        "jobs": args.jobs,
+        "cycles": args.cycles,
+        "seconds": args.seconds,
+        "scrapes": args.scrapes,
+        "rounds": args.rounds,
+        "runs": runs,
+        "summary": summary,
+        "added_percent": {
+            "idle_cpu": added_percent(summary, "idle_cpu_percent"),
+            "latency_p50": added_percent(summary, "latency_p50_ms"),
+        },
+    }
+    print(report(data))
+    write_json(args.json, data)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
