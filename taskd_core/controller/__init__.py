@@ -7,7 +7,7 @@ and :class:`~taskd_core.controller.server.ControllerConfig` (the daemon),
 
 Modules: ``policy`` (job policies), ``machine`` (the per-job recovery state
 machine, no I/O), ``store`` (SQLite), ``subscriber`` (one signal stream),
-``runtime`` (jobs, agents, timers), ``service`` (protobuf <-> runtime, status
+``runtime`` (jobs, agents, timers), ``metrics`` (Prometheus), ``service`` (protobuf <-> runtime, status
 codes), ``server`` (gRPC server, ``serve``, ``EmbeddedController``).
 
 Embedding
@@ -57,6 +57,16 @@ Status codes per RPC (``taskd_core.models.Code``)
 * ``HealthCheck``: always 0 ``"jobId=…, receive HeathCheck"`` (reference typo).
 * ``ReportAgentExit``: 0; 400; 409. ``SetJobPolicy``: 0; 409 invalid value.
   ``QueryStatus``: ``status.code`` 0, or 400 for an unknown job.
+* ``ReportWorkerEvents``: 0; 400 job or agent not registered; 403 wrong token;
+  409 a malformed event (kind, rank, pid, time) or more than 65 536 events.
+* ``QueryEvents``: ``status.code`` 0 with at most 1000 entries after ``afterSeq``;
+  400 unknown job; 403 without the job's (or the admin) token; 409 bad jobId.
+
+Metrics
+-------
+``metrics`` (Prometheus, docs/metrics.md): counters fed from the journal as it
+is written, gauges read on the event loop at scrape time, served on
+``ControllerConfig.metrics_port`` (HTTPS with the controller's TLS settings).
 """
 
 from __future__ import annotations

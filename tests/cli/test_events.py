@@ -97,3 +97,15 @@ def test_a_missing_controller_or_state_file_or_job_exits_2(tmp_path, controller_
     controller_factory(state=str(state))
     assert main(["events", "j", "--state", str(state)]) == 2
     assert "not in state file" in caplog.records[-1].getMessage()
+
+
+def test_a_job_with_a_token_shows_its_journal_only_to_its_token(controller, make_agent, monkeypatch, caplog, capsys):
+    from taskd_core.models import Credentials
+
+    make_agent(controller.address, "job-t", "node-0", credentials=Credentials(token="secret")).join()
+    monkeypatch.delenv("TASKD_JOB_TOKEN", raising=False)
+    assert main(["events", "job-t", "--controller", controller.address]) == 2
+    assert "permission denied" in caplog.records[-1].getMessage()
+    monkeypatch.setenv("TASKD_JOB_TOKEN", "secret")
+    assert main(["events", "job-t", "--controller", controller.address, "--json"]) == 0
+    assert lines(capsys.readouterr().out)[0]["kind"] == "job claimed"

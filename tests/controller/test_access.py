@@ -72,7 +72,7 @@ def _refused(call: Callable[[], Any]) -> None:
     except grpc.RpcError as exc:
         assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED), exc
         return
-    status = reply.status if isinstance(reply, pb.ControllerStatus) else reply
+    status = reply.status if isinstance(reply, (pb.ControllerStatus, pb.EventPage)) else reply
     assert status.code == Code.FORBIDDEN and "permission denied" in status.info, status
 
 
@@ -85,6 +85,17 @@ def test_attack_list_every_job(setup: Setup) -> None:
     else:
         assert JOB not in [j.jobId for j in reply.jobs]
     _refused(lambda: setup.attacker.stub.QueryStatus(pb.StatusQuery(jobId=JOB), timeout=10))
+    _victim_cycle(setup.victim)
+
+
+def test_attack_read_or_forge_the_journal(setup: Setup) -> None:
+    setup.victim.join()
+    _refused(lambda: setup.attacker.stub.QueryEvents(pb.EventQuery(jobId=JOB), timeout=10))
+    forged = pb.WorkerEvent(kind="exited", rank=0, pid=1, time=1.0, exitCode=-9)
+    request = pb.WorkerEventsRequest(jobId=JOB, agentId="node-0", events=[forged])
+    _refused(lambda: setup.attacker.stub.ReportWorkerEvents(request, timeout=10))
+    page = setup.victim.stub.QueryEvents(pb.EventQuery(jobId=JOB), timeout=10)
+    assert page.status.code == 0 and not [e for e in page.events if e.kind.startswith("worker")]
     _victim_cycle(setup.victim)
 
 

@@ -165,3 +165,19 @@ def test_the_grafana_dashboard_and_the_docs_name_only_exported_metrics():
     ours = {n for n in names if n.startswith("taskd_")}
     # Histograms are documented by their base name; everything else by its exported name.
     assert documented == {re.sub(r"_(bucket|count|sum)$", "", n) for n in ours}
+
+
+def test_a_tls_controller_serves_metrics_over_https_only(pki):
+    import ssl
+    import urllib.error
+
+    ctl = EmbeddedController(tls=pki.server(), metrics_port=0)
+    try:
+        url = f"https://127.0.0.1:{ctl.metrics_port}/metrics"
+        context = ssl.create_default_context(cafile=pki.ca)
+        with urllib.request.urlopen(url, timeout=10, context=context) as reply:
+            assert b"taskd_jobs" in reply.read()
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(url.replace("https", "http"), timeout=10).read()
+    finally:
+        ctl.stop()
