@@ -130,9 +130,10 @@ def test_a_taken_metrics_port_is_a_clear_error(metered):
 
 
 @pytest.mark.parametrize("port", ["70000", "-1", "http"])
-def test_taskd_controller_rejects_a_bad_metrics_port(port, capsys):
+@pytest.mark.parametrize("command", [["controller", "--state", ":memory:"], ["run", "--nproc", "1"]])
+def test_taskd_controller_and_run_reject_a_bad_metrics_port(command, port, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["controller", "--state", ":memory:", "--metrics-port", port])
+        main([*command, "--metrics-port", port, "--", "true"])
     assert exit_info.value.code == 2
     assert "--metrics-port" in capsys.readouterr().err
 
