@@ -10,12 +10,14 @@ and ``--no-index``, so nothing reaches for the network.
 from __future__ import annotations
 
 import sys
+import tomllib
 import venv
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from install_support import PROJECTS, ROOT, FreshVenv, checked, fresh_checkout
+from packaging.requirements import Requirement
 from wheelhouse import repack, requirement_closure
 
 
@@ -38,8 +40,10 @@ def dist(tmp_path_factory: pytest.TempPathFactory, checkout: Path) -> Path:
 @pytest.fixture(scope="session")
 def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheelhouse")
+    # The core's own requirements, read from its pyproject.toml so a new one cannot be forgotten here;
     # setuptools too: installing from a checkout builds in an isolated environment that needs it.
-    for name in requirement_closure(["grpcio", "grpcio-health-checking", "protobuf", "pluggy", "setuptools"]):
+    core = tomllib.loads((PROJECTS["taskd-core"] / "pyproject.toml").read_text())["project"]["dependencies"]
+    for name in requirement_closure([*(Requirement(r).name for r in core), "setuptools"]):
         repack(name, out)
     return out
 
