@@ -20,6 +20,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .harness import DEADLINE, REPO, Cluster, free_port, wait_until
@@ -69,7 +70,11 @@ def png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-def test_recovery_in_metrics_events_and_timeline(tmp_path: Path, cluster: Cluster) -> None:
+def test_recovery_in_metrics_events_and_timeline(
+    tmp_path: Path, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The launcher and the readers share the job's token (one-node launches otherwise make up a secret one).
+    monkeypatch.setenv("TASKD_JOB_TOKEN", "observability-test-token")
     out = tmp_path / "out"
     out.mkdir()
     script = tmp_path / "worker.py"
