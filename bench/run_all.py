@@ -403,10 +403,12 @@ def security_section(data: dict[str, Any] | None) -> Section:
         f" Latency is the time from calling `report_process_fault` to the `changeStrategy` signal arriving in the"
         f" handler, over {data['cycles']} cycles (stop, strategies and recovered reports in between); idle CPU is"
         f" the client's own `time.process_time()` over {data['seconds']:g} s while it holds the signal stream and"
-        f" calls HealthCheck every {security_bench.AGENT_HEALTH:g} s. `plaintext` is a legacy job on loopback;"
-        " `tls+token` adds TLS (trustme certificates) and a job token on every call; `mtls+token` mutual TLS."
-        " The targets compare `mtls+token` with `plaintext`; a negative difference means the secured run was the"
-        " faster one in this run."
+        f" calls HealthCheck every {security_bench.AGENT_HEALTH:g} s; one call is the p50 of"
+        f" {security_bench.CALLS} HealthCheck calls back to back per turn. The three controllers run side by side"
+        f" and the clients take turns in {data['rounds']} rounds, so changes of the machine's load fall on every"
+        " mode alike. `plaintext` is a legacy job on loopback; `tls+token` adds TLS (trustme certificates) and a"
+        " job token on every call; `mtls+token` mutual TLS. The targets take the worse of the two secured modes"
+        " against `plaintext`; a negative difference means the secured mode was the faster one in this run."
     )
     text = "\n\n".join([f"## {title}", method, security_bench.report(data["results"])]) + "\n"
     return text, security_bench.verdicts(data["results"])
