@@ -16,12 +16,19 @@ What makes it recoverable:
   ends with exactly the parameters of a run without.
 * **The dump signal (SIGUSR1) saves and exits 0**, which is what TaskD's
   ``dump`` strategy asks of a worker.
+* **It tells the node agent it makes progress**: one heartbeat per step
+  (:mod:`taskd_core.worker`), from which the agent learns the job's hang
+  timeout; ``--timer S`` also arms torch elastic's file timer around every
+  step, as a torchrun script would.
 
 It logs one JSON line per event (``start``, ``resumed``, ``step``, ``dump``,
 ``done``) to ``--progress`` so tests and benchmarks can see where training
 resumed and when every rank stepped. Fault injection for tests:
 ``--fail-at-step S --fail-rank R --fail-mode {raise,exit,kill}`` fails once,
-on the first start only (``TASKD_RESTART_COUNT == 0``).
+on the first start only (``TASKD_RESTART_COUNT == 0``); ``--hang-at-step S
+--hang-rank R`` makes rank R spin in ``spin_forever`` there without a heartbeat.
+``--step-jitter J`` varies step times by up to J times ``--step-time``;
+``--slow-from S --slow-step-time T`` changes the step time from step S on.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import contextlib
 import os
+import random
 import signal
 import sys
 import time
@@ -40,6 +49,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from taskd_core import worker
 
 IN_FEATURES = 16
 HIDDEN = 32
@@ -63,6 +74,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-at-step", type=int, default=None, help="fail once when this step begins")
     p.add_argument("--fail-rank", type=int, default=0, help="global rank that fails")
     p.add_argument("--fail-mode", choices=("raise", "exit", "kill"), default="raise")
+    p.add_argument("--hang-at-step", type=int, default=None, help="hang once (spin, silent) when this step begins")
+    p.add_argument("--hang-rank", type=int, default=0, help="global rank that hangs")
+    p.add_argument("--no-heartbeat", action="store_true", help="do not report progress to the agent")
+    p.add_argument("--timer", type=float, default=None, help="arm torch's file timer for S seconds around each step")
+    p.add_argument("--step-jitter", type=float, default=1.0, help="step time varies between 1x and Jx --step-time")
+    p.add_argument("--slow-from", type=int, default=None, help="from this step on, steps take --slow-step-time")
+    p.add_argument("--slow-step-time", type=float, default=0.0)
     return p.parse_args()
 
 
@@ -150,6 +168,31 @@ def params_digest(model: nn.Module) -> dict[str, object]:
     return {"sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(), "params": flat.tolist()}
 
 
+def spin_forever() -> None:
+    """A hang that burns CPU and reports nothing: what a livelocked rank looks like."""
+    end = time.monotonic() + 600
+    while time.monotonic() < end:
+        pass
+
+
+def step_timer(seconds: float | None) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """torch elastic's watchdog around each step, when asked for and served (``TORCHELASTIC_TIMER_FILE``)."""
+    path = os.environ.get("TORCHELASTIC_TIMER_FILE")
+    if seconds is None or not path:
+        return contextlib.nullcontext
+    from torch.distributed.elastic import timer
+
+    timer.configure(timer.FileTimerClient(path))
+    return lambda: timer.expires(after=seconds, scope="step")
+
+
+def step_pause(args: argparse.Namespace, step: int) -> float:
+    """Seconds this step sleeps: a stand-in for compute, the same on every rank and in every run."""
+    if args.slow_from is not None and step >= args.slow_from:
+        return args.slow_step_time
+    return args.step_time * random.Random(step).uniform(1.0, args.step_jitter)
+
+
 def main() -> int:
     args = parse_args()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -178,20 +221,27 @@ def main() -> int:
     if done:
         progress.log("resumed", done)
     loss_fn = nn.MSELoss()
+    watchdog = step_timer(args.timer)
     try:
         for step in range(done, args.steps):
             if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
                 inject_fault(args.fail_mode, step)
-            if args.step_time:
-                # Stands for compute: the window in which a peer's fault is handled.
-                time.sleep(args.step_time)
-            if dump_requested:
-                break
-            model.zero_grad()
-            x, y = batch(step, rank)
-            loss_fn(model(x), y).backward()
-            sgd_step(model, velocity, world_size)
+            with watchdog():
+                if step == args.hang_at_step and rank == args.hang_rank and restart == 0:
+                    spin_forever()
+                pause = step_pause(args, step)
+                if pause:
+                    # Stands for compute: the window in which a peer's fault is handled.
+                    time.sleep(pause)
+                if dump_requested:
+                    break
+                model.zero_grad()
+                x, y = batch(step, rank)
+                loss_fn(model(x), y).backward()
+                sgd_step(model, velocity, world_size)
             done = step + 1
+            if not args.no_heartbeat:
+                worker.heartbeat()
             progress.log("step", done)
             if rank == 0 and (done % args.ckpt_every == 0 or done == args.steps):
                 save_checkpoint(ckpt, done, model, velocity)

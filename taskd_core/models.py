@@ -51,15 +51,21 @@ PERMISSION_DENIED_INFO = "permission denied"
 
 
 class FaultType(str, enum.Enum):
-    """Kind of a rank's fault, as the reference encodes it (decimal strings)."""
+    """Kind of a rank's fault, as the reference encodes it (decimal strings).
+
+    "0".."2" are the reference's values; "3" is TaskD's own: the rank stopped
+    making progress (hung) and was killed after its stack was taken.
+    """
 
     ON_CHIP_MEMORY = "0"
     NORMAL = "1"
     NETWORK = "2"
+    HANG = "3"
 
     @property
     def retryable(self) -> bool:
-        return self is not FaultType.NORMAL
+        """Whether an in-process step retry can fix it (not for a dead or hung rank)."""
+        return self not in (FaultType.NORMAL, FaultType.HANG)
 
 
 class Strategy(str, enum.Enum):

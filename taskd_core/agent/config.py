@@ -13,6 +13,7 @@ import math
 import signal as signals
 from dataclasses import dataclass, field
 
+from taskd_core.agent.progress import ProgressConfig
 from taskd_core.errors import ConfigError
 from taskd_core.models import Credentials
 
@@ -67,6 +68,8 @@ class AgentConfig:
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     #: TLS files, the job token and the launch identity the agent presents to the controller.
     credentials: Credentials = field(default_factory=Credentials)
+    #: hang detection: bounds, timeouts, or off.
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
 
     def __post_init__(self) -> None:
         if not self.job_id:

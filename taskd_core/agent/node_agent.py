@@ -16,10 +16,11 @@ reports go out, in order, from a third thread for the same reason.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import signal as signals
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ from taskd_core.agent.config import AgentConfig
 from taskd_core.agent.dispatcher import ActionDispatcher
 from taskd_core.agent.lifecycle import WorkerLedger
 from taskd_core.agent.pidwatch import PidWatch
+from taskd_core.agent.progress import Hang, ProgressWatcher
 from taskd_core.client.manager import DLRecoverManager
 from taskd_core.errors import ConfigError, TaskdError
 from taskd_core.models import Code, FaultType, Signal, WorkerState, WorkerStatus
@@ -73,6 +75,7 @@ class NodeAgent:
         #: (local rank, pid) of workers whose end is not a fault: stopped on purpose or already reported.
         self._settled: set[tuple[int, int | None]] = set()
         self._ledger = WorkerLedger()
+        self._progress = ProgressWatcher(config.progress, self._watch.wake) if config.progress.enabled else None
         if not config.controller:
             raise ConfigError(f"the agent of job {config.job_id} needs a controller address")
         self.client = DLRecoverManager.for_job(
@@ -86,6 +89,7 @@ class NodeAgent:
             connect_deadline=config.connect_timeout,
             report_deadline=config.report_deadline,
             health_interval=config.health_interval,
+            health_note=self._progress.describe if self._progress is not None else None,
         )
         self.dispatcher = ActionDispatcher(
             adapter,
@@ -122,6 +126,9 @@ class NodeAgent:
                 status = self.client.register()
                 if status.code != Code.OK:
                     raise TaskdError(f"controller refused to register job {self.config.job_id}: {status.info}")
+            if self._progress is not None:
+                # Before the first start: workers inherit where to report their progress.
+                self._progress.start()
             with self._lock:
                 self.adapter.restart_all()
                 self.client.rank_ids = tuple(sorted(s.global_rank for s in self.adapter.monitor().values()))
@@ -145,6 +152,8 @@ class NodeAgent:
             self._fault_reports.shutdown(wait=True, cancel_futures=True)
             if subscriber is not None:
                 subscriber.join(timeout=10.0)
+            if self._progress is not None:
+                self._progress.close()
             self._watch.close()
         logger.info("agent of job %s ends: %s (exit %s) %s", self.config.job_id, outcome.kind.value, outcome.exit_code, outcome.reason)
         return outcome
@@ -198,13 +207,31 @@ class NodeAgent:
                 self._fault_reports.submit(self.client.report_worker_events, changes)
             if failed:
                 continue
+            hangs = self._progress.take_hangs() if self._progress is not None else []
+            if hangs:
+                stopped = self._stop_hung(hangs, statuses)
+                if stopped and not recovery:
+                    self._stop_all()
+                    return AgentOutcome(Outcome.FAILED, 1, stopped[0].reason)
+                if stopped:
+                    report = self._fault_reports.submit(
+                        functools.partial(
+                            self.client.report_process_fault,
+                            {h.global_rank: int(FaultType.HANG.value) for h in stopped},
+                            detail="\n".join(h.evidence() for h in stopped),
+                        )
+                    )
+                    report.add_done_callback(_log_failed_report)
+                continue
             # After dump or exit the workers may end with 0, but the job is
             # being given up: wait for killMaster instead of claiming success.
             if statuses and all(s.succeeded for s in statuses.values()) and not self.dispatcher.ending.is_set():
                 self._final_report(0, "every worker exited 0")
                 return AgentOutcome(Outcome.SUCCEEDED, 0)
-            running = [s.pid for s in statuses.values() if s.state is WorkerState.RUNNING and s.pid]
-            if self._watch.watch(running):
+            running = [s for s in statuses.values() if s.state is WorkerState.RUNNING and s.pid]
+            if self._progress is not None:
+                self._progress.track({s.pid: (s.local_rank, s.global_rank) for s in running if s.pid})
+            if self._watch.watch(s.pid for s in running if s.pid):
                 continue
             self._watch.wait(_WAIT_CAP)
 
@@ -212,6 +239,26 @@ class NodeAgent:
         with self._lock:
             changes = self._ledger.update(self.adapter.monitor())
         self.client.report_worker_events(changes)
+
+    def _stop_hung(self, hangs: list[Hang], statuses: Mapping[int, WorkerStatus]) -> list[Hang]:
+        """Kill the hung workers that still run (their stacks are taken); the hangs to report.
+
+        Killed at once, not through the ladder's polite stop: a stopped or stuck
+        process ignores SIGTERM, and its peers' collectives fail only once it is gone.
+        """
+        live = {(s.local_rank, s.pid): s for s in statuses.values() if s.state is WorkerState.RUNNING}
+        stopped = [h for h in hangs if (h.local_rank, h.pid) in live and (h.local_rank, h.pid) not in self._settled]
+        if not stopped:
+            return []
+        with self._lock:
+            self._settle(live[(h.local_rank, h.pid)] for h in stopped)
+            try:
+                self.adapter.stop([h.local_rank for h in stopped], 0.0)
+            except TaskdError:
+                logger.exception("stopping hung workers failed")
+        for hang in stopped:
+            logger.warning("%s: stopped; reporting a hang", hang.reason)
+        return stopped
 
     def _final_report(self, code: int, msg: str) -> None:
         # Reports still queued (the last workers' exits) reach the journal before the agent's end does.

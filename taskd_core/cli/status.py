@@ -33,6 +33,12 @@ def _when(stamp: float) -> str:
     return datetime.datetime.fromtimestamp(stamp).strftime("%H:%M:%S.%f")[:-3] if stamp else "-"
 
 
+def _short(detail: str, most: int = 300) -> str:
+    """One event per line: a long detail (a hung rank's stack) is cut; ``--json`` has it whole."""
+    flat = detail.replace("\\n", " | ")
+    return flat if len(flat) <= most else flat[: most - 3] + "..."
+
+
 def render(status: dict[str, Any]) -> str:
     lines: list[str] = []
     jobs = status.get("jobs", [])
@@ -55,11 +61,13 @@ def render(status: dict[str, Any]) -> str:
                 f"  {_safe(a['agentId']):<20} {_safe(a['role']):<16} {node:>4}  {'up' if a['subscribed'] else 'down':<6}"
                 f"  {a['exitState'] or '-':<10} {_when(a['lastSeen'])}"
             )
+            if a.get("progress"):
+                lines.append(f"  {'':<20} hang timeouts: {_safe(a['progress'])}")
         if job["events"]:
             lines.append("  events")
         for e in job["events"]:
             lines.append(
-                f"  {e['seq']:>6}  {_when(e['time'])}  c{e['cycle']:<3} {e['kind']:<16} {_safe(e['detail'])}"
+                f"  {e['seq']:>6}  {_when(e['time'])}  c{e['cycle']:<3} {e['kind']:<16} {_short(_safe(e['detail']))}"
             )
     return "\n".join(lines)
 

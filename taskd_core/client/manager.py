@@ -82,6 +82,8 @@ class DLRecoverManager:
         controller is unreachable (for example while it restarts).
     :param credentials: TLS files and the job token; by default from
         ``TASKD_TLS_CA``/``TASKD_TLS_CERT``/``TASKD_TLS_KEY``/``TASKD_JOB_TOKEN``.
+    :param health_note: TaskD extension: a line every HealthCheck carries
+        (the agent's hang timeouts, which ``taskd status`` shows).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class DLRecoverManager:
         health_interval: float = 1.0,
         backoff: Backoff | None = None,
         credentials: Credentials | None = None,
+        health_note: Callable[[], str] | None = None,
     ) -> None:
         if not info.jobId:
             raise TaskdError("DLRecoverManager needs info.jobId: the job to recover")
@@ -117,6 +120,7 @@ class DLRecoverManager:
         self._worker_events = True
         self._rpc_timeout = rpc_timeout
         self._health_interval = health_interval
+        self._health_note = health_note
         self._backoff = backoff or Backoff()
         self._closed = threading.Event()
         self._killed = threading.Event()
@@ -290,7 +294,10 @@ class DLRecoverManager:
         healthy = True
         while not self._health_stop.wait(self._health_interval) and not self._closed.is_set():
             try:
-                self._stub.HealthCheck(self.client_info(), timeout=self._rpc_timeout)
+                info = self.client_info()
+                if self._health_note is not None:
+                    info.progress = self._health_note()
+                self._stub.HealthCheck(info, timeout=self._rpc_timeout)
                 if not healthy:
                     logger.info("controller %s answers again", self.server_addr)
                 healthy = True
@@ -353,9 +360,15 @@ class DLRecoverManager:
         )
         return self._report("ReportRecoverStatus", self._stub.ReportRecoverStatus, req)
 
-    def report_process_fault(self, fault_ranks: Mapping[int, int]) -> int:
-        """Processes of the job failed: ``{global_rank: fault_type}``."""
-        req = pb.ProcessFaultRequest(jobId=self.job_id, faultRanks=fault_dict_to_pb(fault_ranks), agentId=self.agent_id)
+    def report_process_fault(self, fault_ranks: Mapping[int, int], *, detail: str = "") -> int:
+        """Processes of the job failed: ``{global_rank: fault_type}``.
+
+        :param detail: TaskD extension: evidence the controller journals with the
+            fault (a hung rank's stack), at most 64 KiB.
+        """
+        req = pb.ProcessFaultRequest(
+            jobId=self.job_id, faultRanks=fault_dict_to_pb(fault_ranks), agentId=self.agent_id, detail=detail
+        )
         return self._report("ReportProcessFault", self._stub.ReportProcessFault, req)
 
     def report_agent_exit(self, code: int, msg: str, *, deadline: float | None = None) -> int:

@@ -105,6 +105,8 @@ class AgentInfo:
     rank_ids: tuple[int, ...] = ()
     exit_code: int | None = None
     last_seen: float = 0.0
+    #: hang-detection timeouts the agent last reported (not persisted: the next HealthCheck resends it).
+    progress: str = ""
 
 
 # --- events -----------------------------------------------------------------
@@ -114,6 +116,8 @@ class AgentInfo:
 class FaultReported:
     agent: str
     faults: tuple[FaultRank, ...]
+    #: evidence for the journal (a hung rank's reason and stack); empty for most faults.
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,9 +292,10 @@ def brief(names: Iterable[str], most: int = 5) -> str:
 
 
 def merge_faults(into: dict[int, FaultType], faults: Iterable[FaultRank]) -> None:
-    """Add faults; a rank once seen with a normal (non-retryable) fault stays normal."""
+    """Add faults; a rank once seen with a non-retryable fault (death, hang) keeps that kind."""
     for fault in faults:
-        if into.get(fault.rank) is not FaultType.NORMAL:
+        known = into.get(fault.rank)
+        if known is None or known.retryable:
             into[fault.rank] = fault.fault_type
 
 
@@ -460,6 +465,7 @@ class JobMachine:
             agent=event.agent,
             pending=pending,
             ranks={str(f.rank): f.fault_type.value for f in event.faults},
+            **({"evidence": event.detail} if event.detail else {}),
         )
         return Reply(Code.OK, f"jobId={self.job_id}, receive ReportProcessFault")
 

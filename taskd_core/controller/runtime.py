@@ -109,6 +109,7 @@ class AgentStatus:
     node_rank: int | None
     exit_code: int | None
     last_seen: float
+    progress: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,13 +358,35 @@ class Controller:
         return self._apply(job, make_event(self._attribute(job, agent_id)))
 
     def process_fault(
-        self, job_id: str, agent_id: str, faults: tuple[FaultRank, ...], caller: Caller = _ANONYMOUS
+        self,
+        job_id: str,
+        agent_id: str,
+        faults: tuple[FaultRank, ...],
+        caller: Caller = _ANONYMOUS,
+        detail: str = "",
     ) -> Reply:
         job = self._registered(job_id, caller, "ReportProcessFault")
         self._check_fault_count(job, faults)
         # A fault is never dropped for want of a reporter: ambiguous ones stay anonymous.
         agent = self._attribute(job, agent_id) if agent_id or len(job.agents) == 1 else ""
-        return self._apply(job, FaultReported(agent, faults))
+        return self._apply(job, FaultReported(agent, faults, detail))
+
+    def health(self, job_id: str, agent_id: str, progress: str, caller: Caller = _ANONYMOUS) -> None:
+        """A HealthCheck of a known agent: it is alive, and uses these hang timeouts; others are ignored.
+
+        HealthCheck always answers OK (as the reference does), so a caller the
+        job does not authorise changes nothing, silently.
+        """
+        job = self._jobs.get(job_id)
+        agent = job.agents.get(agent_id) if job is not None else None
+        if job is None or agent is None:
+            return
+        try:
+            self._authorise(job, caller, "HealthCheck")
+        except RequestRejected:
+            return
+        agent.last_seen = self._clock()
+        agent.progress = progress
 
     # --- extensions -----------------------------------------------------------------
 
@@ -440,7 +463,8 @@ class Controller:
         snap = job.machine.snap
         agents = tuple(
             AgentStatus(
-                a.agent_id, a.role, a.agent_id in job.subscribers, a.node_rank, a.exit_code, a.last_seen
+                a.agent_id, a.role, a.agent_id in job.subscribers, a.node_rank, a.exit_code, a.last_seen,
+                a.progress,
             )
             for a in sorted(job.agents.values(), key=lambda a: a.agent_id)
         )

@@ -53,6 +53,10 @@ KNOWN_STRATEGIES = frozenset(s.value for s in Strategy) | {
     "migration",
     "continue",
 }
+#: Longest evidence kept with a fault (a hung rank's reason and stacks).
+MAX_FAULT_DETAIL = 65_536
+#: Longest progress line an agent's HealthCheck may carry.
+MAX_PROGRESS = 1_000
 
 _STREAM_STATUS = {
     Code.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
@@ -153,6 +157,7 @@ def job_view(job: JobStatus) -> pb.JobView:
             nodeRank=-1 if a.node_rank is None else a.node_rank,
             exitState="" if a.exit_code is None else f"exited {a.exit_code}",
             lastSeen=a.last_seen,
+            progress=a.progress,
         )
         for a in job.agents
     ]
@@ -260,11 +265,19 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
                 raise ProtocolError(
                     "faultRanks is empty; report at least one faulty rank", field="faultRanks"
                 )
-            return self._ctl.process_fault(request.jobId, _agent(request.agentId), faults, caller)
+            if len(request.detail) > MAX_FAULT_DETAIL:
+                raise ProtocolError(
+                    f"detail has {len(request.detail)} characters; at most {MAX_FAULT_DETAIL}", field="detail"
+                )
+            return self._ctl.process_fault(request.jobId, _agent(request.agentId), faults, caller, request.detail)
 
         return _answer(call)
 
     async def HealthCheck(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
+        if request.agentId or request.progress:
+            self._ctl.health(
+                request.jobId, request.agentId or request.role, request.progress[:MAX_PROGRESS], caller_of(context)
+            )
         # The reference's text, typo included: clients may match on it.
         return pb.Status(code=Code.OK, info=f"jobId={request.jobId[:256]}, receive HeathCheck")
 

@@ -1,7 +1,7 @@
 """Conversion between protobuf messages and :mod:`taskd_core.models` values.
 
 Parsing is strict: rank ids must be non-negative decimal strings and fault
-types one of "0", "1", "2"; anything else raises
+types one of :class:`~taskd_core.models.FaultType`'s values; anything else raises
 :class:`~taskd_core.errors.ProtocolError` naming the field, which the service
 answers with ``Code.INVALID_PARAM`` and the client logs and skips.
 """
@@ -48,7 +48,8 @@ def parse_fault_type(text: str) -> FaultType:
         return FaultType(text)
     except ValueError:
         raise ProtocolError(
-            f"faultType must be one of '0', '1', '2', got {text[:32]!r}", field="faultType"
+            f"faultType must be one of {', '.join(repr(t.value) for t in FaultType)}, got {text[:32]!r}",
+            field="faultType",
         ) from None
 
 

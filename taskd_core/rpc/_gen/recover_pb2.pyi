@@ -15,18 +15,20 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., info: _Optional[str] = ...) -> None: ...
 
 class ClientInfo(_message.Message):
-    __slots__ = ("jobId", "role", "agentId", "nodeRank", "rankIds")
+    __slots__ = ("jobId", "role", "agentId", "nodeRank", "rankIds", "progress")
     JOBID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     AGENTID_FIELD_NUMBER: _ClassVar[int]
     NODERANK_FIELD_NUMBER: _ClassVar[int]
     RANKIDS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     jobId: str
     role: str
     agentId: str
     nodeRank: int
     rankIds: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, jobId: _Optional[str] = ..., role: _Optional[str] = ..., agentId: _Optional[str] = ..., nodeRank: _Optional[int] = ..., rankIds: _Optional[_Iterable[str]] = ...) -> None: ...
+    progress: str
+    def __init__(self, jobId: _Optional[str] = ..., role: _Optional[str] = ..., agentId: _Optional[str] = ..., nodeRank: _Optional[int] = ..., rankIds: _Optional[_Iterable[str]] = ..., progress: _Optional[str] = ...) -> None: ...
 
 class FaultRank(_message.Message):
     __slots__ = ("rankId", "faultType")
@@ -107,14 +109,16 @@ class RecoverStatusRequest(_message.Message):
     def __init__(self, jobId: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., strategy: _Optional[str] = ..., isolateRankIds: _Optional[_Iterable[str]] = ..., agentId: _Optional[str] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class ProcessFaultRequest(_message.Message):
-    __slots__ = ("jobId", "faultRanks", "agentId")
+    __slots__ = ("jobId", "faultRanks", "agentId", "detail")
     JOBID_FIELD_NUMBER: _ClassVar[int]
     FAULTRANKS_FIELD_NUMBER: _ClassVar[int]
     AGENTID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     jobId: str
     faultRanks: _containers.RepeatedCompositeFieldContainer[FaultRank]
     agentId: str
-    def __init__(self, jobId: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., agentId: _Optional[str] = ...) -> None: ...
+    detail: str
+    def __init__(self, jobId: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., agentId: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class AgentExitRequest(_message.Message):
     __slots__ = ("jobId", "agentId", "role", "status")
@@ -155,20 +159,22 @@ class StatusQuery(_message.Message):
     def __init__(self, jobId: _Optional[str] = ..., events: _Optional[int] = ...) -> None: ...
 
 class AgentView(_message.Message):
-    __slots__ = ("agentId", "role", "subscribed", "nodeRank", "exitState", "lastSeen")
+    __slots__ = ("agentId", "role", "subscribed", "nodeRank", "exitState", "lastSeen", "progress")
     AGENTID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBED_FIELD_NUMBER: _ClassVar[int]
     NODERANK_FIELD_NUMBER: _ClassVar[int]
     EXITSTATE_FIELD_NUMBER: _ClassVar[int]
     LASTSEEN_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     agentId: str
     role: str
     subscribed: bool
     nodeRank: int
     exitState: str
     lastSeen: float
-    def __init__(self, agentId: _Optional[str] = ..., role: _Optional[str] = ..., subscribed: _Optional[bool] = ..., nodeRank: _Optional[int] = ..., exitState: _Optional[str] = ..., lastSeen: _Optional[float] = ...) -> None: ...
+    progress: str
+    def __init__(self, agentId: _Optional[str] = ..., role: _Optional[str] = ..., subscribed: _Optional[bool] = ..., nodeRank: _Optional[int] = ..., exitState: _Optional[str] = ..., lastSeen: _Optional[float] = ..., progress: _Optional[str] = ...) -> None: ...
 
 class EventView(_message.Message):
     __slots__ = ("seq", "time", "cycle", "kind", "detail")

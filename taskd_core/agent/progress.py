@@ -1,0 +1,629 @@
+"""Progress watching: finds a worker that stopped making progress, and keeps its stack.
+
+Three signals, all on the agent's side of one node:
+
+* **/proc state**, for any process and without code: a worker stopped (``T``)
+  or in uninterruptible sleep (``D``) longer than a bound is hung;
+* **heartbeats and named sections** sent by :mod:`taskd_core.worker` over a
+  Unix datagram socket (``TASKD_PROGRESS_SOCKET``): a worker silent past its
+  heartbeat timeout, or inside a section past the section's timeout, is hung;
+* **torch elastic's file timers**: the FIFO protocol of torch's
+  ``FileTimerServer`` at ``TORCHELASTIC_TIMER_FILE``, so scripts using
+  ``FileTimerClient`` / ``expires(after=...)`` work unchanged; an expired timer
+  is a hang of that worker. torch's own server is not used: it kills the worker
+  (before anyone could take its stack) and then its own process — the agent.
+
+Timeouts are explicit (a section's own, ``heartbeat_timeout``) or learned: a
+multiple of the p99 of the job's recent intervals (per signal name), clamped
+to a floor and a ceiling; the ceiling applies until enough samples exist.
+
+Ranks blocked in a collective with a hung peer go silent at the same moment
+as the culprit. A worker past its deadline is therefore declared at once only
+when it burns CPU (a spinning loop) or is stopped / in ``D``; a worker that
+merely sleeps gets one more timeout first, in which the culprit is found and
+killed and the sleepers' collectives fail — they end as deaths of the same
+cycle, not as new hangs. A job where every rank sleeps (a real deadlock) is
+still found, after twice the timeout.
+
+Before a hang is reported, the worker's Python stack (every thread) is taken
+with ``py-spy dump`` when installed, else through the ``faulthandler`` dump the
+worker API arranges, and written into the worker's own output.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import enum
+import json
+import logging
+import math
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from taskd_core.errors import ConfigError
+from taskd_core.worker import SOCKET_ENV, STACK_SIGNAL, stack_file
+
+logger = logging.getLogger(__name__)
+
+#: torch elastic's variable naming the timer FIFO (``torch.distributed.elastic.timer``).
+TIMER_FILE_ENV = "TORCHELASTIC_TIMER_FILE"
+#: The learned heartbeat's name among the sections.
+HEARTBEAT = "heartbeat"
+#: Longest stack text kept for the journal; a deep stack of many threads is cut, not dropped.
+MAX_STACK = 32_000
+#: Share of one core above which a silent worker counts as busy (spinning), not asleep in a collective.
+_BUSY_SHARE = 0.1
+#: Seconds of CPU samples kept per worker to judge whether it is busy.
+_CPU_WINDOW = 2.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+#: Hops up the parent chain from a reporting pid to the worker the adapter knows (``bash -c python ...``).
+_MAX_ANCESTRY = 8
+
+
+class HangSignal(str, enum.Enum):
+    """What showed that a worker stopped making progress."""
+
+    STOPPED = "stopped"
+    DISK_SLEEP = "uninterruptible-sleep"
+    HEARTBEAT = "heartbeat"
+    SECTION = "section"
+    TIMER = "timer"
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressConfig:
+    """Bounds of the progress watch; every value in seconds unless named otherwise."""
+
+    enabled: bool = True
+    #: a worker in state ``T`` longer than this is hung.
+    stopped_bound: float = 0.5
+    #: a worker in state ``D`` longer than this is hung.
+    disk_sleep_bound: float = 60.0
+    #: explicit heartbeat timeout; None learns it from the job's beat intervals.
+    heartbeat_timeout: float | None = None
+    #: learned timeout = multiplier x p99 of the recent intervals, within floor..ceiling.
+    multiplier: float = 5.0
+    floor: float = 3.0
+    ceiling: float = 300.0
+    #: samples needed before a learned value replaces the ceiling, and how many recent ones count.
+    min_samples: int = 10
+    window: int = 200
+    #: how often /proc and the deadlines are checked.
+    poll: float = 0.2
+    #: bound on taking one worker's stack.
+    stack_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("stopped_bound", "disk_sleep_bound", "multiplier", "floor", "ceiling", "poll", "stack_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"hang detection: {name.replace('_', ' ')} must be a positive number, not {value}")
+        if self.heartbeat_timeout is not None and not (
+            math.isfinite(self.heartbeat_timeout) and self.heartbeat_timeout > 0
+        ):
+            raise ConfigError(f"hang detection: heartbeat timeout must be positive, not {self.heartbeat_timeout}")
+        if self.floor > self.ceiling:
+            raise ConfigError(f"hang detection: floor {self.floor}s is above ceiling {self.ceiling}s")
+        if self.min_samples < 1 or self.window < self.min_samples:
+            raise ConfigError(
+                f"hang detection: need 1 <= min samples ({self.min_samples}) <= window ({self.window})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Hang:
+    """One worker declared hung, with the evidence for the journal."""
+
+    pid: int
+    local_rank: int
+    global_rank: int
+    signal: HangSignal
+    #: what stopped: the section or timer scope, the /proc state, or ``heartbeat``.
+    name: str
+    #: seconds without progress when declared, and the timeout that applied.
+    waited: float
+    timeout: float
+    learned: bool
+    stack: str
+
+    @property
+    def reason(self) -> str:
+        how = "learned" if self.learned else "configured"
+        return (
+            f"rank {self.global_rank} (pid {self.pid}) hung: {self.signal.value} {self.name!r}, "
+            f"no progress for {self.waited:.1f}s (timeout {self.timeout:.1f}s, {how})"
+        )
+
+    def evidence(self) -> str:
+        """The reason and the stack, cut to fit one journal entry."""
+        text = f"{self.reason}\n{self.stack}"
+        return text if len(text) <= MAX_STACK else text[: MAX_STACK - 20] + "\n... (cut)\n"
+
+
+class LearnedTimeout:
+    """A timeout that follows the observed durations of one signal (p99 x multiplier, clamped)."""
+
+    def __init__(self, config: ProgressConfig) -> None:
+        self._config = config
+        self._recent: collections.deque[float] = collections.deque(maxlen=config.window)
+        self._sorted: list[float] = []
+        self.count = 0
+
+    def add(self, seconds: float) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            old = self._recent[0]
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._recent.append(seconds)
+        bisect.insort(self._sorted, seconds)
+        self.count += 1
+
+    @property
+    def p99(self) -> float | None:
+        if len(self._sorted) < self._config.min_samples:
+            return None
+        return self._sorted[max(0, math.ceil(0.99 * len(self._sorted)) - 1)]
+
+    @property
+    def value(self) -> float:
+        p99 = self.p99
+        if p99 is None:
+            return self._config.ceiling
+        return min(self._config.ceiling, max(self._config.floor, self._config.multiplier * p99))
+
+    def describe(self) -> str:
+        p99 = self.p99
+        if p99 is None:
+            return f"{self.value:.1f}s (learning: {len(self._sorted)}/{self._config.min_samples} samples)"
+        return f"{self.value:.1f}s (learned: p99 {p99:.3f}s of {len(self._sorted)})"
+
+
+@dataclass(slots=True)
+class _Worker:
+    """What the watcher knows about one live worker process."""
+
+    local_rank: int
+    global_rank: int
+    last_beat: float | None = None
+    #: open sections, innermost last: (name, entered at, explicit timeout).
+    sections: list[tuple[str, float, float | None]] = field(default_factory=list)
+    #: torch timers by scope: (expiration on the wall clock, timeout it was armed with).
+    timers: dict[str, tuple[float, float]] = field(default_factory=dict)
+    odd_state: str = ""
+    odd_since: float = 0.0
+    cpu: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=64))
+    declared: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Expiry:
+    signal: HangSignal
+    name: str
+    deadline: float
+    timeout: float
+    learned: bool
+
+
+def read_stat(pid: int) -> tuple[str, int] | None:
+    """``(state letter, CPU ticks)`` of ``pid`` from /proc, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: fields start after the last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    if len(fields) < 13:
+        return None
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def py_spy() -> str | None:
+    """The ``py-spy`` executable: on PATH or beside this interpreter (a virtualenv's bin)."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else None
+
+
+def capture_stack(pid: int, socket_path: str | None, timeout: float) -> str:
+    """Every thread's Python stack of ``pid``: py-spy, else the worker's faulthandler dump."""
+    spy = py_spy()
+    if spy is not None:
+        try:
+            # --nonblocking reads memory without ptrace-stopping the target: safe on a stopped or D-state worker.
+            done = subprocess.run(
+                [spy, "dump", "--pid", str(pid), "--nonblocking"],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+            if done.returncode == 0 and done.stdout.strip():
+                return done.stdout
+            logger.warning("py-spy could not read pid %s: %s", pid, (done.stderr or done.stdout).strip()[-500:])
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            logger.warning("py-spy could not read pid %s: %s", pid, exc)
+    if socket_path is not None:
+        dumped = _faulthandler_dump(pid, stack_file(socket_path, pid), timeout)
+        if dumped:
+            return "(faulthandler dump)\n" + dumped
+    return "(no stack: py-spy is not installed and the worker arranged no faulthandler dump)\n"
+
+
+def _faulthandler_dump(pid: int, path: Path, timeout: float) -> str:
+    try:
+        before = path.stat().st_size
+    except OSError:
+        return ""  # the worker never used the worker API, so nobody listens on the dump signal
+    try:
+        os.kill(pid, STACK_SIGNAL)
+        # A stopped worker runs no handler; it is killed right after, so letting it run is harmless.
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return ""
+    deadline = time.monotonic() + min(timeout, 2.0)
+    size = before
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            now = path.stat().st_size
+        except OSError:
+            return ""
+        if now > before and now == size:  # grew, then stopped growing: the dump is complete
+            break
+        size = now
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            f.seek(before)
+            return f.read()
+    except OSError:
+        return ""
+
+
+def write_to_worker_output(pid: int, text: str) -> None:
+    """Append ``text`` to the worker's own stdout (its log file under every launcher here)."""
+    try:
+        with open(f"/proc/{pid}/fd/1", "a", encoding="utf-8") as out:
+            out.write(text)
+    except OSError as exc:
+        logger.info("cannot write into the output of pid %s: %s", pid, exc)
+
+
+class ProgressWatcher:
+    """Watches the workers of one node for hangs, in a thread of its own.
+
+    :param on_hang: called (from the watcher's thread) after a hang was
+        declared and its stack taken; the agent then collects it with
+        :meth:`take_hangs`.
+    """
+
+    def __init__(self, config: ProgressConfig, on_hang: Callable[[], None]) -> None:
+        self.config = config
+        self._on_hang = on_hang
+        self._lock = threading.Lock()
+        self._workers: dict[int, _Worker] = {}
+        self._owner: dict[int, int] = {}
+        self._hangs: list[Hang] = []
+        self._learned: dict[str, LearnedTimeout] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dir: Path | None = None
+        self._sock: socket.socket | None = None
+        self._fifo: tuple[int, int] | None = None
+        self._fifo_buf = b""
+        self._env_before: dict[str, str | None] = {}
+        self.socket_path: str | None = None
+        self.timer_file: str | None = None
+
+    # --- life cycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the socket and the timer FIFO, publish them to workers, start watching."""
+        self._dir = Path(tempfile.mkdtemp(prefix="taskd-progress-"))
+        self.socket_path = str(self._dir / "progress.sock")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.socket_path)
+        self._sock.setblocking(False)
+        self.timer_file = os.environ.get(TIMER_FILE_ENV) or str(self._dir / "timer.fifo")
+        if os.path.lexists(self.timer_file):
+            os.remove(self.timer_file)
+        os.mkfifo(self.timer_file)
+        # Our own write end keeps the FIFO from reading as end-of-file between clients.
+        reader = os.open(self.timer_file, os.O_RDONLY | os.O_NONBLOCK)
+        self._fifo = (reader, os.open(self.timer_file, os.O_WRONLY | os.O_NONBLOCK))
+        # Every launcher's workers inherit the launcher's environment (msrun builds
+        # its workers' environment from its own), so this reaches all of them.
+        for name, value in ((SOCKET_ENV, self.socket_path), (TIMER_FILE_ENV, self.timer_file)):
+            self._env_before[name] = os.environ.get(name)
+            os.environ[name] = value
+        self._thread = threading.Thread(target=self._run, name="taskd-progress", daemon=True)
+        self._thread.start()
+        logger.info("watching progress: socket %s, torch timer file %s", self.socket_path, self.timer_file)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.stack_timeout + 5.0)
+        for name, value in self._env_before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._env_before.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._fifo is not None:
+            for fd in self._fifo:
+                os.close(fd)
+            self._fifo = None
+            if self.timer_file and os.path.lexists(self.timer_file):
+                os.remove(self.timer_file)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    # --- the agent's side -------------------------------------------------------------------
+
+    def track(self, workers: Mapping[int, tuple[int, int]]) -> None:
+        """The live workers: ``{pid: (local rank, global rank)}``; others are forgotten."""
+        with self._lock:
+            for pid in list(self._workers):
+                if pid not in workers:
+                    del self._workers[pid]
+            for pid, (local_rank, global_rank) in workers.items():
+                known = self._workers.get(pid)
+                if known is None or (known.local_rank, known.global_rank) != (local_rank, global_rank):
+                    self._workers[pid] = _Worker(local_rank, global_rank)
+            self._owner = {p: o for p, o in self._owner.items() if o in self._workers}
+
+    def take_hangs(self) -> list[Hang]:
+        """Hangs declared since the last call."""
+        with self._lock:
+            hangs, self._hangs = self._hangs, []
+        return hangs
+
+    def describe(self) -> str:
+        """The timeouts in use, one line (``taskd status`` shows it per agent)."""
+        c = self.config
+        with self._lock:
+            parts = [f"stopped {c.stopped_bound:g}s", f"D-state {c.disk_sleep_bound:g}s"]
+            if c.heartbeat_timeout is not None:
+                parts.append(f"{HEARTBEAT} {c.heartbeat_timeout:g}s (configured)")
+            for name, learned in sorted(self._learned.items()):
+                if name != HEARTBEAT or c.heartbeat_timeout is None:
+                    parts.append(f"{name} {learned.describe()}")
+            timers = sum(len(w.timers) for w in self._workers.values())
+        if timers:
+            parts.append(f"{timers} torch timer(s) armed")
+        return "; ".join(parts)
+
+    def timeout_of(self, name: str) -> float | None:
+        """The learned timeout of a heartbeat or section name (None before its first sample)."""
+        with self._lock:
+            learned = self._learned.get(name)
+            return None if learned is None else learned.value
+
+    # --- the watcher's thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        assert self._sock is not None and self._fifo is not None
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        poller.register(self._fifo[0], select.POLLIN)
+        next_scan = 0.0
+        while not self._stop.is_set():
+            with self._lock:
+                idle = not self._workers
+            # Nothing to watch: wake rarely; messages still wake the poll at once.
+            wait = 1.0 if idle else max(0.0, next_scan - time.monotonic())
+            poller.poll(int(wait * 1000))
+            now = time.monotonic()
+            self._drain_socket(now)
+            self._drain_fifo(now)
+            if now >= next_scan:
+                next_scan = now + self.config.poll
+                try:
+                    self._scan(now)
+                except Exception:  # the watch must outlive one bad reading
+                    logger.exception("progress scan failed")
+
+    def _drain_socket(self, now: float) -> None:
+        assert self._sock is not None
+        for _ in range(10_000):
+            try:
+                data = self._sock.recv(512)
+            except BlockingIOError:
+                return
+            except OSError:
+                return
+            self._on_message(data.decode(errors="replace").split(), now)
+
+    def _on_message(self, parts: list[str], now: float) -> None:
+        if len(parts) < 2 or not parts[0].isdigit():
+            return
+        with self._lock:
+            worker = self._worker_of(int(parts[0]))
+            if worker is None:
+                return
+            op = parts[1]
+            if op == "beat":
+                if worker.last_beat is not None and not worker.sections:
+                    self._learn(HEARTBEAT).add(now - worker.last_beat)
+                worker.last_beat = now
+            elif op == "enter" and len(parts) == 4:
+                timeout = None if parts[3] == "-" else _positive(parts[3])
+                worker.sections.append((parts[2], now, timeout))
+            elif op == "leave" and len(parts) == 3:
+                for i in range(len(worker.sections) - 1, -1, -1):
+                    name, entered, _ = worker.sections[i]
+                    if name == parts[2]:
+                        self._learn(name).add(now - entered)
+                        del worker.sections[i:]
+                        break
+                if worker.last_beat is not None:
+                    worker.last_beat = now
+
+    def _drain_fifo(self, now: float) -> None:
+        assert self._fifo is not None
+        try:
+            while chunk := os.read(self._fifo[0], 65536):
+                self._fifo_buf += chunk
+        except BlockingIOError:
+            pass
+        *lines, self._fifo_buf = self._fifo_buf.split(b"\n")
+        for line in lines:
+            try:
+                request = json.loads(line)
+                pid, scope = int(request["pid"]), str(request["scope_id"])
+                expiration = float(request["expiration_time"])
+            except (ValueError, KeyError, TypeError):
+                logger.warning("ignoring a malformed torch timer request: %r", line[:200])
+                continue
+            with self._lock:
+                worker = self._worker_of(pid)
+                if worker is None:
+                    continue
+                if expiration < 0:
+                    worker.timers.pop(scope, None)
+                else:
+                    worker.timers[scope] = (expiration, max(expiration - time.time(), 0.0))
+
+    def _worker_of(self, pid: int) -> _Worker | None:
+        """The tracked worker ``pid`` is, or descends from (called with the lock held)."""
+        owner = self._owner.get(pid)
+        if owner is None:
+            candidate: int | None = pid
+            for _ in range(_MAX_ANCESTRY):
+                if candidate is None or candidate <= 1:
+                    break
+                if candidate in self._workers:
+                    owner = self._owner[pid] = candidate
+                    break
+                candidate = parent_of(candidate)
+        return self._workers.get(owner) if owner is not None else None
+
+    def _learn(self, name: str) -> LearnedTimeout:
+        learned = self._learned.get(name)
+        if learned is None:
+            learned = self._learned[name] = LearnedTimeout(self.config)
+        return learned
+
+    def _expiry(self, worker: _Worker, now: float) -> _Expiry | None:
+        """The earliest deadline this worker has to meet (called with the lock held)."""
+        candidates = []
+        if worker.sections:
+            name, entered, explicit = worker.sections[-1]
+            timeout = explicit if explicit is not None else self._learn(name).value
+            candidates.append(_Expiry(HangSignal.SECTION, name, entered + timeout, timeout, explicit is None))
+        elif worker.last_beat is not None:
+            explicit = self.config.heartbeat_timeout
+            timeout = explicit if explicit is not None else self._learn(HEARTBEAT).value
+            candidates.append(
+                _Expiry(HangSignal.HEARTBEAT, HEARTBEAT, worker.last_beat + timeout, timeout, explicit is None)
+            )
+        wall_offset = now - time.time()
+        for scope, (expiration, timeout) in worker.timers.items():
+            candidates.append(_Expiry(HangSignal.TIMER, scope, expiration + wall_offset, timeout, False))
+        return min(candidates, key=lambda e: e.deadline, default=None)
+
+    def _scan(self, now: float) -> None:
+        declared: list[tuple[int, _Worker, _Expiry, float]] = []
+        with self._lock:
+            for pid, worker in self._workers.items():
+                if worker.declared:
+                    continue
+                found = self._check(pid, worker, now)
+                if found is not None:
+                    worker.declared = True
+                    declared.append((pid, worker, *found))
+        for pid, worker, expiry, waited in declared:
+            self._declare(pid, worker, expiry, waited)
+
+    def _check(self, pid: int, worker: _Worker, now: float) -> tuple[_Expiry, float] | None:
+        stat = read_stat(pid)
+        if stat is None:
+            return None
+        state, ticks = stat
+        worker.cpu.append((now, ticks))
+        while len(worker.cpu) > 2 and now - worker.cpu[1][0] >= _CPU_WINDOW:
+            worker.cpu.popleft()
+        if state in ("T", "D"):
+            if worker.odd_state != state:
+                worker.odd_state, worker.odd_since = state, now
+            stopped = state == "T"
+            bound = self.config.stopped_bound if stopped else self.config.disk_sleep_bound
+            if now - worker.odd_since >= bound:
+                kind = HangSignal.STOPPED if stopped else HangSignal.DISK_SLEEP
+                return _Expiry(kind, f"state {state}", worker.odd_since + bound, bound, False), now - worker.odd_since
+        else:
+            worker.odd_state = ""
+        expiry = self._expiry(worker, now)
+        if expiry is None or now < expiry.deadline:
+            return None
+        # A sleeping worker may be blocked in a collective with the real culprit: give that one a timeout to be found.
+        if self._busy(worker) or state in ("T", "D") or now >= expiry.deadline + expiry.timeout:
+            return expiry, now - expiry.deadline + expiry.timeout
+        return None
+
+    @staticmethod
+    def _busy(worker: _Worker) -> bool:
+        (t0, ticks0), (t1, ticks1) = worker.cpu[0], worker.cpu[-1]
+        if t1 - t0 < 0.5:
+            return False
+        return (ticks1 - ticks0) / _CLOCK_TICKS / (t1 - t0) >= _BUSY_SHARE
+
+    def _declare(self, pid: int, worker: _Worker, expiry: _Expiry, waited: float) -> None:
+        logger.warning(
+            "rank %s (pid %s): no progress on %s %r for %.1fs (timeout %.1fs); taking its stack",
+            worker.global_rank, pid, expiry.signal.value, expiry.name, waited, expiry.timeout,
+        )
+        stack = capture_stack(pid, self.socket_path, self.config.stack_timeout)
+        hang = Hang(
+            pid=pid,
+            local_rank=worker.local_rank,
+            global_rank=worker.global_rank,
+            signal=expiry.signal,
+            name=expiry.name,
+            waited=waited,
+            timeout=expiry.timeout,
+            learned=expiry.learned,
+            stack=stack,
+        )
+        write_to_worker_output(pid, f"\n=== taskd: {hang.reason}; its stack:\n{stack}\n")
+        logger.warning("%s; stack:\n%s", hang.reason, stack)
+        with self._lock:
+            self._hangs.append(hang)
+        self._on_hang()
+
+
+def _positive(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+

@@ -1,0 +1,137 @@
+"""The worker side of hang detection: heartbeats and named sections, for any framework.
+
+A worker tells its node agent that it makes progress; the agent declares it
+hung when it stops (:mod:`taskd_core.agent.progress`)::
+
+    from taskd_core import worker
+
+    for step in range(steps):
+        with worker.section("step"):          # timeout learned from the job's own step times
+            train_step()
+        worker.heartbeat()
+    with worker.section("checkpoint", timeout=120):
+        save()
+
+Every call is one non-blocking datagram on a Unix socket whose path the
+launcher passes in ``TASKD_PROGRESS_SOCKET``; without it (the script runs
+outside TaskD) every call does nothing, and a lost agent never blocks or
+fails training. The module imports nothing heavy and never gRPC: it is
+imported by workers.
+
+When a reporter is first created it also registers a stack dump through
+:mod:`faulthandler` on :data:`STACK_SIGNAL`, written to a per-process file
+the agent reads when ``py-spy`` is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import functools
+import logging
+import math
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from taskd_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable naming the agent's datagram socket.
+SOCKET_ENV = "TASKD_PROGRESS_SOCKET"
+#: Signal on which a worker writes every thread's Python stack to :func:`stack_file`.
+STACK_SIGNAL = signal.SIGUSR2
+#: Longest section name; names travel in one datagram.
+MAX_NAME = 64
+
+
+def stack_file(socket_path: str | Path, pid: int) -> Path:
+    """Where worker ``pid`` writes its stack dump (next to the agent's socket)."""
+    return Path(socket_path).parent / f"stack-{pid}.txt"
+
+
+def check_name(name: str) -> str:
+    """A section name that fits the wire: 1..64 printable characters, no spaces."""
+    if not name or len(name) > MAX_NAME or not name.isprintable() or any(c.isspace() for c in name):
+        raise ConfigError(
+            f"section name {name[:80]!r} must be 1..{MAX_NAME} printable characters without spaces"
+        )
+    return name
+
+
+class ProgressReporter:
+    """Sends one process's progress to the agent listening at ``address`` (None: reports nothing)."""
+
+    def __init__(self, address: str | None) -> None:
+        self.address = address
+        self._sock: socket.socket | None = None
+        self._stack_out: IO[str] | None = None
+        if address:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.setblocking(False)
+            self._install_stack_dump(address)
+
+    def _install_stack_dump(self, address: str) -> None:
+        try:
+            self._stack_out = open(stack_file(address, os.getpid()), "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the process
+            faulthandler.register(STACK_SIGNAL, file=self._stack_out, all_threads=True)
+        except (OSError, RuntimeError, ValueError) as exc:  # no dump then; py-spy may still work
+            logger.warning("cannot arrange a stack dump on %s: %s", STACK_SIGNAL.name, exc)
+
+    def _send(self, message: str) -> None:
+        if self._sock is None or self.address is None:
+            return
+        try:
+            self._sock.sendto(f"{os.getpid()} {message}".encode(), self.address)
+        except OSError:
+            # The agent is gone or its queue is full: progress reports are best effort by design.
+            pass
+
+    def heartbeat(self) -> None:
+        """This process made progress (call it once per step, or more often)."""
+        self._send("beat")
+
+    def enter(self, name: str, timeout: float | None = None) -> None:
+        """Begin section ``name``; it must end within ``timeout`` seconds (None: a learned timeout)."""
+        check_name(name)
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise ConfigError(f"section {name!r}: timeout must be a positive number of seconds, not {timeout}")
+        self._send(f"enter {name} {'-' if timeout is None else repr(float(timeout))}")
+
+    def leave(self, name: str) -> None:
+        """End section ``name``; its duration teaches the agent this section's normal length."""
+        self._send(f"leave {check_name(name)}")
+
+    @contextlib.contextmanager
+    def section(self, name: str, timeout: float | None = None) -> Iterator[None]:
+        """``with`` form of :meth:`enter` / :meth:`leave`."""
+        self.enter(name, timeout)
+        try:
+            yield
+        finally:
+            self.leave(name)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+@functools.cache
+def reporter() -> ProgressReporter:
+    """This process's reporter, built once from ``TASKD_PROGRESS_SOCKET``."""
+    return ProgressReporter(os.environ.get(SOCKET_ENV) or None)
+
+
+def heartbeat() -> None:
+    """This worker made progress (see :meth:`ProgressReporter.heartbeat`)."""
+    reporter().heartbeat()
+
+
+def section(name: str, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
+    """A named section with its own timeout (see :meth:`ProgressReporter.section`)."""
+    return reporter().section(name, timeout)
