@@ -250,6 +250,9 @@ def main() -> int:
         # (updated only after a successful all_reduce) are still those of `done`.
         if not dump_requested:
             raise
+    finally:
+        # Saving and tearing down take a while without steps: that silence is no hang.
+        worker.done()
     if dump_requested:
         if rank == 0:
             save_checkpoint(ckpt, done, model, velocity)

@@ -11,6 +11,7 @@ hung when it stops (:mod:`taskd_core.agent.progress`)::
         worker.heartbeat()
     with worker.section("checkpoint", timeout=120):
         save()
+    worker.done()                             # no more beats to expect (also sent at exit)
 
 Every call is one non-blocking datagram on a Unix socket whose path the
 launcher passes in ``TASKD_PROGRESS_SOCKET``; without it (the script runs
@@ -25,6 +26,7 @@ the agent reads when ``py-spy`` is not installed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import functools
@@ -74,6 +76,9 @@ class ProgressReporter:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
             self._install_stack_dump(address)
+            # Tear-down after training (destroying process groups, freeing tensors) can take
+            # seconds of silence that must not read as a hang.
+            atexit.register(self.done)
 
     def _install_stack_dump(self, address: str) -> None:
         try:
@@ -106,6 +111,10 @@ class ProgressReporter:
         """End section ``name``; its duration teaches the agent this section's normal length."""
         self._send(f"leave {check_name(name)}")
 
+    def done(self) -> None:
+        """This process will make no more progress reports (training is over): stop expecting them."""
+        self._send("done")
+
     @contextlib.contextmanager
     def section(self, name: str, timeout: float | None = None) -> Iterator[None]:
         """``with`` form of :meth:`enter` / :meth:`leave`."""
@@ -130,6 +139,11 @@ def reporter() -> ProgressReporter:
 def heartbeat() -> None:
     """This worker made progress (see :meth:`ProgressReporter.heartbeat`)."""
     reporter().heartbeat()
+
+
+def done() -> None:
+    """No more heartbeats from this worker (see :meth:`ProgressReporter.done`)."""
+    reporter().done()
 
 
 def section(name: str, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:

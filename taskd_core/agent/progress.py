@@ -486,6 +486,9 @@ class ProgressWatcher:
                         break
                 if worker.last_beat is not None:
                     worker.last_beat = now
+            elif op == "done":
+                worker.last_beat = None
+                worker.sections.clear()
 
     def _drain_fifo(self, now: float) -> None:
         assert self._fifo is not None

@@ -8,7 +8,8 @@ times (every ``PERIOD`` seconds) first, then:
 * ``sleep``     sleeps in ``sleep_without_heartbeat`` (silent, not busy: like a rank blocked in a collective);
 * ``section``   enters section ``load`` with a 0.5 s timeout and spins in ``stuck_in_section``;
 * ``timer``     arms a torch-protocol file timer of 0.5 s and spins in ``overrun_timer``;
-* ``healthy``   keeps beating with steps that vary by 5x until told to finish (file ``finish`` beside it).
+* ``healthy``   keeps beating with steps that vary by 5x until told to finish (file ``finish`` beside it),
+                then says it is done and stays busy for a while, as a worker tearing down does.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ BEATS = 30
 PERIOD = 0.02
 #: Bound on every loop here, so a forgotten worker ends on its own.
 LIFETIME = 120.0
+#: Seconds of silent work after the last beat (longer than twice the tests' floor).
+TEARDOWN = 2.5
 
 
 def wait_for_stop() -> None:
@@ -62,6 +65,10 @@ def healthy(here: Path) -> None:
     while not (here / "finish").exists() and time.monotonic() < end:
         time.sleep(PERIOD * rng.uniform(1.0, 5.0))
         worker.heartbeat()
+    worker.done()
+    end = time.monotonic() + TEARDOWN
+    while time.monotonic() < end:
+        pass
 
 
 def main() -> None:
