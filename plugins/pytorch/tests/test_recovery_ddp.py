@@ -58,3 +58,18 @@ def test_a_rank_that_raises_is_recovered_like_a_killed_one(launch, tmp_path: Pat
     assert len(pids_of_round(progress, 1)) == 4
     assert [int(e["step"]) for e in events(progress) if e["event"] == "resumed"] == [6] * 4
     assert final["sha256"] == fault_free["sha256"]
+
+
+def test_torch_file_timer_overrun_is_a_hang_with_its_stack(launch, tmp_path: Path, fault_free: dict[str, object]) -> None:
+    """The script arms torch's own FileTimerClient (TORCHELASTIC_TIMER_FILE, served by taskdrun as by torchrun);
+    rank 3 overruns it spinning: its stack is taken, it is reported as hung, and the job recovers."""
+    nodes, progress, result = run_job(
+        launch, tmp_path / "timer", "--no-heartbeat", "--timer", "3", "--hang-at-step", "12", "--hang-rank", "3"
+    )
+
+    final = finish(nodes, result)
+
+    assert {e["restart"] for e in events(progress)} == {0, 1}
+    assert final["sha256"] == fault_free["sha256"]
+    node1 = next(launch.root.glob("timer1.*.log")).read_text(errors="replace")
+    assert "hung: timer 'step'" in node1 and "spin_forever (train_ddp.py:" in node1
