@@ -34,9 +34,9 @@ on the first start only (``TASKD_RESTART_COUNT == 0``); ``--hang-at-step S
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
-import contextlib
 import os
 import random
 import signal
