@@ -8,6 +8,7 @@ timings), each as a child process writing JSON:
 3. ``idle_bench.py``: idle CPU of agents and controller, controller memory with 1000 jobs;
 4. ``security_bench.py``: what TLS and job tokens add to fault → strategy latency and idle CPU;
 5. ``metrics_bench.py``: the controller with Prometheus metrics on vs off, and scrapes of 1000 jobs.
+6. ``hang_bench.py``: hang → fault reported and → every rank stepping again, per signal.
 
 Then renders the machine, versions, the exact command, the tables, the
 targets and whether they are met into the Markdown report. The default sizes
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import detect_bench
+import hang_bench
 import idle_bench
 import metrics_bench
 import recovery_bench
@@ -103,6 +105,13 @@ STEPS = (
         ("--jobs", "1000", "--cycles", "200", "--seconds", "20", "--scrapes", "50", "--rounds", "2"),
         ("--jobs", "200", "--cycles", "30", "--seconds", "3", "--scrapes", "10", "--rounds", "1"),
         900.0,
+    ),
+    Step(
+        "hang",
+        "hang_bench.py",
+        ("--trials", "15", "--torch-trials", "2", "--healthy-steps", "1000"),
+        ("--trials", "3", "--torch-trials", "1", "--healthy-steps", "200"),
+        1800.0,
     ),
 )
 
@@ -458,6 +467,21 @@ def metrics_section(data: dict[str, Any] | None) -> Section:
     return text, rows
 
 
+def hang_section(data: dict[str, Any] | None) -> Section:
+    title = "6. Hangs: detection and recovery"
+    if data is None:
+        return _failed(title)
+    method = (
+        "`bench/hang_bench.py`: real `taskd run` jobs (one node, embedded controller). A hang's start is the"
+        " wall-clock time the worker (or the bench, for SIGSTOP/SIGKILL) wrote down; the fault's arrival is the"
+        " controller's `fault` journal time, after the agent took the hung rank's stack with py-spy; every rank"
+        " stepping again is each rank's first step after the restart. Defaults: SIGSTOP bound 0.5 s, learned"
+        " timeout = 5 x p99 of the beat intervals within 3..300 s, checked every 0.2 s."
+    )
+    text = "\n\n".join([f"## {title}", method, hang_bench.report(data)]) + "\n"
+    return text, hang_bench.verdicts(data)
+
+
 def render(sections: list[Section], run: dict[str, Any]) -> str:
     info, durations = run["machine"], run["durations"]
     total = sum(durations.values())
@@ -556,6 +580,7 @@ def main() -> int:
         idle_section(data["idle"]),
         security_section(data["security"]),
         metrics_section(data["metrics"]),
+        hang_section(data["hang"]),
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(sections, run), encoding="utf-8")
