@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -208,3 +209,23 @@ def test_repeated_faults_beyond_the_budget_give_the_job_up(
     assert code not in (0, None)
     _no_process_left(msrun_like)
     assert os.environ.get("TASKD_RESTART_COUNT") == "1"
+
+
+def test_stopped_worker_is_found_through_proc_and_recovered(
+    msrun_like: FakeMsrun, job_env: dict[str, str], driver: Callable[[Callable[[], None]], None]
+) -> None:
+    """msrun's pids are known, so a SIGSTOPped rank is a hang (its /proc state): killed, then one recovery."""
+    stopped: list[int] = []
+
+    def stop_then_finish() -> None:
+        wait_until(lambda: len(msrun_like.starts()) == 2, what="both workers")
+        stopped.append(msrun_like.pids()[1])
+        os.kill(stopped[0], signal.SIGSTOP)
+        wait_until(lambda: len(msrun_like.starts()) == 4, timeout=60, what="the restarted workers")
+        (msrun_like.workdir / "release").touch()
+
+    driver(stop_then_finish)
+    assert _exit_code(_via_plugin, msrun_like, job_env) == 0
+    assert [c for c in msrun_like.calls if c[0] == "START_ALL_WORKER"] == [("START_ALL_WORKER", None)] * 2
+    assert not alive(stopped[0])
+    _no_process_left(msrun_like)
