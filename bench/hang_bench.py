@@ -7,7 +7,7 @@ worker (or the bench, for signals from outside) writes down.
 
 1. **Per signal** (``--trials`` hangs each, one job per signal, restarted by
    TaskD after each hang): ``bench/hang_worker.py`` on 2 ranks beats every
-   20 ms, then rank 0 hangs: ``stopped`` (SIGSTOP, /proc state, bound 0.5 s),
+   50 ms, then rank 0 hangs: ``stopped`` (SIGSTOP, /proc state, bound 0.5 s),
    ``heartbeat`` (spins silently; learned timeout), ``section`` (spins in a
    section with a 1 s timeout), ``timer`` (spins past a torch file timer of
    1 s, written in ``FileTimerClient``'s protocol).

@@ -1,7 +1,7 @@
 """The worker of ``hang_bench.py``'s light part: beats, then rank 0 hangs in the chosen way, once per start.
 
 ``python bench/hang_worker.py MODE TRIALS EVENTS``: every start beats 30 times
-(every 20 ms) through :mod:`taskd_core.worker`, logging its first beat; then,
+(every 50 ms) through :mod:`taskd_core.worker`, logging its first beat; then,
 while ``TASKD_RESTART_COUNT < TRIALS``, rank 0 logs ``hang`` with the time the
 hang began and hangs (``stopped``: SIGSTOPs itself; ``heartbeat``: spins
 silently; ``section``: spins inside a section with a 1 s timeout; ``timer``:
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from taskd_core import worker
 
-PERIOD = 0.02
+PERIOD = 0.05
 BEATS = 30
 #: The explicit timeout of the section and timer modes.
 EXPLICIT = 1.0

@@ -13,8 +13,9 @@ hung when it stops (:mod:`taskd_core.agent.progress`)::
         save()
     worker.done()                             # no more beats to expect (also sent at exit)
 
-Every call is one non-blocking datagram on a Unix socket whose path the
-launcher passes in ``TASKD_PROGRESS_SOCKET``; without it (the script runs
+Every call is at most one non-blocking datagram (beats closer than 0.1 s
+apart are not sent) on a Unix socket whose path the launcher passes in
+``TASKD_PROGRESS_SOCKET``; without it (the script runs
 outside TaskD) every call does nothing, and a lost agent never blocks or
 fails training. The module imports nothing heavy and never gRPC: it is
 imported by workers.
@@ -35,6 +36,7 @@ import math
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -49,6 +51,9 @@ SOCKET_ENV = "TASKD_PROGRESS_SOCKET"
 STACK_SIGNAL = signal.SIGUSR2
 #: Longest section name; names travel in one datagram.
 MAX_NAME = 64
+#: Beats closer together than this are not sent: the agent needs no finer grain, and a
+#: job of 10 ms steps would otherwise send it 100 datagrams a second per rank.
+MIN_BEAT_GAP = 0.1
 
 
 def stack_file(socket_path: str | Path, pid: int) -> Path:
@@ -72,6 +77,7 @@ class ProgressReporter:
         self.address = address
         self._sock: socket.socket | None = None
         self._stack_out: IO[str] | None = None
+        self._last_beat = -MIN_BEAT_GAP
         if address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -87,18 +93,23 @@ class ProgressReporter:
         except (OSError, RuntimeError, ValueError) as exc:  # no dump then; py-spy may still work
             logger.warning("cannot arrange a stack dump on %s: %s", STACK_SIGNAL.name, exc)
 
-    def _send(self, message: str) -> None:
+    def _send(self, message: str, when: float | None = None) -> None:
         if self._sock is None or self.address is None:
             return
+        # The agent reads messages in batches; the sender's time keeps them exact.
+        stamp = time.monotonic() if when is None else when
         try:
-            self._sock.sendto(f"{os.getpid()} {message}".encode(), self.address)
+            self._sock.sendto(f"{os.getpid()} {stamp:.6f} {message}".encode(), self.address)
         except OSError:
             # The agent is gone or its queue is full: progress reports are best effort by design.
             pass
 
     def heartbeat(self) -> None:
         """This process made progress (call it once per step, or more often)."""
-        self._send("beat")
+        now = time.monotonic()
+        if now - self._last_beat >= MIN_BEAT_GAP:
+            self._last_beat = now
+            self._send("beat", now)
 
     def enter(self, name: str, timeout: float | None = None) -> None:
         """Begin section ``name``; it must end within ``timeout`` seconds (None: a learned timeout)."""
@@ -125,15 +136,28 @@ class ProgressReporter:
             self.leave(name)
 
     def close(self) -> None:
+        """Stop reporting; the stack dump is no longer arranged."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._stack_out is not None:
+            faulthandler.unregister(STACK_SIGNAL)
+            self._stack_out.close()
+            self._stack_out = None
 
 
 @functools.cache
-def reporter() -> ProgressReporter:
-    """This process's reporter, built once from ``TASKD_PROGRESS_SOCKET``."""
+def _reporter_of(pid: int) -> ProgressReporter:
     return ProgressReporter(os.environ.get(SOCKET_ENV) or None)
+
+
+def reporter() -> ProgressReporter:
+    """This process's reporter, built once per process from ``TASKD_PROGRESS_SOCKET``.
+
+    Keyed by pid: a worker forked from a process that already reported (a fork
+    server) gets its own, with its own stack dump file.
+    """
+    return _reporter_of(os.getpid())
 
 
 def heartbeat() -> None:

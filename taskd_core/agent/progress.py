@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import os
-import select
 import shutil
 import signal
 import socket
@@ -204,6 +203,13 @@ class _Worker:
     odd_since: float = 0.0
     cpu: collections.deque[tuple[float, int]] = field(default_factory=lambda: collections.deque(maxlen=64))
     declared: bool = False
+    #: its /proc stat file, kept open: re-reading costs one pread instead of open/read/close.
+    stat_fd: int | None = None
+
+    def forget(self) -> None:
+        if self.stat_fd is not None:
+            os.close(self.stat_fd)
+            self.stat_fd = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,13 +221,17 @@ class _Expiry:
     learned: bool
 
 
-def read_stat(pid: int) -> tuple[str, int] | None:
-    """``(state letter, CPU ticks)`` of ``pid`` from /proc, or None when it is gone."""
+def read_stat(pid: int, fd: int | None = None) -> tuple[str, int] | None:
+    """``(state letter, CPU ticks)`` of ``pid`` from /proc (through ``fd``, its open stat file, when given)."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
+        if fd is None:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                raw = f.read()
+        else:
+            raw = os.pread(fd, 1024, 0)
     except OSError:
         return None
+    stat = raw.decode("ascii", errors="replace")
     # The command name may hold spaces and parentheses: fields start after the last ')'.
     fields = stat[stat.rfind(")") + 2 :].split()
     if len(fields) < 13:
@@ -347,6 +357,8 @@ class ProgressWatcher:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.socket_path)
         self._sock.setblocking(False)
+        # Messages wait here between scans; the kernel caps the size at its rmem_max.
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
         self.timer_file = os.environ.get(TIMER_FILE_ENV) or str(self._dir / "timer.fifo")
         if os.path.lexists(self.timer_file):
             os.remove(self.timer_file)
@@ -367,6 +379,10 @@ class ProgressWatcher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.config.stack_timeout + 5.0)
+        with self._lock:
+            for worker in self._workers.values():
+                worker.forget()
+            self._workers.clear()
         for name, value in self._env_before.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -393,10 +409,12 @@ class ProgressWatcher:
         with self._lock:
             for pid in list(self._workers):
                 if pid not in workers:
-                    del self._workers[pid]
+                    self._workers.pop(pid).forget()
             for pid, (local_rank, global_rank) in workers.items():
                 known = self._workers.get(pid)
                 if known is None or (known.local_rank, known.global_rank) != (local_rank, global_rank):
+                    if known is not None:
+                        known.forget()
                     self._workers[pid] = _Worker(local_rank, global_rank)
             self._owner = {p: o for p, o in self._owner.items() if o in self._workers}
 
@@ -430,46 +448,47 @@ class ProgressWatcher:
     # --- the watcher's thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        assert self._sock is not None and self._fifo is not None
-        poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLIN)
-        poller.register(self._fifo[0], select.POLLIN)
-        next_scan = 0.0
-        while not self._stop.is_set():
-            with self._lock:
-                idle = not self._workers
-            # Nothing to watch: wake rarely; messages still wake the poll at once.
-            wait = 1.0 if idle else max(0.0, next_scan - time.monotonic())
-            poller.poll(int(wait * 1000))
+        # Messages wait in the socket between scans: they carry their own time
+        # (CLOCK_MONOTONIC is one clock for every process), so a fast job's
+        # beats cost one wake-up per scan, not one per beat.
+        wait = 0.0
+        while not self._stop.wait(wait):
             now = time.monotonic()
             self._drain_socket(now)
             self._drain_fifo(now)
-            if now >= next_scan:
-                next_scan = now + self.config.poll
-                try:
-                    self._scan(now)
-                except Exception:  # the watch must outlive one bad reading
-                    logger.exception("progress scan failed")
+            try:
+                self._scan(now)
+            except Exception:  # the watch must outlive one bad reading
+                logger.exception("progress scan failed")
+            with self._lock:
+                idle = not self._workers
+            wait = 1.0 if idle else self.config.poll
 
     def _drain_socket(self, now: float) -> None:
         assert self._sock is not None
-        for _ in range(10_000):
+        for _ in range(100_000):
             try:
                 data = self._sock.recv(512)
-            except BlockingIOError:
-                return
-            except OSError:
+            except OSError:  # BlockingIOError: drained
                 return
             self._on_message(data.decode(errors="replace").split(), now)
 
-    def _on_message(self, parts: list[str], now: float) -> None:
-        if len(parts) < 2 or not parts[0].isdigit():
+    def _on_message(self, message: list[str], now: float) -> None:
+        """``PID MONOTONIC-TIME OP [ARGS]`` from :class:`~taskd_core.worker.ProgressReporter`."""
+        if len(message) < 3 or not message[0].isdigit():
             return
+        try:
+            sent = min(float(message[1]), now)
+        except ValueError:
+            return
+        if not math.isfinite(sent):
+            return
+        pid, op, parts = int(message[0]), message[2], [message[0], *message[2:]]
+        now = sent  # when it happened, not when this batch was read
         with self._lock:
-            worker = self._worker_of(int(parts[0]))
+            worker = self._worker_of(pid)
             if worker is None:
                 return
-            op = parts[1]
             if op == "beat":
                 if worker.last_beat is not None and not worker.sections:
                     self._learn(HEARTBEAT).add(now - worker.last_beat)
@@ -567,7 +586,12 @@ class ProgressWatcher:
             self._declare(pid, worker, expiry, waited)
 
     def _check(self, pid: int, worker: _Worker, now: float) -> tuple[_Expiry, float] | None:
-        stat = read_stat(pid)
+        if worker.stat_fd is None:
+            try:
+                worker.stat_fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+        stat = read_stat(pid, worker.stat_fd)
         if stat is None:
             return None
         state, ticks = stat

@@ -53,8 +53,22 @@ Status codes per RPC (``taskd_core.models.Code``)
   401 the report does not fit the cycle step, its uuid (field 101) or its
   members; 409 bad fields or missing agentId in a multi-agent job.
 * ``ReportProcessFault``: 0; 400 unregistered; 401 job finished or given up;
-  409 bad or empty fault ranks (more than 65 536 too).
-* ``HealthCheck``: always 0 ``"jobId=…, receive HeathCheck"`` (reference typo).
+  409 bad or empty fault ranks (more than 65 536 too), an unknown ``faultType``,
+  or a ``detail`` (field 101) over 64 KiB.
+* ``HealthCheck``: always 0 ``"jobId=…, receive HeathCheck"`` (reference typo);
+  a known agent's ``ClientInfo.progress`` (field 103, cut to 1000 characters)
+  is kept and shown as ``AgentView.progress``.
+
+Fault types (``FaultRank.faultType``)
+-------------------------------------
+The reference's "0" (on-chip memory, retryable), "1" (the process died) and
+"2" (network, retryable), plus TaskD's "3": **hang**. The node agent found
+the rank making no progress (stopped or in ``D`` state beyond a bound, silent
+past its heartbeat or section timeout, or past a torch elastic file timer),
+took its Python stack and killed it; the report's ``detail`` carries the
+reason and the stack, which the journal keeps in the ``fault`` event's
+``evidence``. A hang is recovered like a death: never by ``retry``, and once
+a rank is known dead or hung, a later retryable report does not change its kind.
 * ``ReportAgentExit``: 0; 400; 409. ``SetJobPolicy``: 0; 409 invalid value.
   ``QueryStatus``: ``status.code`` 0, or 400 for an unknown job.
 * ``ReportWorkerEvents``: 0; 400 job or agent not registered; 403 wrong token;

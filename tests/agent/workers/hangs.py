@@ -24,7 +24,7 @@ from pathlib import Path
 from taskd_core import worker
 
 BEATS = 30
-PERIOD = 0.02
+PERIOD = 0.05
 #: Bound on every loop here, so a forgotten worker ends on its own.
 LIFETIME = 120.0
 #: Seconds of silent work after the last beat (longer than twice the tests' floor).
