@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig, check_seconds
+from taskd_core.agent.progress import ProgressConfig
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.launcher.interrupt import STOP_SIGNALS
@@ -325,6 +326,41 @@ def _dest(prefix: str, name: str) -> str:
     return (prefix + name).replace("-", "_")
 
 
+#: Hang detection's settings: flag name -> (ProgressConfig field, environment variable msrun reads, help).
+HANG_OPTIONS: dict[str, tuple[str, str, str]] = {
+    "hang-timeout": ("heartbeat_timeout", "TASKD_HANG_TIMEOUT",
+                     "seconds without a heartbeat that make a rank hung (default: learned from the job)"),
+    "hang-floor": ("floor", "TASKD_HANG_FLOOR", "lowest learned timeout, seconds"),
+    "hang-ceiling": ("ceiling", "TASKD_HANG_CEILING", "highest learned timeout (and the one before learning), seconds"),
+    "stopped-bound": ("stopped_bound", "TASKD_STOPPED_BOUND", "seconds a rank may stay stopped (state T)"),
+    "disk-sleep-bound": ("disk_sleep_bound", "TASKD_DISK_SLEEP_BOUND",
+                         "seconds a rank may stay in uninterruptible sleep (state D)"),
+}
+#: Environment variable that turns hang detection off for msrun jobs ("0").
+HANG_DETECTION_ENV = "TASKD_HANG_DETECTION"
+
+
+def progress_config(enabled: bool, values: Mapping[str, float | None]) -> ProgressConfig:
+    """A :class:`ProgressConfig` from :data:`HANG_OPTIONS` values by flag name (None: the default)."""
+    given = {HANG_OPTIONS[name][0]: value for name, value in values.items() if value is not None}
+    return ProgressConfig(enabled=enabled, **given)  # type: ignore[arg-type]
+
+
+def _add_hang_options(parser: argparse.ArgumentParser, p: str) -> None:
+    g = parser.add_argument_group("hang detection")
+    g.add_argument(
+        f"{p}no-hang-detection", action="store_true",
+        help="do not watch workers for hangs (stopped, D state, heartbeats, sections, torch file timers)",
+    )
+    positive_seconds = argtype(lambda t: parse_seconds(t, positive=True))
+    for name, (attr, _, text) in HANG_OPTIONS.items():
+        default = default_of(ProgressConfig, attr)
+        g.add_argument(
+            f"{p}{name}", type=positive_seconds, default=None, metavar="SECONDS",
+            help=f"{text}{'' if default is None else f' (default: {default:g})'}",
+        )
+
+
 def add_node_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
     """Add the agent, controller and policy flags, named ``--<prefix><name>``, defaults from the types."""
     p = f"--{prefix}"
@@ -405,6 +441,7 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
         f"{p}flush-seconds", type=seconds, default=policy.flush_seconds, metavar="SECONDS",
         help="window in which the embedded controller collects faults that arrive together (default: %(default)s)",
     )
+    _add_hang_options(parser, p)
 
 
 def node_settings_from_args(
@@ -455,6 +492,7 @@ def node_settings_from_args(
         health_interval=arg("health-interval"),
         dispatch=DispatchConfig(arg("stop-timeout"), arg("dump-signal"), arg("dump-grace"), arg("live-timeout")),
         credentials=credentials,
+        progress=progress_config(not arg("no-hang-detection"), {name: arg(name) for name in HANG_OPTIONS}),
     )
     return NodeSettings(
         agent=agent,
@@ -496,7 +534,8 @@ def agent_config_from_env(
     env: Mapping[str, str], *, job_id: str, node_rank: int, credentials: Credentials | None = None
 ) -> AgentConfig:
     """The agent's settings from ``TASKD_*`` variables (``TASKD_STOP_TIMEOUT``, ``TASKD_DUMP_GRACE``,
-    ``TASKD_CONNECT_TIMEOUT``, ``TASKD_REPORT_DEADLINE``, ``TASKD_HEALTH_INTERVAL``) and the controller's;
+    ``TASKD_CONNECT_TIMEOUT``, ``TASKD_REPORT_DEADLINE``, ``TASKD_HEALTH_INTERVAL``, hang detection's
+    ``TASKD_HANG_DETECTION`` (0 turns it off) and the variables of :data:`HANG_OPTIONS`) and the controller's;
     ``credentials`` from :func:`job_credentials`."""
 
     def seconds(key: str, cls: type[Any], attr: str, positive: bool = False) -> float:
@@ -515,4 +554,16 @@ def agent_config_from_env(
             dump_grace=seconds("TASKD_DUMP_GRACE", DispatchConfig, "dump_grace"),
         ),
         credentials=credentials or Credentials(),
+        progress=progress_from_env(env),
     )
+
+
+def progress_from_env(env: Mapping[str, str]) -> ProgressConfig:
+    switch = env.get(HANG_DETECTION_ENV, "1").strip() or "1"
+    if switch not in ("0", "1"):
+        raise ConfigError(f"{HANG_DETECTION_ENV}: {switch!r} is neither 0 (off) nor 1 (on)")
+    values = {}
+    for name, (_, key, _) in HANG_OPTIONS.items():
+        text = env.get(key, "").strip()
+        values[name] = parse_seconds(text, key, positive=True) if text else None
+    return progress_config(switch == "1", values)

@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig
+from taskd_core.agent.progress import ProgressConfig
 from taskd_core.cli import build_parser
 from taskd_core.errors import ConfigError
 from taskd_core.launcher.settings import (
@@ -140,3 +141,34 @@ def test_node_settings_check_their_own_values() -> None:
         AgentConfig(job_id="j", health_interval=0)
     with pytest.raises(ConfigError, match="job id"):
         AgentConfig(job_id="")
+
+
+def test_hang_detection_flags_reach_the_agent() -> None:
+    assert run_settings([]).agent.progress == ProgressConfig()
+    settings = run_settings(
+        ["--hang-timeout", "20", "--hang-floor", "2", "--hang-ceiling", "60", "--stopped-bound", "1",
+         "--disk-sleep-bound", "30"]
+    )
+    assert settings.agent.progress == ProgressConfig(
+        heartbeat_timeout=20.0, floor=2.0, ceiling=60.0, stopped_bound=1.0, disk_sleep_bound=30.0
+    )
+    assert run_settings(["--no-hang-detection"]).agent.progress == ProgressConfig(enabled=False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--hang-floor", "0"], "argument --hang-floor: '0' is not a finite number of seconds > 0"),
+        (["--stopped-bound", "never"], "argument --stopped-bound: 'never' is not a finite number"),
+    ],
+)
+def test_bad_hang_flags_are_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        run_settings(argv)
+    assert excinfo.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_hang_bounds_that_contradict_each_other_are_named() -> None:
+    with pytest.raises(ConfigError, match="floor 10.0s is above ceiling 5.0s"):
+        run_settings(["--hang-floor", "10", "--hang-ceiling", "5"])

@@ -8,6 +8,7 @@ import pytest
 from taskd_mindspore.runner import MsrunSettings
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig
+from taskd_core.agent.progress import ProgressConfig
 from taskd_core.errors import ConfigError
 from taskd_core.models import Credentials, WorkerState, WorkerStatus
 
@@ -38,6 +39,12 @@ def test_agent_settings_come_from_taskd_variables_with_the_types_defaults() -> N
     )
 
 
+def test_hang_detection_comes_from_taskd_variables() -> None:
+    agent = settings(TASKD_HANG_TIMEOUT="20", TASKD_STOPPED_BOUND="1", TASKD_HANG_CEILING="60").node.agent
+    assert agent.progress == ProgressConfig(heartbeat_timeout=20.0, stopped_bound=1.0, ceiling=60.0)
+    assert settings(TASKD_HANG_DETECTION="0").node.agent.progress == ProgressConfig(enabled=False)
+
+
 def test_the_port_rule_is_the_launchers_one() -> None:
     """One node: any free port; several: the scheduler's port plus one, known to every node."""
     assert settings().node.controller_port == 0
@@ -53,6 +60,9 @@ def test_the_port_rule_is_the_launchers_one() -> None:
         ({"TASKD_REPORT_DEADLINE": "soon"}, "TASKD_REPORT_DEADLINE: 'soon' is not a finite number"),
         ({"MINDX_SERVER_IP": "bad host!"}, "MINDX_SERVER_IP"),
         ({"TASKD_MAX_CYCLES": "1.5"}, "TASKD_MAX_CYCLES: '1.5' is not a whole number >= 0"),
+        ({"TASKD_HANG_DETECTION": "yes"}, "TASKD_HANG_DETECTION: 'yes' is neither 0 .off. nor 1 .on."),
+        ({"TASKD_HANG_FLOOR": "-1"}, "TASKD_HANG_FLOOR: '-1' is not a finite number of seconds > 0"),
+        ({"TASKD_HANG_FLOOR": "9", "TASKD_HANG_CEILING": "8"}, "floor 9.0s is above ceiling 8.0s"),
     ],
 )
 def test_bad_variables_are_named(env: dict[str, str], message: str) -> None:
