@@ -7,7 +7,7 @@ timings), each as a child process writing JSON:
 2. ``recovery_bench.py``: taskdrun vs torchrun recovering a SIGKILLed DDP rank, plus the phase micro-run;
 3. ``idle_bench.py``: idle CPU of agents and controller, controller memory with 1000 jobs;
 4. ``security_bench.py``: what TLS and job tokens add to fault → strategy latency and idle CPU;
-5. ``metrics_bench.py``: the controller with Prometheus metrics on vs off, and scrapes of 1000 jobs.
+5. ``metrics_bench.py``: the controller with Prometheus metrics on vs off, and scrapes of 1000 jobs;
 6. ``hang_bench.py``: hang → fault reported and → every rank stepping again, per signal.
 
 Then renders the machine, versions, the exact command, the tables, the
