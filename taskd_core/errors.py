@@ -30,7 +30,9 @@ class ControllerUnavailableError(TaskdError):
     def __init__(self, address: str, waited: float, cause: BaseException | None = None) -> None:
         super().__init__(
             f"controller at {address} did not answer within {waited:.1f}s"
-            f"{f' ({cause})' if cause else ''}; check that it runs and that the address is right"
+            f"{f' ({cause})' if cause else ''}; check that it runs, that the address is right and, if it "
+            "serves TLS, that --tls-ca / TASKD_TLS_CA names its CA (and TASKD_TLS_CERT/KEY a client certificate "
+            "for mutual TLS)"
         )
         self.address = address
         self.waited = waited

@@ -91,7 +91,8 @@ def test_plaintext_taskd_run_against_a_tls_controller_fails_clearly(tmp_path, cl
     cluster.runs.append(run)
     assert run.wait() != 0
     out = run.output()
-    assert f"controller at {ctl.address} did not answer" in out and "Traceback" not in out
+    assert f"controller at {ctl.address} did not answer" in out and "TASKD_TLS_CA names its CA" in out
+    assert "Traceback" not in out
 
 
 def test_second_live_launch_with_the_same_job_id_is_refused(tmp_path, cluster: Cluster, controller_process, pki, monkeypatch):
@@ -125,3 +126,13 @@ def test_several_nodes_beyond_loopback_need_a_shared_token(tmp_path, extra, monk
     argv = ["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "192.0.2.1", "--insecure", *extra,
             "--", "true"]
     assert main(argv) == 2
+
+
+def test_node0_refuses_a_plaintext_embedded_controller_beyond_loopback(monkeypatch, caplog):
+    """No traffic: the embedded controller refuses to start before it binds; --insecure is the way out."""
+    from taskd_core.cli import main
+
+    monkeypatch.setenv("TASKD_JOB_TOKEN", "shared")
+    argv = ["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "192.0.2.1", "--", "true"]
+    assert main(argv) == 2
+    assert "refusing plaintext on an address other hosts can reach" in caplog.records[-1].getMessage()
