@@ -76,11 +76,13 @@ def test_a_round_that_cannot_form_in_time_falls_back_to_a_full_restart(
     launch: Launcher, tmp_path: Path, fault_free: dict[str, Any]
 ) -> None:
     nodes, progress, result = run_job(
-        launch, tmp_path / "fallback", script="train_live.py", taskd=("--taskd-live-timeout", "5")
+        launch, tmp_path / "fallback", script="train_live.py",
+        # Hang detection would find the stopped rank (/proc state T) and have it replaced live too.
+        taskd=("--taskd-live-timeout", "5", "--taskd-no-hang-detection"),
     )
     wait_for(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, 180, "every rank to train")
     before = current_pids(progress)
-    # Rank 1 is stopped, not dead: it cannot join the round that replaces rank 3.
+    # Rank 1 is stopped, not dead, and nobody notices: it cannot join the round that replaces rank 3.
     kill(before[1], signal.SIGSTOP)
     kill(before[3], signal.SIGKILL)
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+from taskd_core import worker
 from taskd_core.errors import ConfigError, TaskdError
 from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
 from taskd_pytorch.live._state import capture, check_registrable, pack, recv_state, restore, send_packed
@@ -132,6 +133,7 @@ class LiveSession:
 
     def close(self) -> None:
         """Leave the process group (at the end of training)."""
+        worker.done()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -139,6 +141,8 @@ class LiveSession:
 
     def _commit(self, number: int) -> None:
         self.step = number + 1
+        # Every committed step tells the node agent this rank makes progress (hang detection).
+        worker.heartbeat()
 
     def _fail(self, exc: BaseException) -> None:
         logger.warning(
@@ -158,6 +162,12 @@ class LiveSession:
         return current if current > self.round else None
 
     def _recover(self) -> None:
+        # No steps while the group is rebuilt: the section's bound, not the learned step time, applies.
+        bound = self._rejoin_timeout + self._collective_timeout.total_seconds()
+        with worker.section("live-recovery", timeout=bound):
+            self._rebuild()
+
+    def _rebuild(self) -> None:
         failure, self._failure = self._failure or "a new round was announced", None
         if self._channel is None:
             raise LiveRecoveryError(
