@@ -147,11 +147,10 @@ def _torchrun_args(topo: Topology, node: int, ports: Ports, job_id: str, restart
     if topo.nnodes == 1:
         placement = ["--standalone", "--nnodes", "1"]
     else:
+        # torchrun's elastic form as clusters use it: no node rank, the rendezvous assigns it.
         placement = [
             "--nnodes",
             str(topo.nnodes),
-            "--node-rank",
-            str(node),
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
@@ -167,7 +166,8 @@ def _torchrun(topo: Topology, node: int, ports: Ports, job_id: str, restarts: in
 
 
 def _taskdrun(topo: Topology, node: int, ports: Ports, job_id: str, restarts: int) -> list[str]:
-    taskd = ["--taskd-controller-port", str(ports.controller), "--taskd-job-id", job_id]
+    # Only so that the bench knows where to read the journal; the job id is --rdzv-id already.
+    taskd = ["--taskd-controller-port", str(ports.controller)]
     return [str(BIN / "taskdrun"), *_torchrun_args(topo, node, ports, job_id, restarts), *taskd, str(EXAMPLE)]
 
 

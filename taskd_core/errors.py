@@ -38,6 +38,14 @@ class ControllerUnavailableError(TaskdError):
         self.waited = waited
 
 
+class LauncherInterrupted(TaskdError):
+    """A launcher was told to stop (SIGTERM, SIGINT ...) while it waited for something."""
+
+    def __init__(self, what: str, signum: int) -> None:
+        super().__init__(f"{what} interrupted by signal {signum}: the launcher is stopping")
+        self.signum = signum
+
+
 class RecoveryDisabledError(TaskdError):
     """The controller answered 403: process recovery is off for this job."""
 

@@ -72,6 +72,8 @@ class NodeAgent:
         self._watch = PidWatch()
         self._fault_reports = ThreadPoolExecutor(1, thread_name_prefix=f"taskd-faults-{config.job_id}")
         self._shutdown_signal: int | None = None
+        #: why the signal stream ended for good, when the controller could not be reached any more.
+        self._controller_lost: str | None = None
         #: (local rank, pid) of workers whose end is not a fault: stopped on purpose or already reported.
         self._settled: set[tuple[int, int | None]] = set()
         self._ledger = WorkerLedger()
@@ -141,9 +143,15 @@ class NodeAgent:
                 logger.warning("process recovery is off for job %s: a failed worker ends the job", self.config.job_id)
             outcome = self._supervise(recovery)
         except TaskdError as exc:
-            logger.error("agent of job %s failed: %s", self.config.job_id, exc)
             self._stop_all()
-            outcome = AgentOutcome(Outcome.FAILED, 1, str(exc))
+            if self._shutdown_signal is not None:
+                # A stop signal cut the start short (the launcher abandoned a rendezvous, say): not a failure.
+                signum = self._shutdown_signal
+                logger.warning("agent of job %s stopped while starting: %s", self.config.job_id, exc)
+                outcome = AgentOutcome(Outcome.INTERRUPTED, 128 + signum, f"signal {signum}")
+            else:
+                logger.error("agent of job %s failed: %s", self.config.job_id, exc)
+                outcome = AgentOutcome(Outcome.FAILED, 1, str(exc))
         finally:
             with self._lock:
                 self.dispatcher.closed.set()
@@ -163,6 +171,7 @@ class NodeAgent:
             self.client.start_subscribe(self.adapter.name)
         except TaskdError as exc:
             logger.error("lost the controller for good: %s", exc)
+            self._controller_lost = str(exc)
             self.dispatcher.given_up.set()
             self._watch.wake()
 
@@ -184,6 +193,13 @@ class NodeAgent:
                 self._final_report(128 + signum, f"agent interrupted by signal {signum}")
                 return AgentOutcome(Outcome.INTERRUPTED, 128 + signum, f"signal {signum}")
             if self.dispatcher.given_up.is_set():
+                if self._controller_lost is not None:
+                    self._stop_all()
+                    return AgentOutcome(
+                        Outcome.FAILED, 1,
+                        f"the job's controller is gone ({self._controller_lost}); when the node hosting it was lost, "
+                        "the job cannot recover: start it again",
+                    )
                 self._report_changes()
                 self._final_report(1, "job given up by the controller")
                 return AgentOutcome(Outcome.GIVEN_UP, 1, "the controller gave the job up")

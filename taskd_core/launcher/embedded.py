@@ -10,6 +10,12 @@ Launchers do not make users run a controller for a single job. The rule:
 3. every other node reaches it at ``MASTER_ADDR:controller_port``, the same
    host that serves the job's rendezvous.
 
+A launcher whose nodes learn their rank from a rendezvous (``taskdrun`` with
+torchrun's c10d or etcd rendezvous, where no node knows beforehand that it is
+node 0) passes a :class:`ControllerBoard` instead: the node the rendezvous made
+rank 0 starts the controller (on any free port unless one is given) and
+publishes its address there, and every other node reads it from there.
+
 The embedded controller lives exactly as long as the ``with`` block, so it
 ends with node 0's launcher: the job's state is in memory unless a state file
 is given. Before leaving the block, node 0 should :func:`~taskd_core.launcher.node.wait_for_agents`, so
@@ -23,10 +29,11 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from taskd_core.launcher.settings import check_port, is_loopback, parse_address
+from taskd_core.launcher.settings import ControllerBoard, check_port, is_loopback, join_address, parse_address
 from taskd_core.models import Credentials, JobPolicy
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class ControllerEndpoint:
@@ -48,6 +55,8 @@ def controller_address(
     credentials: Credentials | None = None,
     insecure: bool = False,
     metrics_port: int | None = None,
+    board: ControllerBoard | None = None,
+    lookup_timeout: float = 60.0,
 ) -> Iterator[ControllerEndpoint]:
     """Yield the controller this node's agent must use (``HOST:PORT``, and whether it is embedded here).
 
@@ -55,22 +64,26 @@ def controller_address(
     :param node_rank: only node 0 starts an embedded controller.
     :param master_addr: the job's master host; the other nodes reach node 0 there.
     :param controller_port: port of the embedded controller; 0 (any free port)
-        only works for a one-node job, whose agent is told the bound port.
+        only works for a one-node job, whose agent is told the bound port, or with a ``board``.
     :param policy: default recovery policy of the embedded controller.
     :param state: its SQLite state file, ``":memory:"`` for none.
     :param credentials: with a certificate and key, the embedded controller serves mutual
         TLS with them, requiring client certificates signed by their CA.
     :param insecure: let it serve plaintext on a non-loopback address.
     :param metrics_port: where it serves Prometheus ``/metrics`` (same interface, HTTPS with TLS); None: off.
+    :param board: where node 0 publishes the controller's address and the
+        other nodes read it (they then ignore ``master_addr`` and ``controller_port``).
+    :param lookup_timeout: seconds the other nodes wait for the address on the board.
     :raises ConfigError: for an address or port that cannot work, or plaintext beyond loopback.
     """
     if explicit:
         parse_address(explicit)
         yield ControllerEndpoint(explicit, embedded=False)
         return
-    check_port(controller_port, "controller port", allow_zero=node_rank == 0)
+    check_port(controller_port, "controller port", allow_zero=node_rank == 0 or board is not None)
     if node_rank != 0:
-        yield ControllerEndpoint(f"{master_addr}:{controller_port}", embedded=False)
+        address = board.lookup(lookup_timeout) if board else join_address(master_addr, controller_port)
+        yield ControllerEndpoint(address, embedded=False)
         return
     # Imported here: only node 0 without --controller needs the controller's code.
     from taskd_core.controller.server import EmbeddedController
@@ -93,6 +106,8 @@ def controller_address(
         if controller.metrics_port is not None:
             scheme = "https" if tls else "http"
             logger.info("embedded controller metrics on %s://%s:%s/metrics", scheme, bind, controller.metrics_port)
+        if board is not None:
+            board.publish(join_address(master_addr, controller.port))
         # Node 0's own agent reaches it over loopback, whatever interface serves the others; with
         # TLS at the master address, the name its certificate carries for the other nodes.
         host = master_addr if tls is not None else "127.0.0.1"

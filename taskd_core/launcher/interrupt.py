@@ -5,6 +5,11 @@ needs the same thing: while its agent runs, SIGTERM and SIGINT must stop the
 workers and end the agent (exit 143 / 130), not kill the launcher and orphan
 the workers. Handlers can only be installed from the main thread (torch
 elastic checks the same); elsewhere the caller keeps its own signal handling.
+
+A launcher that has work to do before its agent exists (``taskdrun`` joins
+its rendezvous first) installs the handlers once, around everything, with a
+:class:`StopRequest`: whatever is running when the signal comes (the
+rendezvous, then the agent) listens to it and ends.
 """
 
 from __future__ import annotations
@@ -20,6 +25,33 @@ logger = logging.getLogger(__name__)
 
 #: The signals that mean "stop the job" to a launcher.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    """The stop signal a launcher received, if any, passed on to every listener.
+
+    Call it with a signal number (it is the ``stop`` of :func:`forward_stop_signals`);
+    a listener added after the signal came is told at once, so a signal that
+    arrives between two phases of a launcher is never lost.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        #: set once a stop signal came; blocking phases wait on it.
+        self.event = threading.Event()
+        self._listeners: list[Callable[[int], None]] = []
+
+    def __call__(self, signum: int) -> None:
+        self.signum = signum
+        self.event.set()
+        for listener in list(self._listeners):
+            listener(signum)
+
+    def listen(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(signum)`` on the stop signal (now, when it came already); it must be signal-safe."""
+        self._listeners.append(listener)
+        if self.signum is not None:
+            listener(self.signum)
 
 
 @contextlib.contextmanager

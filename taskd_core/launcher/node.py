@@ -11,6 +11,7 @@ is that sequence; the launcher only adds its own cleanup around it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import replace
 
@@ -18,7 +19,7 @@ from taskd_core.agent.node_agent import AgentOutcome, NodeAgent, Outcome
 from taskd_core.client.status import ended_agents
 from taskd_core.errors import ControllerUnavailableError, TaskdError
 from taskd_core.launcher.embedded import controller_address
-from taskd_core.launcher.interrupt import forward_stop_signals
+from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.settings import NodeSettings
 from taskd_core.models import Credentials
 from taskd_core.plugins import Adapter
@@ -29,12 +30,17 @@ logger = logging.getLogger(__name__)
 _AGENT_POLL = 0.2
 
 
-def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launcher") -> AgentOutcome:
+def run_node_agent(
+    adapter: Adapter, settings: NodeSettings, who: str = "launcher", stop: StopRequest | None = None
+) -> AgentOutcome:
     """Run this node's workers through ``adapter`` under a node agent until the job ends here.
 
     Blocks; returns the agent's outcome (``exit_code`` is the launcher's exit
     code). Stopping the workers on every way out stays the caller's job, in a
     ``finally`` around this call: only the caller knows what else to clean.
+
+    :param stop: the caller's stop request, when it already forwards the stop
+        signals itself (then no handler is installed here); the agent listens to it.
 
     :raises ConfigError: for a controller address or port that cannot work,
         or an embedded controller that cannot bind.
@@ -49,6 +55,8 @@ def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launche
         credentials=settings.agent.credentials,
         insecure=settings.insecure,
         metrics_port=settings.metrics_port,
+        board=settings.board,
+        lookup_timeout=settings.agent.connect_timeout,
     ) as endpoint:
         agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter)
         logger.info(
@@ -61,26 +69,37 @@ def run_node_agent(adapter: Adapter, settings: NodeSettings, who: str = "launche
             endpoint.address,
             " (embedded)" if endpoint.embedded else "",
         )
-        with forward_stop_signals(agent.shutdown, who, settings.stop_signals):
+        if stop is None:
+            with forward_stop_signals(agent.shutdown, who, settings.stop_signals):
+                outcome = agent.run()
+        else:
+            stop.listen(agent.shutdown)
             outcome = agent.run()
         if endpoint.embedded and settings.nnodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
             # The other nodes' agents may still be finishing; they need this controller until they end.
             wait_for_agents(
-                endpoint.address, settings.job_id, settings.nnodes, settings.linger, settings.agent.credentials
+                endpoint.address, settings.job_id, settings.nnodes, settings.linger, settings.agent.credentials,
+                stop.event if stop else None,
             )
     return outcome
 
 
 def wait_for_agents(
-    address: str, job_id: str, agents: int, timeout: float, credentials: Credentials | None = None
+    address: str,
+    job_id: str,
+    agents: int,
+    timeout: float,
+    credentials: Credentials | None = None,
+    stop: threading.Event | None = None,
 ) -> bool:
     """Wait until ``agents`` agents of ``job_id`` have reported their end to the controller at ``address``.
 
     Node 0 calls this before its embedded controller stops with it: an agent
     on another node that is still finishing would otherwise lose the
     controller and could not report. True when all have ended, False at the
-    deadline (logged; the caller goes on regardless).
+    deadline (logged; the caller goes on regardless) or as soon as ``stop`` is set.
     """
+    stop = stop or threading.Event()
     deadline = time.monotonic() + timeout
     while True:
         remaining = deadline - time.monotonic()
@@ -96,4 +115,6 @@ def wait_for_agents(
         if remaining <= 0:
             logger.warning("only %s of %s agents of job %s ended within %.1fs", ended, agents, job_id, timeout)
             return False
-        time.sleep(min(_AGENT_POLL, remaining))
+        if stop.wait(min(_AGENT_POLL, remaining)):
+            logger.warning("stopped waiting for the other agents of job %s: the launcher is stopping", job_id)
+            return False

@@ -36,7 +36,7 @@ import secrets
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig, check_seconds
 from taskd_core.agent.progress import ProgressConfig
@@ -104,6 +104,11 @@ def parse_address(address: str, what: str = "controller address") -> tuple[str, 
     port = int(port_text)
     check_port(port, what)
     return host, port
+
+
+def join_address(host: str, port: int) -> str:
+    """``HOST:PORT``, with an IPv6 host in brackets (what :func:`parse_address` reads back)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def parse_seconds(text: str, what: str = "", *, positive: bool = False) -> float:
@@ -197,18 +202,27 @@ def job_id_from_env(env: Mapping[str, str]) -> str | None:
     return env.get("TASKD_JOB_ID", "").strip() or env.get("MINDX_TASK_ID", "").strip() or None
 
 
-def embedded_port(port: int | None, *, nnodes: int, controller: str, multi_node: int = DEFAULT_CONTROLLER_PORT) -> int:
+def embedded_port(
+    port: int | None,
+    *,
+    nnodes: int,
+    controller: str,
+    multi_node: int = DEFAULT_CONTROLLER_PORT,
+    published: bool = False,
+) -> int:
     """The port of node 0's embedded controller.
 
     Given ``port`` wins; otherwise one node takes any free port (nobody else
     needs to find it) and several nodes take ``multi_node``, a port every
     node knows. Port 0 with several nodes and no explicit ``controller``
-    cannot work: the other nodes could not find it.
+    cannot work: the other nodes could not find it — unless the launcher
+    ``published`` the bound port on a :class:`ControllerBoard`, when any free
+    port is the default on any number of nodes.
     """
     if port is None:
-        return 0 if nnodes == 1 else multi_node
+        return 0 if nnodes == 1 or published else multi_node
     check_port(port, "controller port", allow_zero=True)
-    if port == 0 and nnodes > 1 and not controller:
+    if port == 0 and nnodes > 1 and not controller and not published:
         raise ConfigError("controller port 0 only works for one node: the other nodes must know the port")
     return port
 
@@ -272,6 +286,20 @@ def job_credentials(
 # --- the chain's outer link ---------------------------------------------------------------
 
 
+class ControllerBoard(Protocol):
+    """Where the node hosting the embedded controller announces its address and the others read it.
+
+    For launchers whose nodes learn their rank from a rendezvous (``taskdrun``):
+    no node knows beforehand that it will be node 0, so none can know a fixed address.
+    """
+
+    def publish(self, address: str) -> None:
+        """Announce ``HOST:PORT`` to the job's other nodes."""
+
+    def lookup(self, timeout: float) -> str:
+        """The announced ``HOST:PORT``, waiting up to ``timeout`` seconds; a :class:`TaskdError` at the deadline."""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeSettings:
     """Where this node sits in its job, the controller it embeds or reaches, and its agent's settings.
@@ -284,6 +312,8 @@ class NodeSettings:
     nnodes: int = 1
     #: the job's master host: where other nodes reach node 0's embedded controller.
     master_addr: str = "127.0.0.1"
+    #: where node 0 publishes its embedded controller's address for the others (see ``controller_address``).
+    board: ControllerBoard | None = None
     controller_port: int = DEFAULT_CONTROLLER_PORT
     #: SQLite state file of an embedded controller.
     controller_state: str = ":memory:"
@@ -361,20 +391,30 @@ def _add_hang_options(parser: argparse.ArgumentParser, p: str) -> None:
         )
 
 
-def add_node_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
-    """Add the agent, controller and policy flags, named ``--<prefix><name>``, defaults from the types."""
+def add_node_options(parser: argparse.ArgumentParser, prefix: str = "", *, published: bool = False) -> None:
+    """Add the agent, controller and policy flags, named ``--<prefix><name>``, defaults from the types.
+
+    :param published: the launcher publishes its embedded controller's address
+        in its rendezvous (see :func:`embedded_port`); the help says so.
+    """
     p = f"--{prefix}"
     g = parser.add_argument_group("TaskD controller" if prefix else "controller")
+    if published:
+        embedded = ("the node the rendezvous makes rank 0 hosts an embedded controller and publishes its address "
+                    "in the rendezvous store")
+        port_default = "any free port; the other nodes read it from the rendezvous store"
+    else:
+        embedded = "node 0 hosts an embedded controller and the other nodes reach it at the master address"
+        port_default = f"any free port on one node, {DEFAULT_CONTROLLER_PORT} on several"
     g.add_argument(
         f"{p}controller", type=argtype(parse_controller), default=None, metavar="HOST:PORT",
-        help="a running controller (default: $TASKD_CONTROLLER, else $MINDX_SERVER_IP:8899 as in ClusterD; "
-        "without either, node 0 hosts an embedded controller and the other nodes reach it at the master address)",
+        help=f"a running controller (default: $TASKD_CONTROLLER, else $MINDX_SERVER_IP:8899 as in ClusterD; "
+        f"without either, {embedded})",
     )
     g.add_argument(
         f"{p}controller-port", type=argtype(parse_count), default=None,
         metavar="PORT",
-        help=f"port of node 0's embedded controller (default: any free port on one node, "
-        f"{DEFAULT_CONTROLLER_PORT} on several)",
+        help=f"port of the embedded controller (default: {port_default})",
     )
     g.add_argument(
         f"{p}metrics-port", type=argtype(parse_port), default=None, metavar="PORT",
@@ -458,6 +498,7 @@ def node_settings_from_args(
     max_cycles: int | None = None,
     controller_state: str = ":memory:",
     stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
+    published: bool = False,
 ) -> NodeSettings:
     """The :class:`NodeSettings` of the flags :func:`add_node_options` added.
 
@@ -466,6 +507,8 @@ def node_settings_from_args(
     :param job_id: the launcher's own job id when neither the flag nor the environment gives one;
         None: unique per launch (:func:`default_job_id`).
     :param max_cycles: the launcher's cycle budget when the flag is not given (default: the policy's).
+    :param published: the launcher will publish its embedded controller's
+        address on a :class:`ControllerBoard` (see :func:`embedded_port`).
     """
 
     def arg(name: str) -> Any:
@@ -498,7 +541,9 @@ def node_settings_from_args(
         agent=agent,
         nnodes=nnodes,
         master_addr=master_addr,
-        controller_port=embedded_port(arg("controller-port"), nnodes=nnodes, controller=controller),
+        controller_port=embedded_port(
+            arg("controller-port"), nnodes=nnodes, controller=controller, published=published
+        ),
         controller_state=controller_state,
         metrics_port=arg("metrics-port"),
         policy=JobPolicy(

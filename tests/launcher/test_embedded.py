@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
-from taskd_core.errors import ConfigError
+from taskd_core.errors import ConfigError, ControllerUnavailableError
 from taskd_core.launcher.embedded import ControllerEndpoint, controller_address
 from taskd_core.launcher.node import wait_for_agents
 from taskd_core.launcher.settings import parse_address
@@ -47,8 +49,49 @@ def test_node_zero_embeds_a_controller_with_the_policy() -> None:
         assert reply.status.code == 0
         # No agent of an unknown job ever ends: the wait gives up at its deadline instead of blocking.
         assert wait_for_agents(ep.address, "nobody", agents=1, timeout=0.3) is False
+        # A launcher told to stop does not wait out its linger.
+        stop = threading.Event()
+        stop.set()
+        waiting = threading.Thread(target=wait_for_agents, args=(ep.address, "nobody", 1, 600.0), kwargs={"stop": stop})
+        waiting.start()
+        waiting.join(timeout=60)
+        assert not waiting.is_alive()
     with grpc.insecure_channel(ep.address) as channel, pytest.raises(grpc.RpcError):
         recover_pb2_grpc.RecoverStub(channel).QueryStatus(pb.StatusQuery(), timeout=2)
+
+
+class Board:
+    """A notice board in memory, as a rendezvous store would be."""
+
+    def __init__(self) -> None:
+        self.address: str | None = None
+
+    def publish(self, address: str) -> None:
+        self.address = address
+
+    def lookup(self, timeout: float) -> str:
+        if self.address is None:
+            raise ControllerUnavailableError("the board", timeout)
+        return self.address
+
+
+def test_with_a_board_node_zero_publishes_its_free_port_and_the_others_read_it() -> None:
+    board = Board()
+    with controller_address(
+        None, node_rank=0, master_addr="127.0.0.1", controller_port=0, policy=POLICY, board=board
+    ) as host:
+        assert board.address == host.address
+        # The other nodes need no fixed port: the board tells them.
+        with controller_address(
+            None, node_rank=1, master_addr="10.9.9.9", controller_port=0, policy=POLICY, board=board
+        ) as other:
+            assert other == ControllerEndpoint(host.address, embedded=False)
+
+
+def test_with_an_empty_board_the_other_nodes_fail_clearly() -> None:
+    endpoint = controller_address(None, node_rank=1, master_addr="x", controller_port=0, policy=POLICY, board=Board())
+    with pytest.raises(ControllerUnavailableError, match="the board did not answer"), endpoint:
+        pass
 
 
 @pytest.mark.parametrize("address", ["nohost", "host:", "host:0", "[::1]:70000", "a b:80"])

@@ -6,7 +6,7 @@ import os
 import signal
 import threading
 
-from taskd_core.launcher.interrupt import forward_stop_signals
+from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 
 
 def test_signals_reach_stop_and_handlers_come_back() -> None:
@@ -33,3 +33,15 @@ def test_other_threads_keep_the_callers_handling() -> None:
     thread.start()
     thread.join(timeout=30)
     assert seen == [before]
+
+
+def test_a_stop_request_tells_every_listener_even_one_that_comes_late() -> None:
+    request = StopRequest()
+    early: list[int] = []
+    request.listen(early.append)
+    with forward_stop_signals(request):
+        os.kill(os.getpid(), signal.SIGTERM)
+    late: list[int] = []
+    request.listen(late.append)
+    assert request.event.is_set() and request.signum == signal.SIGTERM
+    assert early == late == [signal.SIGTERM]

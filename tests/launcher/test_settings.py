@@ -19,7 +19,9 @@ from taskd_core.launcher.settings import (
     controller_from_env,
     embedded_port,
     job_id_from_env,
+    join_address,
     node_settings_from_args,
+    parse_address,
 )
 from taskd_core.models import Credentials, JobPolicy, Strategy
 
@@ -172,3 +174,6 @@ def test_bad_hang_flags_are_usage_errors(argv: list[str], message: str, capsys: 
 def test_hang_bounds_that_contradict_each_other_are_named() -> None:
     with pytest.raises(ConfigError, match="floor 10.0s is above ceiling 5.0s"):
         run_settings(["--hang-floor", "10", "--hang-ceiling", "5"])
+def test_join_address_brackets_ipv6_hosts() -> None:
+    assert parse_address(join_address("::1", 8899)) == ("::1", 8899)
+    assert join_address("node1", 8899) == "node1:8899"

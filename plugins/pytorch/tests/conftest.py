@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from pt_support import WORKERS, Launcher, events, finish, run_job
+from pt_support import WORKERS, Launcher, events, finish, free_port, run_job, wait_for
+
+from taskd_core.launcher.interrupt import StopRequest
 
 
 @pytest.fixture
@@ -22,10 +28,12 @@ def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
 
     made: list[TaskdElasticAgent] = []
 
-    def make(*worker_args: str, nproc: int = 2, script: str = "idle.py") -> TaskdElasticAgent:
+    def make(
+        *worker_args: str, nproc: int = 2, script: str = "idle.py", nnodes: int = 1, stop: StopRequest | None = None
+    ) -> TaskdElasticAgent:
         handler = get_rendezvous_handler(
             RendezvousParameters(
-                backend="c10d", endpoint="127.0.0.1:0", run_id=uuid.uuid4().hex, min_nodes=1, max_nodes=1
+                backend="c10d", endpoint="127.0.0.1:0", run_id=uuid.uuid4().hex, min_nodes=nnodes, max_nodes=nnodes
             )
         )
         spec = WorkerSpec(
@@ -36,7 +44,7 @@ def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
             args=("-u", str(WORKERS / script), *worker_args),
             local_addr="127.0.0.1",
         )
-        agent = TaskdElasticAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), stop_timeout=5.0)
+        agent = TaskdElasticAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), stop_timeout=5.0, stop=stop)
         made.append(agent)
         return agent
 
@@ -71,3 +79,42 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, o
         yield done
     finally:
         launcher.cleanup()
+
+
+def _serves(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[str]:
+    """A real etcd server with the v2 API on free loopback ports; yields ``HOST:PORT`` for ``--rdzv-endpoint``.
+
+    Skips the test when etcd (Debian's ``etcd-server``, which ``.ci/run``
+    installs) or torch's client library ``python-etcd`` is missing.
+    """
+    exe = shutil.which("etcd")
+    if exe is None:
+        pytest.skip("no etcd server installed (Debian: apt-get install etcd-server)")
+    pytest.importorskip("etcd", reason="python-etcd, torch's etcd-v2 client, is not installed")
+    client, peer = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    with open(tmp_path / "etcd.log", "wb") as log:
+        server = subprocess.Popen(
+            [exe, "--enable-v2", "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", client,
+             "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"default={peer}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: _serves(f"{client}/version"), 60, "etcd to serve")
+        yield client.removeprefix("http://")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(timeout=30)

@@ -96,22 +96,39 @@ def events(progress: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
+#: torchrun's two multi-node forms; ``run_job`` gives taskdrun exactly torchrun's arguments in either.
+FORMS = ("c10d", "static")
+
+
 def run_job(
-    launch: Launcher, work: Path, *extra: str, script: str = "train_ddp.py", max_cycles: int = 4,
-    taskd: tuple[str, ...] = (),
+    launch: Launcher, work: Path, *extra: str, script: str = "train_ddp.py", form: str = "c10d",
+    max_cycles: int | None = None, taskd: tuple[str, ...] = (),
 ) -> tuple[list[subprocess.Popen[bytes]], Path, Path]:
     """Start the two ``taskdrun`` nodes (2 workers each) of one training job in ``work``.
+
+    ``form`` is torchrun's command line: ``c10d``, the elastic form most
+    clusters use, with no node rank (the rendezvous decides who hosts the
+    controller); ``static``, ``--node-rank`` with ``--master-addr``/``--master-port``.
+    No TaskD option is given unless ``max_cycles`` or ``taskd`` ask for one.
 
     :returns: the two launchers, the progress log and the result file.
     """
     work.mkdir()
     progress, result = work / "progress.jsonl", work / "result.json"
-    common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-              f"--rdzv-id={work.name}", "--taskd-controller-port", str(free_port()),
-              "--taskd-max-cycles", str(max_cycles), "--taskd-stop-timeout", "5", *taskd]
+    port = free_port()
+    common = ["--nnodes=2", "--nproc-per-node=2", *taskd]
+    if max_cycles is not None:
+        common += ["--taskd-max-cycles", str(max_cycles)]
+    per_node: list[list[str]]
+    if form == "c10d":
+        common += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={work.name}"]
+        per_node = [[], []]
+    else:
+        common += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+        per_node = [[f"--node-rank={n}"] for n in (0, 1)]
     job = [str(EXAMPLES / script), "--ckpt-dir", str(work / "ckpt"), "--progress", str(progress),
            "--result", str(result), *TRAIN_ARGS, *extra]
-    return [launch(*common, f"--node-rank={n}", *job, log=f"{work.name}{n}") for n in (0, 1)], progress, result
+    return [launch(*common, *per_node[n], *job, log=f"{work.name}{n}") for n in (0, 1)], progress, result
 
 
 def finish(nodes: list[subprocess.Popen[bytes]], result: Path) -> dict[str, Any]:

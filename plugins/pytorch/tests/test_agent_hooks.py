@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ from pt_support import kill, pid_alive, records, wait_for
 from taskd_pytorch import PytorchAdapter
 from taskd_pytorch.live._channel import LiveChannel
 
-from taskd_core.errors import WorkerControlError
+from taskd_core.errors import LauncherInterrupted, WorkerControlError
+from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.models import WorkerState
 from taskd_core.plugins import load_adapter
 
@@ -160,3 +162,28 @@ def test_torchs_own_run_loop_still_works_with_the_subclass(make_agent, out_dir: 
 
     assert result.state is TorchState.FAILED
     assert {rank: f.exitcode for rank, f in result.failures.items()} == {1: 5}
+
+
+def test_a_stop_request_ends_a_restart_waiting_in_the_rendezvous(make_agent, out_dir: Path) -> None:
+    """A restart whose rendezvous waits for a node that never comes ends when the launcher is told to stop."""
+    stop = StopRequest()
+    agent = make_agent(str(out_dir), nnodes=2, stop=stop)
+    raised: list[BaseException] = []
+
+    def restart() -> None:
+        try:
+            agent.restart_all()
+        except BaseException as exc:  # the test looks at it below
+            raised.append(exc)
+
+    waiting = threading.Thread(target=restart)
+    waiting.start()
+    waiting.join(timeout=1.0)
+    assert waiting.is_alive()  # still in the rendezvous: the second node never joins
+
+    stop(signal.SIGTERM)
+
+    waiting.join(timeout=30)
+    assert not waiting.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], LauncherInterrupted) and raised[0].signum == signal.SIGTERM
+    assert records(out_dir) == []

@@ -37,7 +37,9 @@ def test_agent_settings_are_settable_and_default_from_the_types() -> None:
         job_id="j", node_rank=1, report_deadline=7.0, health_interval=2.0,
         dispatch=DispatchConfig(dump_signal=signal.SIGUSR2),
     )
-    assert node.stop_signals == STOP_SIGNALS and node.controller_port == 8899
+    # Any free port on several nodes too: rank 0 publishes it in the rendezvous store.
+    assert node.stop_signals == STOP_SIGNALS and node.controller_port == 0
+    assert options(["--taskd-controller-port", "0"], nnodes=2).node.controller_port == 0
 
 
 def test_the_cycle_budget_falls_back_to_max_restarts_and_the_job_to_rdzv_id() -> None:

@@ -11,7 +11,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from pt_support import STEPS, events, finish, kill, pid_alive, run_job, wait_for
+from pt_support import FORMS, STEPS, events, finish, kill, pid_alive, run_job, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -20,12 +20,14 @@ def pids_of_round(progress: Path, restart: int) -> dict[int, int]:
     return {int(e["rank"]): int(e["pid"]) for e in events(progress) if e["event"] == "start" and e["restart"] == restart}
 
 
-def test_repeated_sigkills_recover_all_ranks_every_time_and_match_a_fault_free_run(
-    launch, tmp_path: Path, fault_free: dict[str, object]
+@pytest.mark.parametrize("form", FORMS)
+def test_sigkills_of_rank_3_then_rank_0_recover_and_match_a_fault_free_run(
+    form: str, launch, tmp_path: Path, fault_free: dict[str, object]
 ) -> None:
-    nodes, progress, result = run_job(launch, tmp_path / "killed")
-    # A different victim each round, rank 0 (the host of the workers' store) included.
-    victims = (3, 0, 1)
+    """torchrun's command line with only the program name changed (no TaskD option) recovers every fault."""
+    nodes, progress, result = run_job(launch, tmp_path / f"killed-{form}", form=form)
+    # Rank 0 (the host of the workers' store) included.
+    victims = (3, 0)
     for restart, victim in enumerate(victims):
         wait_for(
             lambda: len(pids_of_round(progress, restart)) == 4
@@ -47,6 +49,9 @@ def test_repeated_sigkills_recover_all_ranks_every_time_and_match_a_fault_free_r
     assert final["steps"] == STEPS
     assert final["sha256"] == fault_free["sha256"]
     assert not [pid for r in range(len(victims) + 1) for pid in pids_of_round(progress, r).values() if pid_alive(pid)]
+    # Exactly one controller served the job, on the node the rendezvous made rank 0.
+    logs = [p.read_text() for p in tmp_path.glob(f"killed-{form}*.log")]
+    assert sum("embedded controller listening" in log for log in logs) == 1
 
 
 def test_a_rank_that_raises_is_recovered_like_a_killed_one(launch, tmp_path: Path, fault_free: dict[str, object]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -28,7 +29,8 @@ def test_help_shows_torchrun_options_and_taskd_options() -> None:
         (["--taskd-strategies", "retry,bogus"], "unknown strategy 'bogus'"),
         (["--taskd-flush-seconds", "-1"], "'-1' is not a finite number of seconds >= 0"),
         (["--taskd-controller", "nowhere"], "'nowhere' is not HOST:PORT"),
-        (["--nnodes", "2", "--taskd-controller-port", "0"], "controller port 0 only works for one node"),
+        (["--taskd-controller-port", "70000"], "controller port: 70000 is not a TCP port"),
+        (["--nnodes", "1:2"], "--nnodes=1:2: taskdrun needs a fixed number of nodes (--nnodes=N)"),
     ],
 )
 def test_bad_taskd_option_values_give_a_clear_error(argv: list[str], message: str, tmp_path: Path, capsys) -> None:
@@ -58,13 +60,17 @@ def test_recover_in_place_restarts_only_the_faulty_rank(launch, out_dir: Path, t
     assert len(records(out_dir)) == 3  # rank 0 was never restarted
 
 
+def c10d(job: str, nnodes: int | str = 2) -> list[str]:
+    """torchrun's elastic multi-node form: no node rank, no TaskD option."""
+    return [f"--nnodes={nnodes}", "--nproc-per-node=2", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={job}"]
+
+
 @pytest.mark.slow
 def test_faults_past_the_budget_end_every_node_non_zero_with_no_worker_left(launch, out_dir: Path) -> None:
-    rdzv, ctl = f"127.0.0.1:{free_port()}", str(free_port())
-    common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}", "--rdzv-id=budget",
-              "--taskd-controller-port", ctl, "--taskd-max-cycles", "1", "--taskd-stop-timeout", "5"]
+    common = [*c10d("budget"), "--taskd-max-cycles", "1", "--taskd-stop-timeout", "5"]
     worker = [IDLE, str(out_dir), "--only-rank", "3", "--after", "1", "--exit-code", "7"]
-    nodes = [launch(*common, f"--node-rank={n}", *worker) for n in (0, 1)]
+    nodes = [launch(*common, *worker) for n in (0, 1)]
 
     codes = [node.wait(timeout=180) for node in nodes]
 
@@ -72,6 +78,69 @@ def test_faults_past_the_budget_end_every_node_non_zero_with_no_worker_left(laun
     seen = records(out_dir)
     assert {r["TASKD_RESTART_COUNT"] for r in seen} == {"0", "1"}  # one recovery, then given up
     assert not [r["pid"] for r in seen if pid_alive(r["pid"])]
+
+
+@pytest.mark.slow
+def test_etcd_rendezvous_recovers_a_killed_rank_with_one_controller(
+    launch, out_dir: Path, tmp_path: Path, etcd_server: str
+) -> None:
+    until = tmp_path / "finish"
+    common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=etcd-v2", f"--rdzv-endpoint={etcd_server}",
+              "--rdzv-id=etcd-job", "--taskd-stop-timeout", "5"]
+    nodes = [launch(*common, IDLE, str(out_dir), "--until", str(until), log=f"etcd{n}") for n in (0, 1)]
+    first = wait_for(lambda: len(records(out_dir)) == 4 and records(out_dir), 120, "all four workers")
+
+    kill(next(r["pid"] for r in first if r["RANK"] == "3"))
+
+    again = wait_for(lambda: len(records(out_dir)) == 8 and records(out_dir), 120, "all four workers again")
+    assert sorted(r["RANK"] for r in again if r["TASKD_RESTART_COUNT"] == "1") == ["0", "1", "2", "3"]
+    until.touch()
+    assert [node.wait(timeout=120) for node in nodes] == [0, 0]
+    logs = [(tmp_path / f"etcd{n}.{n}.log").read_text() for n in (0, 1)]
+    assert sum("embedded controller listening" in log for log in logs) == 1
+
+
+@pytest.mark.slow
+def test_losing_the_node_that_hosts_the_controller_ends_the_other_node_with_a_clear_message(
+    launch, out_dir: Path, tmp_path: Path
+) -> None:
+    common = [*c10d("lost"), "--taskd-connect-timeout", "3", "--taskd-stop-timeout", "5"]
+    nodes = [launch(*common, IDLE, str(out_dir), log=f"lost{n}") for n in (0, 1)]
+    seen = wait_for(lambda: len(records(out_dir)) == 4 and records(out_dir), 120, "all four workers")
+    logs = [tmp_path / f"lost{n}.{n}.log" for n in (0, 1)]
+    host = next(n for n in (0, 1) if "embedded controller listening" in logs[n].read_text())
+
+    os.killpg(nodes[host].pid, signal.SIGKILL)  # the node is lost: its launcher and everything in its session
+    for r in seen:
+        if r["GROUP_RANK"] == "0":
+            kill(r["pid"])
+
+    assert nodes[1 - host].wait(timeout=180) == 1
+    assert "the job's controller is gone" in logs[1 - host].read_text()
+    assert not [r["pid"] for r in seen if r["GROUP_RANK"] != "0" and pid_alive(r["pid"])]
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_in_the_rendezvous_ends_taskdrun_at_once(launch, out_dir: Path, tmp_path: Path) -> None:
+    # The second node never comes: torch's rendezvous would wait 600 s for it.
+    node = launch(*c10d("alone"), IDLE, str(out_dir), log="alone")
+    log = tmp_path / "alone.0.log"
+    wait_for(lambda: "joining the c10d rendezvous" in log.read_text(), 120, "taskdrun to wait in the rendezvous")
+
+    node.send_signal(signal.SIGTERM)
+
+    assert node.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "rendezvous interrupted by signal 15" in log.read_text()
+    assert records(out_dir) == []
+
+
+@pytest.mark.slow
+def test_nnodes_min_max_is_refused_at_start_with_a_clear_message(launch, out_dir: Path, tmp_path: Path) -> None:
+    node = launch(*c10d("elastic", nnodes="1:2"), IDLE, str(out_dir), log="elastic")
+
+    assert node.wait(timeout=120) == 2
+    assert "taskdrun needs a fixed number of nodes" in (tmp_path / "elastic.0.log").read_text()
+    assert records(out_dir) == []
 
 
 @pytest.mark.slow

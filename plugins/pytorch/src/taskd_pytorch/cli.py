@@ -1,17 +1,27 @@
 """``taskdrun``: torchrun's command line, with TaskD recovering the workers.
 
-One ``taskdrun`` per node, exactly like ``torchrun``::
+One ``taskdrun`` per node, exactly like ``torchrun``, in every rendezvous form::
 
-    taskdrun --nproc-per-node=2 train.py
-    taskdrun --nnodes=2 --node-rank=0 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 train.py
+    taskdrun --nproc-per-node=2 train.py                                   # one node (--standalone)
+    taskdrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=JOB train.py
+    taskdrun --nnodes=2 --node-rank=N --master-addr=HOST --master-port=29500 --nproc-per-node=4 train.py
 
 The node's :class:`~taskd_pytorch.elastic.TaskdElasticAgent` runs under the
 core node agent, which owns the control loop: it starts the workers, learns
 of a death at once, reports it and carries out what the controller decides.
-Without ``--taskd-controller``, node 0 (``--node-rank=0``) hosts an embedded
-controller and the other nodes reach it at the rendezvous host. Exit codes: 0
-every worker exited 0; 1 the job was given up or failed; 130/143 after
-SIGINT/SIGTERM; 2 for options that cannot work, or when torch is not installed.
+
+taskdrun joins the first rendezvous round before anything else. Without
+``--taskd-controller``, the node that round makes group rank 0 hosts an
+embedded controller on a free port and publishes its address in the
+rendezvous store; the other nodes read it there (so exactly one controller
+serves the job, whichever form the rendezvous takes). The controller stays on
+that node for the whole job: if that node is lost, the other nodes cannot
+reach it and end with exit code 1 after ``--taskd-connect-timeout``.
+A stop signal ends every phase: the rendezvous wait is abandoned at once.
+
+Exit codes: 0 every worker exited 0; 1 the job was given up or failed;
+128 + signal after SIGINT/SIGTERM/SIGHUP; 2 for options that cannot work, or when
+torch is not installed.
 """
 
 from __future__ import annotations
@@ -19,13 +29,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from typing import TYPE_CHECKING, NoReturn
 
-from taskd_core.errors import ConfigError, FrameworkMissingError, TaskdError
+from taskd_core.errors import ConfigError, FrameworkMissingError, LauncherInterrupted, TaskdError
 from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
+from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
+from taskd_core.launcher.settings import is_loopback
 from taskd_pytorch.adapter import require_torch
 
 if TYPE_CHECKING:
@@ -80,6 +94,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def console_main() -> NoReturn:
+    """The ``taskdrun`` command: :func:`main`, then the process ends at once.
+
+    Python's finalization of torch's objects takes seconds on a busy machine
+    (3.6 s measured after a SIGTERM in the rendezvous, on 2 loaded cores) and
+    does nothing a launcher needs once :func:`main` returned: every worker is
+    reaped, the controller stopped and the logs are flushed here.
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _launch(args: argparse.Namespace) -> int:
     # Imported here: `taskdrun --help` and option errors need neither the agent nor torch's launcher.
     from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -93,7 +122,8 @@ def _launch(args: argparse.Namespace) -> int:
     from taskd_core.plugins import load_adapter
     from taskd_pytorch.adapter import PytorchAdapter
     from taskd_pytorch.elastic import TaskdElasticAgent
-    from taskd_pytorch.options import TaskdOptions
+    from taskd_pytorch.options import STOP_SIGNALS, TaskdOptions
+    from taskd_pytorch.rendezvous import StoreBoard, run_interruptibly
 
     _apply_torchrun_defaults(args)
     try:
@@ -103,55 +133,100 @@ def _launch(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from exc
     if config.duplicate_stdout_filters or config.duplicate_stderr_filters:
         raise ConfigError("taskdrun does not support --duplicate-stdout-filters/--duplicate-stderr-filters")
+    if config.min_nodes != config.max_nodes:
+        raise ConfigError(
+            f"--nnodes={args.nnodes}: taskdrun needs a fixed number of nodes (--nnodes=N); every node's agent takes "
+            "part in each recovery, so the job cannot shrink or grow between restarts"
+        )
     master_host, _ = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
     options = TaskdOptions.from_args(args, os.environ, nnodes=config.max_nodes, master_addr=master_host)
-    settings = options.node
-    stop_timeout = settings.agent.dispatch.stop_timeout
-    rdzv = get_rendezvous_handler(
-        RendezvousParameters(
-            backend=config.rdzv_backend,
-            endpoint=config.rdzv_endpoint,
-            run_id=config.run_id,
-            min_nodes=config.min_nodes,
-            max_nodes=config.max_nodes,
-            local_addr=config.local_addr,
-            **config.rdzv_configs,
-        )
-    )
-    spec = WorkerSpec(
-        role=config.role,
-        local_world_size=config.nproc_per_node,
-        rdzv_handler=rdzv,
-        entrypoint=entrypoint,
-        args=tuple(entry_args),
-        max_restarts=settings.policy.max_cycles,
-        local_addr=config.local_addr,
-        event_log_handler=config.event_log_handler,
-        numa_options=config.numa_options,
-        virtual_local_rank=config.virtual_local_rank,
-    )
-    elastic = TaskdElasticAgent(
-        spec,
-        config.logs_specs,  # type: ignore[arg-type]  # LaunchConfig fills it in __post_init__
-        start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template,
-        stop_timeout=stop_timeout,
-    )
-    logger.info(
-        "job %s node %s: %s workers of %s, rendezvous %s at %s",
-        settings.job_id, args.node_rank, config.nproc_per_node, elastic.get_worker_group().spec.get_entrypoint_name(),
-        config.rdzv_backend, config.rdzv_endpoint,
-    )
+    stop_timeout = options.node.agent.dispatch.stop_timeout
+    stop = StopRequest()
+    elastic = None
     outcome = None
-    try:
-        adapter = load_adapter("pytorch", instance=PytorchAdapter(elastic, in_place=options.in_place))
-        outcome = run_node_agent(adapter, settings, who="taskdrun")
-    finally:
-        # Whatever path the agent took, no worker outlives taskdrun.
-        elastic.close()
-        if outcome is not None and outcome.kind is not Outcome.INTERRUPTED:
-            _close_rendezvous(rdzv)
-    return outcome.exit_code
+    # Installed before the rendezvous: a signal must end taskdrun in every phase, not only once workers run.
+    with forward_stop_signals(stop, "taskdrun", STOP_SIGNALS):
+        try:
+            logger.info(
+                "job %s: joining the %s rendezvous at %s for %s nodes", options.node.job_id, config.rdzv_backend,
+                config.rdzv_endpoint, config.max_nodes,
+            )
+            # Connecting may wait for the store's host to come up (c10d, etcd): interruptible too.
+            rdzv = run_interruptibly(
+                lambda: get_rendezvous_handler(
+                    RendezvousParameters(
+                        backend=config.rdzv_backend,
+                        endpoint=config.rdzv_endpoint,
+                        run_id=config.run_id,
+                        min_nodes=config.min_nodes,
+                        max_nodes=config.max_nodes,
+                        local_addr=config.local_addr,
+                        **config.rdzv_configs,
+                    )
+                ),
+                stop,
+                "connecting to the rendezvous",
+            )
+            spec = WorkerSpec(
+                role=config.role,
+                local_world_size=config.nproc_per_node,
+                rdzv_handler=rdzv,
+                entrypoint=entrypoint,
+                args=tuple(entry_args),
+                max_restarts=options.node.policy.max_cycles,
+                local_addr=config.local_addr,
+                event_log_handler=config.event_log_handler,
+                numa_options=config.numa_options,
+                virtual_local_rank=config.virtual_local_rank,
+            )
+            elastic = TaskdElasticAgent(
+                spec,
+                config.logs_specs,  # type: ignore[arg-type]  # LaunchConfig fills it in __post_init__
+                start_method=config.start_method,
+                log_line_prefix_template=config.log_line_prefix_template,
+                stop_timeout=stop_timeout,
+                stop=stop,
+            )
+            group_rank, store = elastic.join()
+            logger.info(
+                "job %s node %s: %s workers of %s", options.node.job_id, group_rank, config.nproc_per_node,
+                spec.get_entrypoint_name(),
+            )
+            # The rendezvous, not --node-rank, says which node this is (torch's c10d ignores --node-rank too).
+            settings = replace(
+                options.node,
+                agent=replace(options.node.agent, node_rank=group_rank),
+                master_addr=_controller_host(config.rdzv_backend, master_host, config.local_addr),
+                board=StoreBoard(store, stop),
+            )
+            adapter = load_adapter("pytorch", instance=PytorchAdapter(elastic, in_place=options.in_place))
+            outcome = run_node_agent(adapter, settings, who="taskdrun", stop=stop)
+        except LauncherInterrupted as exc:
+            logger.warning("taskdrun: %s", exc)
+            return 128 + exc.signum
+        finally:
+            if elastic is not None:
+                # Whatever path the agent took, no worker outlives taskdrun.
+                elastic.close()
+                if outcome is not None and outcome.kind is not Outcome.INTERRUPTED:
+                    _close_rendezvous(rdzv)
+    # A stop signal that came after the agent's end (while the controller waited for the other nodes) still counts.
+    return 128 + stop.signum if stop.signum is not None else outcome.exit_code
+
+
+def _controller_host(backend: str, rdzv_host: str, local_addr: str | None) -> str:
+    """The address the other nodes reach this node's embedded controller at, should it host one.
+
+    The same choice torch makes for the workers' ``MASTER_ADDR``: the master
+    address in the static form (rank 0 is that host), else ``--local-addr`` or
+    this host's FQDN; loopback when the rendezvous itself is on loopback (every
+    node runs on this machine).
+    """
+    if backend == "static":
+        return rdzv_host
+    if is_loopback(rdzv_host):
+        return "127.0.0.1"
+    return local_addr or socket.getfqdn()
 
 
 def _close_rendezvous(rdzv: RendezvousHandler) -> None:

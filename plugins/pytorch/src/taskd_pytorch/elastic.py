@@ -11,18 +11,25 @@ says, and launching through ``start_processes``. It changes two things:
   rank can be stopped and started again with the same environment;
 * workers meet in a store of their own per restart round
   hosted by group rank 0's agent (:mod:`taskd_pytorch.bootstrap`), never in the
-  agents' shared rendezvous store.
+  agents' shared rendezvous store;
+* the rendezvous runs where a stop signal can end the wait
+  (:func:`~taskd_pytorch.rendezvous.run_interruptibly`), and the launcher may
+  join the first round on its own (:meth:`TaskdElasticAgent.join`) to learn its
+  group rank before any worker starts: that rank decides which node hosts the
+  job's controller.
 
 torch's own control loop (``run``/``_invoke_run`` with its monitor interval
 and restart budget) is not used: the node agent calls :meth:`restart_all`,
-:meth:`restart_list`, :meth:`stop` and :meth:`statuses`. The subclass only
+:meth:`restart_list`, :meth:`stop` and :meth:`statuses`. The subclass
 overrides the methods torch declares abstract in ``SimpleElasticAgent``
-(``_start_workers``, ``_stop_workers``, ``_monitor_workers``, ``_shutdown``),
-so torch's own ``run()`` would still work with it; nothing of torch is patched.
+(``_start_workers``, ``_stop_workers``, ``_monitor_workers``, ``_shutdown``)
+and wraps ``_rendezvous``, so torch's own ``run()`` would still work with it;
+nothing of torch is patched.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -32,17 +39,20 @@ from collections.abc import Sequence
 from string import Template
 
 import torch
+from torch.distributed import Store
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.api import WorkerState as TorchState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.utils import macros
 
-from taskd_core.errors import ConfigError
+from taskd_core.errors import ConfigError, LauncherInterrupted
+from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.models import WorkerState, WorkerStatus
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
 from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
 from taskd_pytorch.processes import Launch, RankProcesses
+from taskd_pytorch.rendezvous import run_interruptibly
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +76,8 @@ class TaskdElasticAgent(LocalElasticAgent):
     :param start_method: multiprocessing start method for function entrypoints.
     :param log_line_prefix_template: torch's ``${role_name}``/``${rank}``/``${local_rank}`` template.
     :param stop_timeout: SIGTERM-to-SIGKILL delay when torch's own paths stop workers.
+    :param stop: the launcher's stop request: once it fires, a rendezvous in
+        progress is abandoned and no worker starts any more.
     """
 
     def __init__(
@@ -76,6 +88,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         start_method: str = "spawn",
         log_line_prefix_template: str | None = None,
         stop_timeout: float = 30.0,
+        stop: StopRequest | None = None,
     ) -> None:
         if spec.virtual_local_rank:
             raise ConfigError("taskdrun does not support --virtual-local-rank")
@@ -101,6 +114,27 @@ class TaskdElasticAgent(LocalElasticAgent):
         self._taskd_lock = threading.RLock()
         self._taskd_round_stores = RoundStores()
         self._taskd_live = LiveChannel.create()
+        self._taskd_stop = stop or StopRequest()
+        #: the launcher joined the current round itself (:meth:`join`); the next start uses it.
+        self._taskd_joined = False
+
+    # --- what the launcher does first -------------------------------------------------
+
+    def join(self) -> tuple[int, Store]:
+        """Join the first rendezvous round now; returns this node's group rank and the round's store.
+
+        The next :meth:`restart_all` starts the workers in this round instead
+        of joining another one.
+
+        :raises LauncherInterrupted: when the stop request fires while waiting.
+        """
+        with self._taskd_lock:
+            group = self.get_worker_group()
+            self._rendezvous(group)
+            self._taskd_joined = True
+            if group.store is None:
+                raise ConfigError("the rendezvous gave this node no store")
+            return group.group_rank, group.store
 
     # --- what the TaskD hooks do ------------------------------------------------------
 
@@ -180,10 +214,18 @@ class TaskdElasticAgent(LocalElasticAgent):
         if bad:
             raise ConfigError(f"local ranks {bad} do not exist; this node runs local ranks 0..{size - 1}")
 
-    # --- torch's abstract worker methods ------------------------------------------------
+    # --- torch's rendezvous and abstract worker methods --------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        if self._taskd_joined:
+            self._taskd_joined = False
+            return
+        run_interruptibly(functools.partial(super()._rendezvous, worker_group), self._taskd_stop, "rendezvous")
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
         spec = worker_group.spec
+        if self._taskd_stop.signum is not None:
+            raise LauncherInterrupted("starting workers", self._taskd_stop.signum)
         if worker_group.store is None or spec.entrypoint is None:
             raise ConfigError("workers cannot start before the rendezvous has given them a store")
         meet = self._taskd_round_stores.meet(worker_group.store, worker_group.group_rank, self._taskd_starts, spec.local_addr)

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # torchrun stops after --max-restarts failures; here it is the controller's cycle budget.
     parser.set_defaults(max_restarts=default_of(JobPolicy, "max_cycles"))
-    add_node_options(parser, PREFIX)
+    add_node_options(parser, PREFIX, published=True)
     g = parser.add_argument_group("TaskD workers")
     g.add_argument(
         "--taskd-in-place", action="store_true",
@@ -72,10 +72,12 @@ class TaskdOptions:
             launcher="taskdrun",
             shared=f"{args.rdzv_endpoint}/{args.rdzv_id}/{master_addr}:{args.master_port}",
             job_id=args.rdzv_id if args.rdzv_id != "none" else None,
+            # Provisional: cli replaces it by the group rank the rendezvous gives this node.
             node_rank=args.node_rank,
             nnodes=nnodes,
             master_addr=master_addr,
             max_cycles=args.max_restarts,
             stop_signals=STOP_SIGNALS,
+            published=True,
         )
         return cls(node=node, in_place=args.taskd_in_place)
