@@ -49,7 +49,7 @@ def run_interruptibly(call: Callable[[], T], stop: StopRequest, what: str) -> T:
     def target() -> None:
         try:
             outcome.append(call())
-        except BaseException as exc:  # handed to the waiting thread, which raises it
+        except BaseException as exc:  # noqa: BLE001  # handed to the waiting thread, which raises it
             failure.append(exc)
         finally:
             done.set()
