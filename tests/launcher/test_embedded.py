@@ -52,7 +52,9 @@ def test_node_zero_embeds_a_controller_with_the_policy() -> None:
         # A launcher told to stop does not wait out its linger.
         stop = threading.Event()
         stop.set()
-        waiting = threading.Thread(target=wait_for_agents, args=(ep.address, "nobody", 1, 600.0), kwargs={"stop": stop})
+        waiting = threading.Thread(
+            target=wait_for_agents, args=(ep.address, "nobody", 1, 600.0), kwargs={"stop": stop}
+        )
         waiting.start()
         waiting.join(timeout=60)
         assert not waiting.is_alive()
