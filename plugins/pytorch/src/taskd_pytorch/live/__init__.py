@@ -41,7 +41,11 @@ killed by its agent):
 
 If a round cannot be formed in time (the node's ``--taskd-live-timeout``),
 the node reports the strategy as failed and the controller falls back to a
-full restart from the checkpoint, as without this API.
+full restart from the checkpoint, as without this API. So does a rank that
+dies while the round forms, after the controller chose the strategy (later
+than the controller's flush window, ``--taskd-flush-seconds``, after the
+cycle's first fault): its node reports the round failed at once, the other
+nodes when their ``--taskd-live-timeout`` passes.
 
 Rules for the training step, so that a replica's state is always a committed one:
 
