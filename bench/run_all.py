@@ -8,7 +8,8 @@ timings), each as a child process writing JSON:
 3. ``idle_bench.py``: idle CPU of agents and controller, controller memory with 1000 jobs;
 4. ``security_bench.py``: what TLS and job tokens add to fault → strategy latency and idle CPU;
 5. ``metrics_bench.py``: the controller with Prometheus metrics on vs off, and scrapes of 1000 jobs;
-6. ``hang_bench.py``: hang → fault reported and → every rank stepping again, per signal.
+6. ``hang_bench.py``: hang → fault reported and → every rank stepping again, per signal;
+7. ``signal_bench.py``: SIGTERM → launcher gone, taskdrun vs torchrun, in the rendezvous and with workers.
 
 Then renders the machine, versions, the exact command, the tables, the
 targets and whether they are met into the Markdown report. The default sizes
@@ -47,6 +48,7 @@ import idle_bench
 import metrics_bench
 import recovery_bench
 import security_bench
+import signal_bench
 from _common import (
     PYTHON,
     REPO,
@@ -113,6 +115,7 @@ STEPS = (
         ("--trials", "3", "--torch-trials", "1", "--healthy-steps", "200"),
         1800.0,
     ),
+    Step("signals", "signal_bench.py", ("--repeats", "5"), ("--repeats", "1"), 600.0),
 )
 
 Section = tuple[str, list[list[str]]]
@@ -482,6 +485,23 @@ def hang_section(data: dict[str, Any] | None) -> Section:
     return text, hang_bench.verdicts(data)
 
 
+def signal_section(data: dict[str, Any] | None) -> Section:
+    title = "7. Signals: SIGTERM → launcher gone"
+    if data is None:
+        return _failed(title)
+    method = (
+        "`bench/signal_bench.py`: real `taskdrun` and `torchrun` processes, taking turns, each phase"
+        f" {data['repeats']} times per launcher. `rendezvous`: one node of a two-node c10d job (no node rank) whose"
+        " second node never comes, SIGTERM 1 s after it serves the rendezvous store, while torch's join would"
+        " wait up to 600 s. `workers`: `--standalone` with two sleeping workers, SIGTERM once both started. One"
+        " sample is `os.kill` → the launcher's exit seen by `wait()`; \"workers left\" counts workers alive after"
+        " it. taskdrun abandons the rendezvous wait (torch's join runs in a thread it can leave); the exit codes"
+        " column shows how each launcher ends (a negative code: killed by that signal)."
+    )
+    text = "\n\n".join([f"## {title}", method, signal_bench.report(data["results"])]) + "\n"
+    return text, signal_bench.verdicts(data["results"])
+
+
 def render(sections: list[Section], run: dict[str, Any]) -> str:
     info, durations = run["machine"], run["durations"]
     total = sum(durations.values())
@@ -581,6 +601,7 @@ def main() -> int:
         security_section(data["security"]),
         metrics_section(data["metrics"]),
         hang_section(data["hang"]),
+        signal_section(data["signals"]),
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(sections, run), encoding="utf-8")
