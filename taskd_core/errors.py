@@ -31,8 +31,8 @@ class ControllerUnavailableError(TaskdError):
         super().__init__(
             f"controller at {address} did not answer within {waited:.1f}s"
             f"{f' ({cause})' if cause else ''}; check that it runs, that the address is right and, if it "
-            "serves TLS, that --tls-ca / TASKD_TLS_CA names its CA (and TASKD_TLS_CERT/KEY a client certificate "
-            "for mutual TLS)"
+            "serves TLS, that --tls-ca / TASKD_TLS_CA names its CA (and TASKD_TLS_CERT/KEY a client "
+            "certificate for mutual TLS)"
         )
         self.address = address
         self.waited = waited
@@ -61,9 +61,7 @@ class AccessDeniedError(TaskdError):
     """The controller refused this client: no job token, a wrong one, or another live launch owns the job."""
 
     def __init__(self, address: str, reason: str) -> None:
-        super().__init__(
-            f"controller at {address} refused the job: {reason} (see docs/security.md)"
-        )
+        super().__init__(f"controller at {address} refused the job: {reason} (see docs/security.md)")
         self.address = address
         self.reason = reason
 
@@ -110,7 +108,9 @@ class FrameworkMissingError(PluginError, ImportError):
     """
 
     def __init__(self, plugin: str, missing: str, install: str) -> None:
-        super().__init__(f"{missing} is not installed in this environment; install it with: {install}", plugin=plugin)
+        super().__init__(
+            f"{missing} is not installed in this environment; install it with: {install}", plugin=plugin
+        )
         self.missing = missing
         self.install = install
 

@@ -255,7 +255,9 @@ class Credentials:
     launch: str = ""
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], *, tls_ca: str | None = None, token: str | None = None) -> Credentials:
+    def from_env(
+        cls, env: Mapping[str, str], *, tls_ca: str | None = None, token: str | None = None
+    ) -> Credentials:
         """``TASKD_TLS_CA``/``TASKD_TLS_CERT``/``TASKD_TLS_KEY``/``TASKD_JOB_TOKEN``; arguments win."""
         return cls(
             tls_ca=env.get("TASKD_TLS_CA", "").strip() if tls_ca is None else tls_ca,

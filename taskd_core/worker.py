@@ -115,7 +115,9 @@ class ProgressReporter:
         """Begin section ``name``; it must end within ``timeout`` seconds (None: a learned timeout)."""
         check_name(name)
         if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-            raise ConfigError(f"section {name!r}: timeout must be a positive number of seconds, not {timeout}")
+            raise ConfigError(
+                f"section {name!r}: timeout must be a positive number of seconds, not {timeout}"
+            )
         self._send(f"enter {name} {'-' if timeout is None else repr(float(timeout))}")
 
     def leave(self, name: str) -> None:

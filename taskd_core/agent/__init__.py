@@ -1,1 +1,1 @@
-"""The node agent: supervises one node's workers through an adapter and carries out the controller's actions."""
+"""The node agent: supervises one node's workers through an adapter, carries out the controller's actions."""

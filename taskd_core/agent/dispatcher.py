@@ -52,9 +52,13 @@ class Reporter(Protocol):
 
     def report_stop_complete(self, code: int, msg: str, fault_ranks: Mapping[int, int]) -> int: ...
 
-    def report_recover_strategy(self, fault_ranks: Mapping[int, int], strategy_list: Iterable[str]) -> int: ...
+    def report_recover_strategy(
+        self, fault_ranks: Mapping[int, int], strategy_list: Iterable[str]
+    ) -> int: ...
 
-    def report_recover_status(self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str) -> int: ...
+    def report_recover_status(
+        self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str
+    ) -> int: ...
 
 
 class ActionDispatcher:
@@ -130,7 +134,9 @@ class ActionDispatcher:
     def stop(self, local_ranks: Sequence[int] | None) -> None:
         """Stop workers on purpose (all when ``local_ranks`` is None)."""
         statuses = self.adapter.monitor()
-        chosen = statuses.values() if local_ranks is None else [statuses[r] for r in local_ranks if r in statuses]
+        chosen = (
+            statuses.values() if local_ranks is None else [statuses[r] for r in local_ranks if r in statuses]
+        )
         self._on_stopping(chosen)
         self.adapter.stop(local_ranks, self.config.stop_timeout)
 
@@ -159,7 +165,9 @@ class ActionDispatcher:
         except WorkerControlError:
             logger.exception("adapter could not declare its strategies; offering exit only")
             strategies = [Strategy.EXIT.value]
-        return functools.partial(self.reporter.report_recover_strategy, fault_dict(signal.fault_ranks), strategies)
+        return functools.partial(
+            self.reporter.report_recover_strategy, fault_dict(signal.fault_ranks), strategies
+        )
 
     def _change_strategy(self, signal: Signal) -> list[Report]:
         """Carry out the chosen strategy; the report to send (none for exit: the controller does not wait)."""
@@ -186,17 +194,25 @@ class ActionDispatcher:
             elif strategy is Strategy.DUMP:
                 code, msg = self._dump()
             else:
-                code, msg = Code.UNRECOVERABLE_RETRY_ERROR, f"strategy {signal.change_strategy!r} is not supported here"
+                code, msg = (
+                    Code.UNRECOVERABLE_RETRY_ERROR,
+                    f"strategy {signal.change_strategy!r} is not supported here",
+                )
         except WorkerControlError as exc:
             logger.error("%s failed: %s", signal.change_strategy, exc)
             code, msg = Code.CLIENT_ERROR, str(exc)
         # Reported as the controller named it: recover-in-place travels as "recover".
-        return [functools.partial(self.reporter.report_recover_status, code, msg, faults, signal.change_strategy)]
+        return [
+            functools.partial(self.reporter.report_recover_status, code, msg, faults, signal.change_strategy)
+        ]
 
     def _recover_live(self, signal: Signal) -> tuple[Code, str]:
         # The round is the controller's cycle, the one number every agent of the job shares.
         if signal.cycle <= 0:
-            return Code.UNRECOVERABLE_RETRY_ERROR, "recover-live needs the cycle number a TaskD controller sends"
+            return (
+                Code.UNRECOVERABLE_RETRY_ERROR,
+                "recover-live needs the cycle number a TaskD controller sends",
+            )
         self.adapter.begin_round(signal.cycle)
         local = self._local_faulty(signal, self.adapter.monitor())
         if local:
@@ -205,7 +221,8 @@ class ActionDispatcher:
         if not self.adapter.await_round(signal.cycle, self.config.live_timeout):
             return (
                 Code.RECOVERABLE_RETRY_ERROR,
-                f"local workers did not all join live round {signal.cycle} within {self.config.live_timeout}s",
+                f"local workers did not all join live round {signal.cycle} "
+                f"within {self.config.live_timeout}s",
             )
         return Code.OK, f"live round {signal.cycle}: replaced local ranks {local}, every local worker joined"
 
@@ -215,7 +232,12 @@ class ActionDispatcher:
         pids = {s.local_rank: s.pid for s in running if s.pid is not None}
         self._on_stopping(running)
         for worker in running:
-            logger.info("asking rank %s (pid %s) to save: %s", worker.global_rank, worker.pid, self.config.dump_signal.name)
+            logger.info(
+                "asking rank %s (pid %s) to save: %s",
+                worker.global_rank,
+                worker.pid,
+                self.config.dump_signal.name,
+            )
             try:
                 os.kill(pids[worker.local_rank], self.config.dump_signal)
             except ProcessLookupError:
@@ -225,5 +247,9 @@ class ActionDispatcher:
         after = self.adapter.monitor()
         saved = [s.global_rank for s in after.values() if s.local_rank in pids and s.succeeded]
         if late or len(saved) != len(running):
-            return Code.DUMP_ERROR, f"saved ranks {sorted(saved)}; {len(late)} worker(s) did not finish within {self.config.dump_grace}s"
+            return (
+                Code.DUMP_ERROR,
+                f"saved ranks {sorted(saved)}; {len(late)} worker(s) did not finish "
+                f"within {self.config.dump_grace}s",
+            )
         return Code.OK, f"saved ranks {sorted(saved)}"

@@ -17,7 +17,8 @@ from taskd_core.plugins import load_adapter
 
 _ATTACH = (
     "start the workers first, then pass them: DLRecoverManager(info, address, adapter=<object with the "
-    "taskd_* hooks>), or build the adapter yourself and pass handler=ActionDispatcher(adapter, manager).handle"
+    "taskd_* hooks>), or build the adapter yourself and pass "
+    "handler=ActionDispatcher(adapter, manager).handle"
 )
 
 
@@ -35,4 +36,3 @@ def frame_handler(frame: str, reporter: Reporter, instance: object | None = None
     if not workers:
         raise ConfigError(f"frame {frame!r}: the adapter has no workers to act on; {_ATTACH}")
     return ActionDispatcher(adapter, reporter)
-

@@ -77,7 +77,9 @@ class NodeAgent:
         #: (local rank, pid) of workers whose end is not a fault: stopped on purpose or already reported.
         self._settled: set[tuple[int, int | None]] = set()
         self._ledger = WorkerLedger()
-        self._progress = ProgressWatcher(config.progress, self._watch.wake) if config.progress.enabled else None
+        self._progress = (
+            ProgressWatcher(config.progress, self._watch.wake) if config.progress.enabled else None
+        )
         if not config.controller:
             raise ConfigError(f"the agent of job {config.job_id} needs a controller address")
         self.client = DLRecoverManager.for_job(
@@ -127,7 +129,9 @@ class NodeAgent:
             if recovery:
                 status = self.client.register()
                 if status.code != Code.OK:
-                    raise TaskdError(f"controller refused to register job {self.config.job_id}: {status.info}")
+                    raise TaskdError(
+                        f"controller refused to register job {self.config.job_id}: {status.info}"
+                    )
             if self._progress is not None:
                 # Before the first start: workers inherit where to report their progress.
                 self._progress.start()
@@ -140,7 +144,9 @@ class NodeAgent:
                 )
                 subscriber.start()
             else:
-                logger.warning("process recovery is off for job %s: a failed worker ends the job", self.config.job_id)
+                logger.warning(
+                    "process recovery is off for job %s: a failed worker ends the job", self.config.job_id
+                )
             outcome = self._supervise(recovery)
         except TaskdError as exc:
             self._stop_all()
@@ -163,7 +169,13 @@ class NodeAgent:
             if self._progress is not None:
                 self._progress.close()
             self._watch.close()
-        logger.info("agent of job %s ends: %s (exit %s) %s", self.config.job_id, outcome.kind.value, outcome.exit_code, outcome.reason)
+        logger.info(
+            "agent of job %s ends: %s (exit %s) %s",
+            self.config.job_id,
+            outcome.kind.value,
+            outcome.exit_code,
+            outcome.reason,
+        )
         return outcome
 
     def _subscribe(self) -> None:
@@ -196,9 +208,10 @@ class NodeAgent:
                 if self._controller_lost is not None:
                     self._stop_all()
                     return AgentOutcome(
-                        Outcome.FAILED, 1,
-                        f"the job's controller is gone ({self._controller_lost}); when the node hosting it was lost, "
-                        "the job cannot recover: start it again",
+                        Outcome.FAILED,
+                        1,
+                        f"the job's controller is gone ({self._controller_lost}); when the node hosting it "
+                        "was lost, the job cannot recover: start it again",
                     )
                 self._report_changes()
                 self._final_report(1, "job given up by the controller")
@@ -210,16 +223,24 @@ class NodeAgent:
             if failed:
                 self._settle(failed)
                 for s in failed:
-                    logger.warning("rank %s (local %s, pid %s) failed with exit code %s", s.global_rank, s.local_rank, s.pid, s.exit_code)
+                    logger.warning(
+                        "rank %s (local %s, pid %s) failed with exit code %s",
+                        s.global_rank,
+                        s.local_rank,
+                        s.pid,
+                        s.exit_code,
+                    )
                 if not recovery:
                     self._stop_all()
                     return AgentOutcome(Outcome.FAILED, 1, f"ranks {[s.global_rank for s in failed]} failed")
                 report = self._fault_reports.submit(
-                    self.client.report_process_fault, {s.global_rank: int(FaultType.NORMAL.value) for s in failed}
+                    self.client.report_process_fault,
+                    {s.global_rank: int(FaultType.NORMAL.value) for s in failed},
                 )
                 report.add_done_callback(_log_failed_report)
             if recovery and changes:
-                # Queued behind the fault report: the journal keeps the order, the recovery never waits for it.
+                # Queued behind the fault report: the journal keeps the order, the recovery never
+                # waits for it.
                 self._fault_reports.submit(self.client.report_worker_events, changes)
             if failed:
                 continue
@@ -241,7 +262,11 @@ class NodeAgent:
                 continue
             # After dump or exit the workers may end with 0, but the job is
             # being given up: wait for killMaster instead of claiming success.
-            if statuses and all(s.succeeded for s in statuses.values()) and not self.dispatcher.ending.is_set():
+            if (
+                statuses
+                and all(s.succeeded for s in statuses.values())
+                and not self.dispatcher.ending.is_set()
+            ):
                 self._final_report(0, "every worker exited 0")
                 return AgentOutcome(Outcome.SUCCEEDED, 0)
             running = [s for s in statuses.values() if s.state is WorkerState.RUNNING and s.pid]
@@ -263,7 +288,9 @@ class NodeAgent:
         process ignores SIGTERM, and its peers' collectives fail only once it is gone.
         """
         live = {(s.local_rank, s.pid): s for s in statuses.values() if s.state is WorkerState.RUNNING}
-        stopped = [h for h in hangs if (h.local_rank, h.pid) in live and (h.local_rank, h.pid) not in self._settled]
+        stopped = [
+            h for h in hangs if (h.local_rank, h.pid) in live and (h.local_rank, h.pid) not in self._settled
+        ]
         if not stopped:
             return []
         with self._lock:

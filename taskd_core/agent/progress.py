@@ -105,14 +105,26 @@ class ProgressConfig:
     stack_timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        for name in ("stopped_bound", "disk_sleep_bound", "multiplier", "floor", "ceiling", "poll", "stack_timeout"):
+        for name in (
+            "stopped_bound",
+            "disk_sleep_bound",
+            "multiplier",
+            "floor",
+            "ceiling",
+            "poll",
+            "stack_timeout",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"hang detection: {name.replace('_', ' ')} must be a positive number, not {value}")
+                raise ConfigError(
+                    f"hang detection: {name.replace('_', ' ')} must be a positive number, not {value}"
+                )
         if self.heartbeat_timeout is not None and not (
             math.isfinite(self.heartbeat_timeout) and self.heartbeat_timeout > 0
         ):
-            raise ConfigError(f"hang detection: heartbeat timeout must be positive, not {self.heartbeat_timeout}")
+            raise ConfigError(
+                f"hang detection: heartbeat timeout must be positive, not {self.heartbeat_timeout}"
+            )
         if self.floor > self.ceiling:
             raise ConfigError(f"hang detection: floor {self.floor}s is above ceiling {self.ceiling}s")
         if self.min_samples < 1 or self.window < self.min_samples:
@@ -222,7 +234,7 @@ class _Expiry:
 
 
 def read_stat(pid: int, fd: int | None = None) -> tuple[str, int] | None:
-    """``(state letter, CPU ticks)`` of ``pid`` from /proc (through ``fd``, its open stat file, when given)."""
+    """``(state letter, CPU ticks)`` of ``pid`` from /proc (through ``fd``, its open stat file, if given)."""
     try:
         if fd is None:
             with open(f"/proc/{pid}/stat", "rb") as f:
@@ -263,7 +275,8 @@ def capture_stack(pid: int, socket_path: str | None, timeout: float) -> str:
     spy = py_spy()
     if spy is not None:
         try:
-            # --nonblocking reads memory without ptrace-stopping the target: safe on a stopped or D-state worker.
+            # --nonblocking reads memory without ptrace-stopping the target: safe on a stopped or
+            # D-state worker.
             done = subprocess.run(
                 [spy, "dump", "--pid", str(pid), "--nonblocking"],
                 capture_output=True,
@@ -273,7 +286,9 @@ def capture_stack(pid: int, socket_path: str | None, timeout: float) -> str:
             )
             if done.returncode == 0 and done.stdout.strip():
                 return done.stdout
-            logger.warning("py-spy could not read pid %s: %s", pid, (done.stderr or done.stdout).strip()[-500:])
+            logger.warning(
+                "py-spy could not read pid %s: %s", pid, (done.stderr or done.stdout).strip()[-500:]
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             logger.warning("py-spy could not read pid %s: %s", pid, exc)
     if socket_path is not None:
@@ -565,7 +580,9 @@ class ProgressWatcher:
             explicit = self.config.heartbeat_timeout
             timeout = explicit if explicit is not None else self._learn(HEARTBEAT).value
             candidates.append(
-                _Expiry(HangSignal.HEARTBEAT, HEARTBEAT, worker.last_beat + timeout, timeout, explicit is None)
+                _Expiry(
+                    HangSignal.HEARTBEAT, HEARTBEAT, worker.last_beat + timeout, timeout, explicit is None
+                )
             )
         wall_offset = now - time.time()
         for scope, (expiration, timeout) in worker.timers.items():
@@ -605,13 +622,16 @@ class ProgressWatcher:
             bound = self.config.stopped_bound if stopped else self.config.disk_sleep_bound
             if now - worker.odd_since >= bound:
                 kind = HangSignal.STOPPED if stopped else HangSignal.DISK_SLEEP
-                return _Expiry(kind, f"state {state}", worker.odd_since + bound, bound, False), now - worker.odd_since
+                return _Expiry(
+                    kind, f"state {state}", worker.odd_since + bound, bound, False
+                ), now - worker.odd_since
         else:
             worker.odd_state = ""
         expiry = self._expiry(worker, now)
         if expiry is None or now < expiry.deadline:
             return None
-        # A sleeping worker may be blocked in a collective with the real culprit: give that one a timeout to be found.
+        # A sleeping worker may be blocked in a collective with the real culprit: give that one a
+        # timeout to be found.
         if self._busy(worker) or state in ("T", "D") or now >= expiry.deadline + expiry.timeout:
             return expiry, now - expiry.deadline + expiry.timeout
         return None
@@ -626,7 +646,12 @@ class ProgressWatcher:
     def _declare(self, pid: int, worker: _Worker, expiry: _Expiry, waited: float) -> None:
         logger.warning(
             "rank %s (pid %s): no progress on %s %r for %.1fs (timeout %.1fs); taking its stack",
-            worker.global_rank, pid, expiry.signal.value, expiry.name, waited, expiry.timeout,
+            worker.global_rank,
+            pid,
+            expiry.signal.value,
+            expiry.name,
+            waited,
+            expiry.timeout,
         )
         stack = capture_stack(pid, self.socket_path, self.config.stack_timeout)
         hang = Hang(
@@ -653,4 +678,3 @@ def _positive(text: str) -> float | None:
     except ValueError:
         return None
     return value if math.isfinite(value) and value > 0 else None
-

@@ -28,7 +28,9 @@ class _VersionAction(argparse.Action):
     """``--version``: taskd-core's version and every installed adapter distribution's, read when asked."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
-        super().__init__(option_strings, dest, nargs=0, help="print the versions of taskd-core and every adapter")
+        super().__init__(
+            option_strings, dest, nargs=0, help="print the versions of taskd-core and every adapter"
+        )
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
         from taskd_core.plugins import adapter_distributions

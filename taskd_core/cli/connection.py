@@ -1,4 +1,6 @@
-"""The options every command that talks to a running controller shares: where it is and how to prove who we are.
+"""The options every command that talks to a running controller shares.
+
+They say where the controller is and how to prove who we are.
 
 ``taskd status`` (and any later command that queries a controller) calls
 :func:`add_connection_options` on its parser and :func:`credentials` on the
@@ -41,6 +43,9 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
 
 
 def credentials(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Credentials:
-    """What the parsed options and the environment say to present; :class:`ConfigError` for unreadable files."""
+    """What the parsed options and the environment say to present.
+
+    :raises ConfigError: for unreadable files.
+    """
     token = read_token_file(args.admin_token_file, "--admin-token-file") if args.admin_token_file else None
     return Credentials.from_env(os.environ if env is None else env, tls_ca=args.tls_ca, token=token)

@@ -30,11 +30,16 @@ PageReader = Callable[[int], list[JournalEvent]]
 
 
 def add_source_options(p: argparse.ArgumentParser) -> None:
-    """``JOB`` plus where its journal comes from: ``--controller`` (default, with its TLS and token) or ``--state``."""
+    """``JOB`` plus where its journal comes from.
+
+    That is ``--controller`` (default, with its TLS and token) or ``--state``.
+    """
     p.add_argument("job", metavar="JOB", help="job id")
     add_connection_options(p)
     p.add_argument(
-        "--state", metavar="FILE", help="read a controller's SQLite state file instead of asking the controller"
+        "--state",
+        metavar="FILE",
+        help="read a controller's SQLite state file instead of asking the controller",
     )
 
 
@@ -47,9 +52,15 @@ def add_parser(subparsers: Any) -> None:
     add_source_options(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line (schema: docs/events.md)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events as they happen")
-    p.add_argument("--after", type=int, default=0, metavar="SEQ", help="only events after this sequence number")
     p.add_argument(
-        "--interval", type=float, default=0.5, metavar="S", help="--follow: seconds between polls (default: %(default)s)"
+        "--after", type=int, default=0, metavar="SEQ", help="only events after this sequence number"
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="--follow: seconds between polls (default: %(default)s)",
     )
     p.set_defaults(func=run)
 
@@ -77,7 +88,9 @@ def journal_reader(args: argparse.Namespace) -> Iterator[PageReader]:
         store = Store(args.state, readonly=True)
         try:
             if not store.has_job(args.job):
-                raise TaskdError(f"job {args.job!r} is not in state file {args.state}; `taskd status` lists jobs")
+                raise TaskdError(
+                    f"job {args.job!r} is not in state file {args.state}; `taskd status` lists jobs"
+                )
 
             def read_file(after: int) -> list[JournalEvent]:
                 return [
@@ -137,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
         raise TaskdError(f"--interval must be greater than 0, not {args.interval}")
     line = as_json_line if args.json else render
     with journal_reader(args) as read:
-        events = follow(read, after=args.after, interval=args.interval) if args.follow else read_all(read, args.after)
+        events = (
+            follow(read, after=args.after, interval=args.interval)
+            if args.follow
+            else read_all(read, args.after)
+        )
         try:
             for event in events:
                 print(line(event), flush=args.follow)

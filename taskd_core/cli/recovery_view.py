@@ -173,7 +173,9 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
         faults=faults,
         signals=tuple(signals),
         phases=phases,
-        cycles=tuple(Cycle(c.number, c.fault_at, c.ended, c.strategy, c.outcome or "in flight") for c in cycles),
+        cycles=tuple(
+            Cycle(c.number, c.fault_at, c.ended, c.strategy, c.outcome or "in flight") for c in cycles
+        ),
         outcome=outcome,
     )
 
@@ -199,7 +201,8 @@ def _fault(
     starts: dict[int, list[float]],
     resumes: dict[int, list[float]],
 ) -> Fault:
-    # The worker's end precedes the report; take the latest end before it (agents' clocks may lead by a little).
+    # The worker's end precedes the report; take the latest end before it (agents' clocks may
+    # lead by a little).
     ended = [(t, code) for t, code in exits.get(rank, []) if t <= journalled + 1.0]
     at, code = max(ended, key=lambda e: e[0]) if ended else (journalled, None)
     resumed = _first_after(resumes.get(rank, []), at)

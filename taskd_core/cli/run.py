@@ -76,7 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="workers are independent: a faulty one may be restarted alone (recover-in-place)",
     )
     add_node_options(p)
-    p.add_argument("--controller-state", default=":memory:", help="SQLite state file of the embedded controller")
+    p.add_argument(
+        "--controller-state", default=":memory:", help="SQLite state file of the embedded controller"
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]: what each worker runs")
     p.set_defaults(func=run)
 

@@ -46,7 +46,9 @@ def render(status: dict[str, Any]) -> str:
         return "no jobs"
     for job in jobs:
         faults = ", ".join(f"{f['rankId']}:{f['faultType']}" for f in job["faultRanks"]) or "-"
-        lines.append(f"job {_safe(job['jobId'])}{'  (legacy: registered without a token)' if job['legacy'] else ''}")
+        lines.append(
+            f"job {_safe(job['jobId'])}{'  (legacy: registered without a token)' if job['legacy'] else ''}"
+        )
         lines.append(
             f"  state      {job['state']}  cycle {job['cycle']} (used {job['cyclesUsed']} of "
             f"{job['maxCycles']})  strategy {job['strategy'] or '-'}"
@@ -58,7 +60,8 @@ def render(status: dict[str, Any]) -> str:
         for a in job["agents"]:
             node = "-" if a["nodeRank"] < 0 else str(a["nodeRank"])
             lines.append(
-                f"  {_safe(a['agentId']):<20} {_safe(a['role']):<16} {node:>4}  {'up' if a['subscribed'] else 'down':<6}"
+                f"  {_safe(a['agentId']):<20} {_safe(a['role']):<16} {node:>4}  "
+                f"{'up' if a['subscribed'] else 'down':<6}"
                 f"  {a['exitState'] or '-':<10} {_when(a['lastSeen'])}"
             )
             if a.get("progress"):
@@ -67,7 +70,8 @@ def render(status: dict[str, Any]) -> str:
             lines.append("  events")
         for e in job["events"]:
             lines.append(
-                f"  {e['seq']:>6}  {_when(e['time'])}  c{e['cycle']:<3} {e['kind']:<16} {_short(_safe(e['detail']))}"
+                f"  {e['seq']:>6}  {_when(e['time'])}  c{e['cycle']:<3} {e['kind']:<16} "
+                f"{_short(_safe(e['detail']))}"
             )
     return "\n".join(lines)
 

@@ -141,7 +141,15 @@ def _draw_lanes(ax: Any, view: JobTimeline) -> None:
         stop = run.end if run.end is not None else end
         ax.barh(y[run.rank], stop - run.start, left=run.start, height=0.62, color=_RUN_COLORS[nth % 2])
         if labelled:
-            ax.text(run.start, y[run.rank], f" pid {run.pid}", va="center", fontsize=7, color="white", clip_on=True)
+            ax.text(
+                run.start,
+                y[run.rank],
+                f" pid {run.pid}",
+                va="center",
+                fontsize=7,
+                color="white",
+                clip_on=True,
+            )
         # A fault's exit code goes with its mark; other non-zero ends (stopped workers) only on small jobs.
         if run.exit_code not in (None, 0) and labelled and (run.rank, stop) not in faulted:
             ax.text(stop, y[run.rank] + 0.38, f"exit {run.exit_code}", fontsize=6, ha="right", clip_on=True)
@@ -151,7 +159,14 @@ def _draw_lanes(ax: Any, view: JobTimeline) -> None:
         ax.plot(fault.time, y[fault.rank], marker="X", color="#d62728", markersize=9, zorder=5)
         lost = "never back" if fault.lost is None else f"{fault.back} after {fault.lost:.2f} s"
         code = "" if fault.exit_code is None else f"exit {fault.exit_code}, "
-        ax.text(fault.time, y[fault.rank] - 0.4, f" fault ({code}{lost})", fontsize=7, color="#d62728", va="bottom")
+        ax.text(
+            fault.time,
+            y[fault.rank] - 0.4,
+            f" fault ({code}{lost})",
+            fontsize=7,
+            color="#d62728",
+            va="bottom",
+        )
     for sig in view.signals:
         ax.axvline(sig.time, color="#888888", linewidth=0.5, linestyle=":")
     step = 1 if lanes <= _LABELLED_LANES else max(1, lanes // 16)

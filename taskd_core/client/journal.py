@@ -50,7 +50,9 @@ class JournalClient:
                 pb.EventQuery(jobId=job_id, afterSeq=after, limit=limit), timeout=self.timeout
             )
         except grpc.RpcError as exc:
-            raise ControllerUnavailableError(self.address, self.timeout, ConnectionError(exc.details())) from None
+            raise ControllerUnavailableError(
+                self.address, self.timeout, ConnectionError(exc.details())
+            ) from None
         if reply.status.code != 0:
             raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
         return [_event(job_id, v) for v in reply.events], reply.state

@@ -130,13 +130,17 @@ class DLRecoverManager:
         self._last_seq = 0
         #: uuid of the cycle whose signal is being handled; reports carry it.
         self.cycle_uuid = ""
-        self._channel = open_channel(server_addr, credentials or Credentials.from_env(os.environ), _CHANNEL_OPTIONS)
+        self._channel = open_channel(
+            server_addr, credentials or Credentials.from_env(os.environ), _CHANNEL_OPTIONS
+        )
         self._stub = pb_grpc.RecoverStub(self._channel)
         with _active_lock:
             _active.append(self)
 
     @classmethod
-    def for_job(cls, job_id: str, server_addr: str, *, role: str = "taskd agent", **kwargs: Any) -> DLRecoverManager:
+    def for_job(
+        cls, job_id: str, server_addr: str, *, role: str = "taskd agent", **kwargs: Any
+    ) -> DLRecoverManager:
         """A manager for ``job_id`` without building a ``pb.ClientInfo`` (what the node agent uses)."""
         return cls(pb.ClientInfo(jobId=job_id, role=role), server_addr, **kwargs)
 
@@ -175,9 +179,16 @@ class DLRecoverManager:
                 if status.code == Code.FORBIDDEN and PERMISSION_DENIED_INFO in status.info:
                     raise AccessDeniedError(self.server_addr, status.info)
                 if status.code == Code.RECOVERY_OFF:
-                    logger.warning("controller %s: recovery is off for job %s: %s", self.server_addr, self.job_id, status.info)
+                    logger.warning(
+                        "controller %s: recovery is off for job %s: %s",
+                        self.server_addr,
+                        self.job_id,
+                        status.info,
+                    )
                     return False
-                logger.warning("Init of job %s answered %s (%s); retrying", self.job_id, status.code, status.info)
+                logger.warning(
+                    "Init of job %s answered %s (%s); retrying", self.job_id, status.code, status.info
+                )
             except grpc.RpcError as exc:
                 last = exc
                 logger.debug("Init of job %s failed: %s", self.job_id, exc)
@@ -279,7 +290,10 @@ class DLRecoverManager:
         self.cycle_uuid = signal.uuid
         logger.info(
             "job %s signal %s actions=%s strategy=%s faults=%s",
-            self.job_id, signal.signal_type, list(signal.actions), signal.change_strategy,
+            self.job_id,
+            signal.signal_type,
+            list(signal.actions),
+            signal.change_strategy,
             [f.rank for f in signal.fault_ranks],
         )
         try:
@@ -308,7 +322,9 @@ class DLRecoverManager:
 
     # --- reports ------------------------------------------------------------------
 
-    def _report(self, name: str, call: Callable[..., pb.Status], request: Any, deadline: float | None = None) -> int:
+    def _report(
+        self, name: str, call: Callable[..., pb.Status], request: Any, deadline: float | None = None
+    ) -> int:
         """Send a report; on a non-zero code re-register and retry once (as the reference does).
 
         Connection errors are retried until the report deadline, so a report
@@ -323,9 +339,17 @@ class DLRecoverManager:
                 status = call(request, timeout=self._rpc_timeout)
                 if status.code == Code.OK or retried_code:
                     if status.code != Code.OK:
-                        logger.warning("%s for job %s answered %s: %s", name, self.job_id, status.code, status.info)
+                        logger.warning(
+                            "%s for job %s answered %s: %s", name, self.job_id, status.code, status.info
+                        )
                     return int(status.code)
-                logger.info("%s for job %s answered %s (%s); re-registering", name, self.job_id, status.code, status.info)
+                logger.info(
+                    "%s for job %s answered %s (%s); re-registering",
+                    name,
+                    self.job_id,
+                    status.code,
+                    status.info,
+                )
                 retried_code = True
                 self.register()
                 continue
@@ -339,24 +363,36 @@ class DLRecoverManager:
     def report_stop_complete(self, code: int, msg: str, fault_ranks: Mapping[int, int]) -> int:
         """Workers are stopped (``code`` 0) or could not be (non-zero)."""
         req = pb.StopCompleteRequest(
-            jobId=self.job_id, status=pb.Status(code=code, info=msg), faultRanks=fault_dict_to_pb(fault_ranks),
-            agentId=self.agent_id, uuid=self.cycle_uuid,
+            jobId=self.job_id,
+            status=pb.Status(code=code, info=msg),
+            faultRanks=fault_dict_to_pb(fault_ranks),
+            agentId=self.agent_id,
+            uuid=self.cycle_uuid,
         )
         return self._report("ReportStopComplete", self._stub.ReportStopComplete, req)
 
     def report_recover_strategy(self, fault_ranks: Mapping[int, int], strategy_list: Iterable[str]) -> int:
         """The strategies this client can carry out."""
         req = pb.RecoverStrategyRequest(
-            jobId=self.job_id, faultRanks=fault_dict_to_pb(fault_ranks), strategies=[str(s) for s in strategy_list],
-            agentId=self.agent_id, uuid=self.cycle_uuid,
+            jobId=self.job_id,
+            faultRanks=fault_dict_to_pb(fault_ranks),
+            strategies=[str(s) for s in strategy_list],
+            agentId=self.agent_id,
+            uuid=self.cycle_uuid,
         )
         return self._report("ReportRecoverStrategy", self._stub.ReportRecoverStrategy, req)
 
-    def report_recover_status(self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str) -> int:
+    def report_recover_status(
+        self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str
+    ) -> int:
         """Result of carrying out ``strategy``; the ranks go in ``isolateRankIds``."""
         req = pb.RecoverStatusRequest(
-            jobId=self.job_id, status=pb.Status(code=code, info=msg), strategy=strategy,
-            isolateRankIds=[str(int(r)) for r in fault_ranks], agentId=self.agent_id, uuid=self.cycle_uuid,
+            jobId=self.job_id,
+            status=pb.Status(code=code, info=msg),
+            strategy=strategy,
+            isolateRankIds=[str(int(r)) for r in fault_ranks],
+            agentId=self.agent_id,
+            uuid=self.cycle_uuid,
         )
         return self._report("ReportRecoverStatus", self._stub.ReportRecoverStatus, req)
 
@@ -377,7 +413,9 @@ class DLRecoverManager:
         :param deadline: seconds to keep retrying an unreachable controller
             (default: the manager's report deadline).
         """
-        req = pb.AgentExitRequest(jobId=self.job_id, agentId=self.agent_id, role=self.role, status=pb.Status(code=code, info=msg))
+        req = pb.AgentExitRequest(
+            jobId=self.job_id, agentId=self.agent_id, role=self.role, status=pb.Status(code=code, info=msg)
+        )
         return self._report("ReportAgentExit", self._stub.ReportAgentExit, req, deadline)
 
     def report_worker_events(self, events: Sequence[WorkerEvent]) -> int:
@@ -395,13 +433,17 @@ class DLRecoverManager:
             status = self._stub.ReportWorkerEvents(req, timeout=self._rpc_timeout)
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                logger.info("controller %s does not journal worker events; not sending them", self.server_addr)
+                logger.info(
+                    "controller %s does not journal worker events; not sending them", self.server_addr
+                )
                 self._worker_events = False
             else:
                 logger.warning("ReportWorkerEvents for job %s failed: %s", self.job_id, exc.code())
             return int(Code.SERVER_INNER_ERROR)
         if status.code != Code.OK:
-            logger.warning("ReportWorkerEvents for job %s answered %s: %s", self.job_id, status.code, status.info)
+            logger.warning(
+                "ReportWorkerEvents for job %s answered %s: %s", self.job_id, status.code, status.info
+            )
         return int(status.code)
 
     # --- shutdown ----------------------------------------------------------------------

@@ -51,7 +51,9 @@ def query_status(
     return status
 
 
-def ended_agents(address: str, job_id: str, timeout: float = 5.0, credentials: Credentials | None = None) -> int:
+def ended_agents(
+    address: str, job_id: str, timeout: float = 5.0, credentials: Credentials | None = None
+) -> int:
     """How many agents of ``job_id`` have reported their end to the controller at ``address``.
 
     :raises ControllerUnavailableError: the controller did not answer in ``timeout``.

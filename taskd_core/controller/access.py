@@ -67,7 +67,9 @@ def check_claim(job_id: str, claim: Claim, caller: Caller) -> None:
     if not claim.owned_by(caller):
         missing = "no job token was sent" if not caller.token else "the job token does not match"
         raise forbidden(
-            job_id, f"{missing}; every node of a job must send the same TASKD_JOB_TOKEN as the launch that started it"
+            job_id,
+            f"{missing}; every node of a job must send the same TASKD_JOB_TOKEN "
+            "as the launch that started it",
         )
     if claim.legacy and caller.token:
         raise forbidden(
@@ -103,7 +105,9 @@ def may_see(rules: AccessRules, claim: Claim | None, caller: Caller) -> bool:
     return claim.owned_by(caller)
 
 
-def check_policy_change(job_id: str, rules: AccessRules, claim: Claim | None, exists: bool, caller: Caller) -> None:
+def check_policy_change(
+    job_id: str, rules: AccessRules, claim: Claim | None, exists: bool, caller: Caller
+) -> None:
     """SetJobPolicy: the admin; the job's own token; or, in legacy mode, anyone for an existing legacy job."""
     if rules.is_admin(caller):
         return

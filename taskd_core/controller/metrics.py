@@ -57,9 +57,15 @@ class ControllerMetrics:
             "taskd_rpc_requests", "RPCs answered, by method and Status code", ["method", "code"], registry=r
         )
         self.rpc_seconds = Histogram(
-            "taskd_rpc_duration_seconds", "Time to answer an RPC", ["method"], buckets=_RPC_BUCKETS, registry=r
+            "taskd_rpc_duration_seconds",
+            "Time to answer an RPC",
+            ["method"],
+            buckets=_RPC_BUCKETS,
+            registry=r,
         )
-        self.faults = Counter("taskd_faults", "Faulty ranks reported, by fault type", ["fault_type"], registry=r)
+        self.faults = Counter(
+            "taskd_faults", "Faulty ranks reported, by fault type", ["fault_type"], registry=r
+        )
         self.cycles_started = Counter("taskd_recovery_cycles_started", "Recovery cycles started", registry=r)
         self.cycles = Counter(
             "taskd_recovery_cycles",
@@ -71,10 +77,15 @@ class ControllerMetrics:
             "taskd_strategy_decisions", "Strategies chosen by the controller", ["strategy"], registry=r
         )
         self.escalations = Counter(
-            "taskd_escalations", "Strategies that failed, moving the job down the ladder", ["strategy"], registry=r
+            "taskd_escalations",
+            "Strategies that failed, moving the job down the ladder",
+            ["strategy"],
+            registry=r,
         )
         self.given_up = Counter("taskd_jobs_given_up", "Jobs given up (killMaster sent)", registry=r)
-        self.signals = Counter("taskd_signals_sent", "Signals sent to jobs, by signal type", ["type"], registry=r)
+        self.signals = Counter(
+            "taskd_signals_sent", "Signals sent to jobs, by signal type", ["type"], registry=r
+        )
         self.deadlines = Counter(
             "taskd_deadlines_passed", "Waits that ended at their deadline, by state", ["state"], registry=r
         )
@@ -193,7 +204,9 @@ class ControllerMetrics:
     def _on_worker_exited(self, job: str, detail: Any, now: float) -> None:
         rank = int(detail["rank"])
         failed = rank in self._faulty.get(job, set())
-        self.worker_exits.labels("failed" if failed else "ok" if detail.get("exit_code") == 0 else "stopped").inc()
+        self.worker_exits.labels(
+            "failed" if failed else "ok" if detail.get("exit_code") == 0 else "stopped"
+        ).inc()
         if failed:
             self._faulty[job].discard(rank)
             self._failed_at.setdefault(job, {})[rank] = float(detail["at"])
@@ -268,7 +281,9 @@ class _LiveCollector(Collector):
         )
 
 
-def on_loop(loop: asyncio.AbstractEventLoop, read: Callable[[], ControllerGauges]) -> Callable[[], ControllerGauges]:
+def on_loop(
+    loop: asyncio.AbstractEventLoop, read: Callable[[], ControllerGauges]
+) -> Callable[[], ControllerGauges]:
     """``read`` run on ``loop`` from any other thread (the scrape's), bounded in time."""
 
     async def call() -> ControllerGauges:
@@ -289,7 +304,8 @@ def _code_of(reply: object) -> str:
     return str(getattr(status, "code", "ok"))
 
 
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+# grpc ships no type information, so its base class is Any to the checker.
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Counts and times every ``Recover`` RPC by method and answered code.
 
     Unary answers carry the protocol's ``Status.code``; a signal stream is
@@ -337,7 +353,9 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 
         return call
 
-    def _stream(self, name: str, inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    def _stream(
+        self, name: str, inner: Callable[..., AsyncIterator[Any]]
+    ) -> Callable[..., AsyncIterator[Any]]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             start = time.perf_counter()
             try:
@@ -357,7 +375,9 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 class MetricsEndpoint:
     """``/metrics`` over HTTP (HTTPS with ``tls``) on its own thread (prometheus_client's server)."""
 
-    def __init__(self, metrics: ControllerMetrics, host: str, port: int, tls: ServerTls | None = None) -> None:
+    def __init__(
+        self, metrics: ControllerMetrics, host: str, port: int, tls: ServerTls | None = None
+    ) -> None:
         secure: dict[str, Any] = {}
         if tls is not None:
             secure = {"certfile": tls.cert, "keyfile": tls.key}
@@ -375,5 +395,3 @@ class MetricsEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5.0)
-
-

@@ -270,7 +270,8 @@ class Controller:
             check_new_claim(job_id, self._access, caller)
             if not self._make_room():
                 return Reply(
-                    Code.OUT_OF_MAX_JOBS, f"jobId={job_id}: the controller serves {self._limits.max_jobs} jobs"
+                    Code.OUT_OF_MAX_JOBS,
+                    f"jobId={job_id}: the controller serves {self._limits.max_jobs} jobs",
                 )
             job = self._jobs[job_id] = _Job(job_id, policy)
         if job.claim is None:
@@ -278,7 +279,9 @@ class Controller:
             job.claim = Claim.of(caller)
             journal.append(
                 JournalEntry(
-                    "job claimed", job.machine.snap.cycle, {"legacy": job.claim.legacy, "launch": caller.launch}
+                    "job claimed",
+                    job.machine.snap.cycle,
+                    {"legacy": job.claim.legacy, "launch": caller.launch},
                 )
             )
         if not job.inited:
@@ -405,7 +408,10 @@ class Controller:
         policy = updated_policy(base, changes)
         if job is None:
             if not self._make_room():
-                return Reply(Code.OUT_OF_MAX_JOBS, f"jobId={job_id}: the controller serves {self._limits.max_jobs} jobs")
+                return Reply(
+                    Code.OUT_OF_MAX_JOBS,
+                    f"jobId={job_id}: the controller serves {self._limits.max_jobs} jobs",
+                )
             job = self._jobs[job_id] = _Job(job_id, policy)
         job.machine.policy = policy
         self._save(job, [JournalEntry("policy set", job.machine.snap.cycle, policy_to_dict(policy))])
@@ -433,7 +439,9 @@ class Controller:
                 Code.UNREGISTERED, f"jobId={job_id[:MAX_JOB_ID]} is not known to this controller"
             )
         if not may_see(self._access, job.claim, caller):
-            raise forbidden(job_id, "reading this job's journal needs its token (TASKD_JOB_TOKEN) or the admin token")
+            raise forbidden(
+                job_id, "reading this job's journal needs its token (TASKD_JOB_TOKEN) or the admin token"
+            )
         page = min(limit, EVENTS_PAGE) if limit > 0 else EVENTS_PAGE
         return self._store.events_after(job.job_id, max(0, after), page), job.machine.state
 
@@ -463,7 +471,12 @@ class Controller:
         snap = job.machine.snap
         agents = tuple(
             AgentStatus(
-                a.agent_id, a.role, a.agent_id in job.subscribers, a.node_rank, a.exit_code, a.last_seen,
+                a.agent_id,
+                a.role,
+                a.agent_id in job.subscribers,
+                a.node_rank,
+                a.exit_code,
+                a.last_seen,
                 a.progress,
             )
             for a in sorted(job.agents.values(), key=lambda a: a.agent_id)
@@ -507,7 +520,10 @@ class Controller:
             if now - job.denied_at >= DENIAL_JOURNAL_INTERVAL:
                 job.denied_at = now
                 logger.warning("job %s: %s refused: %s", job.job_id, rpc, exc)
-                self._save(job, [JournalEntry("access denied", job.machine.snap.cycle, {"rpc": rpc, "reason": str(exc)})])
+                self._save(
+                    job,
+                    [JournalEntry("access denied", job.machine.snap.cycle, {"rpc": rpc, "reason": str(exc)})],
+                )
             raise
 
     def _live(self, job: _Job) -> bool:
@@ -543,8 +559,15 @@ class Controller:
         del self._jobs[job.job_id]
         self._store.drop_agents(job.job_id)
         snap = job.machine.snap
-        logger.info("job %s: previous run (%s, cycle %d) retired; starting afresh", job.job_id, snap.state.value, snap.cycle)
-        return JournalEntry("job retired", 0, {"state": snap.state.value, "cycles": snap.cycle, "outcome": snap.outcome})
+        logger.info(
+            "job %s: previous run (%s, cycle %d) retired; starting afresh",
+            job.job_id,
+            snap.state.value,
+            snap.cycle,
+        )
+        return JournalEntry(
+            "job retired", 0, {"state": snap.state.value, "cycles": snap.cycle, "outcome": snap.outcome}
+        )
 
     def _make_room(self) -> bool:
         """Whether one more job fits, evicting the oldest ended or abandoned job when full."""

@@ -213,7 +213,9 @@ class ControllerServer:
             self.health_port = probe.add_insecure_port(f"{host}:{port}")
         except RuntimeError as exc:
             await self.stop(grace=0)
-            raise ConfigError(f"--health-port {port}: cannot bind on {host} ({exc}); pick a free port") from None
+            raise ConfigError(
+                f"--health-port {port}: cannot bind on {host} ({exc}); pick a free port"
+            ) from None
         self._probe_server = probe
         await probe.start()
 
@@ -295,8 +297,17 @@ class EmbeddedController:
     ) -> None:
         book = policies or PolicyBook(validated(defaults or JobPolicy(), "defaults: "))
         self._config = ControllerConfig(
-            listen, state, book, keepalive_interval, grace, tls, insecure, allow_legacy, admin_token_file,
-            limits or Limits(), metrics_port=metrics_port,
+            listen,
+            state,
+            book,
+            keepalive_interval,
+            grace,
+            tls,
+            insecure,
+            allow_legacy,
+            admin_token_file,
+            limits or Limits(),
+            metrics_port=metrics_port,
         )
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None

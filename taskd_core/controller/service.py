@@ -145,7 +145,9 @@ def _agent(agent_id: str) -> str:
 
 
 def event_views(records: Iterable[EventRecord]) -> list[pb.EventView]:
-    return [pb.EventView(seq=e.seq, time=e.time, cycle=e.cycle, kind=e.kind, detail=e.detail) for e in records]
+    return [
+        pb.EventView(seq=e.seq, time=e.time, cycle=e.cycle, kind=e.kind, detail=e.detail) for e in records
+    ]
 
 
 def job_view(job: JobStatus) -> pb.JobView:
@@ -177,7 +179,8 @@ def job_view(job: JobStatus) -> pb.JobView:
     )
 
 
-class RecoverService(recover_pb2_grpc.RecoverServicer):
+# protoc generates the servicer base without annotations, so the checker sees Any.
+class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
     """Thin adapter from the generated servicer to :class:`Controller`."""
 
     def __init__(self, controller: Controller) -> None:
@@ -216,7 +219,10 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
             _faults(request.faultRanks)
             uuid = _uuid(request.uuid)
             return self._ctl.report(
-                request.jobId, _agent(request.agentId), lambda a: StopReported(a, request.status.code, uuid), caller
+                request.jobId,
+                _agent(request.agentId),
+                lambda a: StopReported(a, request.status.code, uuid),
+                caller,
             )
 
         return _answer(call)
@@ -269,14 +275,19 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
                 raise ProtocolError(
                     f"detail has {len(request.detail)} characters; at most {MAX_FAULT_DETAIL}", field="detail"
                 )
-            return self._ctl.process_fault(request.jobId, _agent(request.agentId), faults, caller, request.detail)
+            return self._ctl.process_fault(
+                request.jobId, _agent(request.agentId), faults, caller, request.detail
+            )
 
         return _answer(call)
 
     async def HealthCheck(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
         if request.agentId or request.progress:
             self._ctl.health(
-                request.jobId, request.agentId or request.role, request.progress[:MAX_PROGRESS], caller_of(context)
+                request.jobId,
+                request.agentId or request.role,
+                request.progress[:MAX_PROGRESS],
+                caller_of(context),
             )
         # The reference's text, typo included: clients may match on it.
         return pb.Status(code=Code.OK, info=f"jobId={request.jobId[:256]}, receive HeathCheck")
@@ -318,7 +329,9 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):
 
         def call() -> Reply:
             if not 0 <= request.events <= MAX_QUERY_EVENTS:
-                raise ProtocolError(f"events must be 0..{MAX_QUERY_EVENTS}, got {request.events}", field="events")
+                raise ProtocolError(
+                    f"events must be 0..{MAX_QUERY_EVENTS}, got {request.events}", field="events"
+                )
             views.extend(job_view(j) for j in self._ctl.status(request.jobId, request.events, caller))
             return Reply(Code.OK, f"{len(views)} job(s)")
 

@@ -101,11 +101,16 @@ def controller_address(
         metrics_port=metrics_port,
     ) as controller:
         logger.info(
-            "embedded controller listening on %s:%s (%s)", bind, controller.port, "mutual TLS" if tls else "plaintext"
+            "embedded controller listening on %s:%s (%s)",
+            bind,
+            controller.port,
+            "mutual TLS" if tls else "plaintext",
         )
         if controller.metrics_port is not None:
             scheme = "https" if tls else "http"
-            logger.info("embedded controller metrics on %s://%s:%s/metrics", scheme, bind, controller.metrics_port)
+            logger.info(
+                "embedded controller metrics on %s://%s:%s/metrics", scheme, bind, controller.metrics_port
+            )
         if board is not None:
             board.publish(join_address(master_addr, controller.port))
         # Node 0's own agent reaches it over loopback, whatever interface serves the others; with

@@ -48,7 +48,7 @@ class StopRequest:
             listener(signum)
 
     def listen(self, listener: Callable[[int], None]) -> None:
-        """Call ``listener(signum)`` on the stop signal (now, when it came already); it must be signal-safe."""
+        """Call ``listener(signum)`` on the stop signal (now, if it came already); it must be signal-safe."""
         self._listeners.append(listener)
         if self.signum is not None:
             listener(self.signum)

@@ -78,7 +78,11 @@ def run_node_agent(
         if endpoint.embedded and settings.nnodes > 1 and outcome.kind is not Outcome.INTERRUPTED:
             # The other nodes' agents may still be finishing; they need this controller until they end.
             wait_for_agents(
-                endpoint.address, settings.job_id, settings.nnodes, settings.linger, settings.agent.credentials,
+                endpoint.address,
+                settings.job_id,
+                settings.nnodes,
+                settings.linger,
+                settings.agent.credentials,
                 stop.event if stop else None,
             )
     return outcome
@@ -113,7 +117,9 @@ def wait_for_agents(
         if ended >= agents:
             return True
         if remaining <= 0:
-            logger.warning("only %s of %s agents of job %s ended within %.1fs", ended, agents, job_id, timeout)
+            logger.warning(
+                "only %s of %s agents of job %s ended within %.1fs", ended, agents, job_id, timeout
+            )
             return False
         if stop.wait(min(_AGENT_POLL, remaining)):
             logger.warning("stopped waiting for the other agents of job %s: the launcher is stopping", job_id)

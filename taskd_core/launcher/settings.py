@@ -112,14 +112,15 @@ def join_address(host: str, port: int) -> str:
 
 
 def parse_seconds(text: str, what: str = "", *, positive: bool = False) -> float:
-    """A finite number of seconds (>= 0, or > 0 with ``positive``) from ``text``; ``what`` names it in errors."""
+    """Finite seconds (>= 0, or > 0 with ``positive``) from ``text``; ``what`` names it in errors."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
         where = f"{what}: " if what else ""
-        raise ConfigError(f"{where}{text!r} is not a finite number of seconds {'> 0' if positive else '>= 0'}")
+        rule = "> 0" if positive else ">= 0"
+        raise ConfigError(f"{where}{text!r} is not a finite number of seconds {rule}")
     return value
 
 
@@ -297,7 +298,10 @@ class ControllerBoard(Protocol):
         """Announce ``HOST:PORT`` to the job's other nodes."""
 
     def lookup(self, timeout: float) -> str:
-        """The announced ``HOST:PORT``, waiting up to ``timeout`` seconds; a :class:`TaskdError` at the deadline."""
+        """The announced ``HOST:PORT``, waiting up to ``timeout`` seconds.
+
+        :raises TaskdError: at the deadline.
+        """
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,13 +362,23 @@ def _dest(prefix: str, name: str) -> str:
 
 #: Hang detection's settings: flag name -> (ProgressConfig field, environment variable msrun reads, help).
 HANG_OPTIONS: dict[str, tuple[str, str, str]] = {
-    "hang-timeout": ("heartbeat_timeout", "TASKD_HANG_TIMEOUT",
-                     "seconds without a heartbeat that make a rank hung (default: learned from the job)"),
+    "hang-timeout": (
+        "heartbeat_timeout",
+        "TASKD_HANG_TIMEOUT",
+        "seconds without a heartbeat that make a rank hung (default: learned from the job)",
+    ),
     "hang-floor": ("floor", "TASKD_HANG_FLOOR", "lowest learned timeout, seconds"),
-    "hang-ceiling": ("ceiling", "TASKD_HANG_CEILING", "highest learned timeout (and the one before learning), seconds"),
+    "hang-ceiling": (
+        "ceiling",
+        "TASKD_HANG_CEILING",
+        "highest learned timeout (and the one before learning), seconds",
+    ),
     "stopped-bound": ("stopped_bound", "TASKD_STOPPED_BOUND", "seconds a rank may stay stopped (state T)"),
-    "disk-sleep-bound": ("disk_sleep_bound", "TASKD_DISK_SLEEP_BOUND",
-                         "seconds a rank may stay in uninterruptible sleep (state D)"),
+    "disk-sleep-bound": (
+        "disk_sleep_bound",
+        "TASKD_DISK_SLEEP_BOUND",
+        "seconds a rank may stay in uninterruptible sleep (state D)",
+    ),
 }
 #: Environment variable that turns hang detection off for msrun jobs ("0").
 HANG_DETECTION_ENV = "TASKD_HANG_DETECTION"
@@ -379,14 +393,18 @@ def progress_config(enabled: bool, values: Mapping[str, float | None]) -> Progre
 def _add_hang_options(parser: argparse.ArgumentParser, p: str) -> None:
     g = parser.add_argument_group("hang detection")
     g.add_argument(
-        f"{p}no-hang-detection", action="store_true",
+        f"{p}no-hang-detection",
+        action="store_true",
         help="do not watch workers for hangs (stopped, D state, heartbeats, sections, torch file timers)",
     )
     positive_seconds = argtype(lambda t: parse_seconds(t, positive=True))
     for name, (attr, _, text) in HANG_OPTIONS.items():
         default = default_of(ProgressConfig, attr)
         g.add_argument(
-            f"{p}{name}", type=positive_seconds, default=None, metavar="SECONDS",
+            f"{p}{name}",
+            type=positive_seconds,
+            default=None,
+            metavar="SECONDS",
             help=f"{text}{'' if default is None else f' (default: {default:g})'}",
         )
 
@@ -400,86 +418,137 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "", *, publi
     p = f"--{prefix}"
     g = parser.add_argument_group("TaskD controller" if prefix else "controller")
     if published:
-        embedded = ("the node the rendezvous makes rank 0 hosts an embedded controller and publishes its address "
-                    "in the rendezvous store")
+        embedded = (
+            "the node the rendezvous makes rank 0 hosts an embedded controller and publishes its address "
+            "in the rendezvous store"
+        )
         port_default = "any free port; the other nodes read it from the rendezvous store"
     else:
         embedded = "node 0 hosts an embedded controller and the other nodes reach it at the master address"
         port_default = f"any free port on one node, {DEFAULT_CONTROLLER_PORT} on several"
     g.add_argument(
-        f"{p}controller", type=argtype(parse_controller), default=None, metavar="HOST:PORT",
+        f"{p}controller",
+        type=argtype(parse_controller),
+        default=None,
+        metavar="HOST:PORT",
         help=f"a running controller (default: $TASKD_CONTROLLER, else $MINDX_SERVER_IP:8899 as in ClusterD; "
         f"without either, {embedded})",
     )
     g.add_argument(
-        f"{p}controller-port", type=argtype(parse_count), default=None,
+        f"{p}controller-port",
+        type=argtype(parse_count),
+        default=None,
         metavar="PORT",
         help=f"port of the embedded controller (default: {port_default})",
     )
     g.add_argument(
-        f"{p}metrics-port", type=argtype(parse_port), default=None, metavar="PORT",
-        help="node 0's embedded controller serves Prometheus /metrics on this port (default: off; docs/metrics.md)",
+        f"{p}metrics-port",
+        type=argtype(parse_port),
+        default=None,
+        metavar="PORT",
+        help="node 0's embedded controller serves Prometheus /metrics on this port "
+        "(default: off; docs/metrics.md)",
     )
     g.add_argument(
-        f"{p}job-id", default=None, metavar="ID",
+        f"{p}job-id",
+        default=None,
+        metavar="ID",
         help="job id, the same on every node (default: $TASKD_JOB_ID, else $MINDX_TASK_ID, else unique per "
         "launch)",
     )
     g.add_argument(
-        f"{p}tls-ca", default=None, metavar="FILE",
+        f"{p}tls-ca",
+        default=None,
+        metavar="FILE",
         help="CA of the controller's certificate: talk TLS (default: $TASKD_TLS_CA). $TASKD_TLS_CERT and "
-        "$TASKD_TLS_KEY add a client certificate (mutual TLS); on node 0 they also make the embedded controller "
+        "$TASKD_TLS_KEY add a client certificate (mutual TLS); on node 0 they also make the embedded "
+        "controller "
         "serve mutual TLS. The job token is $TASKD_JOB_TOKEN (see docs/security.md)",
     )
     g.add_argument(
-        f"{p}insecure", action="store_true",
+        f"{p}insecure",
+        action="store_true",
         help="let node 0's embedded controller serve plaintext on a non-loopback master address",
     )
     seconds = argtype(parse_seconds)
     positive_seconds = argtype(lambda t: parse_seconds(t, positive=True))
     agent_seconds = {
         "connect-timeout": ("seconds to keep trying to reach the controller", AgentConfig, "connect_timeout"),
-        "report-deadline": ("seconds a report keeps retrying an unreachable controller", AgentConfig,
-                            "report_deadline"),
-        "health-interval": ("seconds between the agent's health checks of the controller (> 0)", AgentConfig,
-                            "health_interval"),
-        "linger": ("node 0 hosting the controller: seconds to wait for the other nodes' agents to end",
-                   NodeSettings, "linger"),
-        "stop-timeout": ("seconds between SIGTERM and SIGKILL when workers are stopped", DispatchConfig,
-                         "stop_timeout"),
+        "report-deadline": (
+            "seconds a report keeps retrying an unreachable controller",
+            AgentConfig,
+            "report_deadline",
+        ),
+        "health-interval": (
+            "seconds between the agent's health checks of the controller (> 0)",
+            AgentConfig,
+            "health_interval",
+        ),
+        "linger": (
+            "node 0 hosting the controller: seconds to wait for the other nodes' agents to end",
+            NodeSettings,
+            "linger",
+        ),
+        "stop-timeout": (
+            "seconds between SIGTERM and SIGKILL when workers are stopped",
+            DispatchConfig,
+            "stop_timeout",
+        ),
         "dump-grace": ("seconds workers get to save after the dump signal", DispatchConfig, "dump_grace"),
-        "live-timeout": ("seconds every local worker gets to join a live recovery round (recover-live) before "
-                         "the node reports it failed and the job falls back to a full restart", DispatchConfig,
-                         "live_timeout"),
+        "live-timeout": (
+            "seconds every local worker gets to join a live recovery round (recover-live) before "
+            "the node reports it failed and the job falls back to a full restart",
+            DispatchConfig,
+            "live_timeout",
+        ),
     }
     for name, (text, cls, attr) in agent_seconds.items():
         g.add_argument(
-            f"{p}{name}", type=positive_seconds if name == "health-interval" else seconds,
-            default=default_of(cls, attr), metavar="SECONDS",
+            f"{p}{name}",
+            type=positive_seconds if name == "health-interval" else seconds,
+            default=default_of(cls, attr),
+            metavar="SECONDS",
             help=f"{text} (default: %(default)s)",
         )
     g.add_argument(
-        f"{p}dump-signal", type=argtype(parse_signal), default=default_of(DispatchConfig, "dump_signal"),
-        metavar="SIGNAL", help="signal asking workers to save their state (default: SIGUSR1)",
+        f"{p}dump-signal",
+        type=argtype(parse_signal),
+        default=default_of(DispatchConfig, "dump_signal"),
+        metavar="SIGNAL",
+        help="signal asking workers to save their state (default: SIGUSR1)",
     )
     policy = JobPolicy()
     pol = parser.add_argument_group("recovery policy (embedded controller only)")
     pol.add_argument(
-        f"{p}strategies", type=argtype(parse_strategies), default=policy.strategies, metavar="LIST",
+        f"{p}strategies",
+        type=argtype(parse_strategies),
+        default=policy.strategies,
+        metavar="LIST",
         help="strategies the embedded controller may choose, comma separated (default: "
-        + ",".join(s.value for s in policy.strategies) + ")",
+        + ",".join(s.value for s in policy.strategies)
+        + ")",
     )
     pol.add_argument(
-        f"{p}max-cycles", type=argtype(parse_count), default=None, metavar="N",
+        f"{p}max-cycles",
+        type=argtype(parse_count),
+        default=None,
+        metavar="N",
         help=f"recovery cycles before the job is given up (default: {policy.max_cycles})",
     )
     pol.add_argument(
-        f"{p}report-timeout", type=seconds, default=policy.report_timeout, metavar="SECONDS",
+        f"{p}report-timeout",
+        type=seconds,
+        default=policy.report_timeout,
+        metavar="SECONDS",
         help="deadline of each of the embedded controller's waits for the agents (default: %(default)s)",
     )
     pol.add_argument(
-        f"{p}flush-seconds", type=seconds, default=policy.flush_seconds, metavar="SECONDS",
-        help="window in which the embedded controller collects faults that arrive together (default: %(default)s)",
+        f"{p}flush-seconds",
+        type=seconds,
+        default=policy.flush_seconds,
+        metavar="SECONDS",
+        help="window in which the embedded controller collects faults that arrive together "
+        "(default: %(default)s)",
     )
     _add_hang_options(parser, p)
 
@@ -533,7 +602,9 @@ def node_settings_from_args(
         connect_timeout=arg("connect-timeout"),
         report_deadline=arg("report-deadline"),
         health_interval=arg("health-interval"),
-        dispatch=DispatchConfig(arg("stop-timeout"), arg("dump-signal"), arg("dump-grace"), arg("live-timeout")),
+        dispatch=DispatchConfig(
+            arg("stop-timeout"), arg("dump-signal"), arg("dump-grace"), arg("live-timeout")
+        ),
         credentials=credentials,
         progress=progress_config(not arg("no-hang-detection"), {name: arg(name) for name in HANG_OPTIONS}),
     )

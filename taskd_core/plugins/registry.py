@@ -63,7 +63,9 @@ class Adapter:
         except WorkerControlError:
             raise
         except Exception as exc:  # an adapter's failure becomes one error type naming it
-            raise WorkerControlError(self.name, operation, f"{type(exc).__name__}: {exc}", tuple(ranks)) from exc
+            raise WorkerControlError(
+                self.name, operation, f"{type(exc).__name__}: {exc}", tuple(ranks)
+            ) from exc
         if result is None:
             raise WorkerControlError(
                 self.name, operation, f"no implementation of {hook} answered; implement it in the adapter"
@@ -73,7 +75,9 @@ class Adapter:
     def strategies(self) -> tuple[Strategy, ...]:
         raw = self._call("declare its strategies", "taskd_strategies")
         if isinstance(raw, str) or not isinstance(raw, Sequence):
-            raise WorkerControlError(self.name, "declare its strategies", "taskd_strategies must return a list of names")
+            raise WorkerControlError(
+                self.name, "declare its strategies", "taskd_strategies must return a list of names"
+            )
         out: list[Strategy] = []
         for item in raw:
             try:
@@ -97,12 +101,16 @@ class Adapter:
         self._call("begin a live recovery round", "taskd_begin_round", round_no=round_no)
 
     def await_round(self, round_no: int, timeout: float) -> bool:
-        return bool(self._call("await a live recovery round", "taskd_await_round", round_no=round_no, timeout=timeout))
+        return bool(
+            self._call("await a live recovery round", "taskd_await_round", round_no=round_no, timeout=timeout)
+        )
 
     def monitor(self) -> dict[int, WorkerStatus]:
         raw = self._call("monitor workers", "taskd_monitor")
         if not isinstance(raw, Mapping) or not all(isinstance(v, WorkerStatus) for v in raw.values()):
-            raise WorkerControlError(self.name, "monitor workers", "taskd_monitor must return {local_rank: WorkerStatus}")
+            raise WorkerControlError(
+                self.name, "monitor workers", "taskd_monitor must return {local_rank: WorkerStatus}"
+            )
         return dict(raw)
 
 

@@ -17,7 +17,7 @@ from taskd_core.errors import FrameworkMissingError
 
 
 def require_module(plugin: str, module: str, missing: str, install: str) -> None:
-    """Raise :class:`FrameworkMissingError` naming ``missing`` and ``install`` unless ``module`` is installed."""
+    """Raise :class:`FrameworkMissingError` (``missing``, ``install``) unless ``module`` is installed."""
     if importlib.util.find_spec(module) is None:
         raise FrameworkMissingError(plugin, missing, install)
 

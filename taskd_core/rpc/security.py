@@ -55,7 +55,9 @@ def _read(path: str, what: str) -> bytes:
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror}); check the path and permissions") from None
+        raise ConfigError(
+            f"{what} {path}: cannot read it ({exc.strerror}); check the path and permissions"
+        ) from None
     if not data.strip():
         raise ConfigError(f"{what} {path}: the file is empty")
     return data
@@ -108,10 +110,14 @@ def call_metadata(credentials: Credentials) -> tuple[tuple[str, str], ...]:
 def channel_credentials(credentials: Credentials) -> grpc.ChannelCredentials | None:
     """TLS credentials for a client, or None for plaintext; :class:`ConfigError` for unusable files."""
     if bool(credentials.tls_cert) != bool(credentials.tls_key):
-        raise ConfigError("mutual TLS needs both TASKD_TLS_CERT and TASKD_TLS_KEY (the client's certificate and key)")
+        raise ConfigError(
+            "mutual TLS needs both TASKD_TLS_CERT and TASKD_TLS_KEY (the client's certificate and key)"
+        )
     if not credentials.tls_ca:
         if credentials.tls_cert:
-            raise ConfigError("a client certificate (TASKD_TLS_CERT) needs the controller's CA too: set TASKD_TLS_CA")
+            raise ConfigError(
+                "a client certificate (TASKD_TLS_CERT) needs the controller's CA too: set TASKD_TLS_CA"
+            )
         return None
     cert = _read(credentials.tls_cert, "TLS client certificate") if credentials.tls_cert else None
     key = _read(credentials.tls_key, "TLS client key") if credentials.tls_key else None
@@ -158,7 +164,9 @@ class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
             details.compression,
         )
 
-    def intercept_unary_unary(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any) -> Any:
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return continuation(self._details(details), request)
 
     def intercept_unary_stream(
@@ -181,7 +189,9 @@ class ServerTls:
     def credentials(self) -> grpc.ServerCredentials:
         pair = (_read(self.key, "TLS key"), _read(self.cert, "TLS certificate"))
         roots = _read(self.client_ca, "TLS client CA") if self.client_ca else None
-        return grpc.ssl_server_credentials([pair], root_certificates=roots, require_client_auth=roots is not None)
+        return grpc.ssl_server_credentials(
+            [pair], root_certificates=roots, require_client_auth=roots is not None
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +256,9 @@ class RequestGuard(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _guarded(handler, refusal)
 
 
-def _guarded(handler: grpc.RpcMethodHandler, refusal: tuple[grpc.StatusCode, str] | None) -> grpc.RpcMethodHandler:
+def _guarded(
+    handler: grpc.RpcMethodHandler, refusal: tuple[grpc.StatusCode, str] | None
+) -> grpc.RpcMethodHandler:
     parse = handler.request_deserializer
 
     def safe_parse(data: bytes) -> Any:

@@ -56,6 +56,8 @@ def test_a_reaped_pid_is_reported_gone_at_once() -> None:
 def test_wait_gone_lists_survivors(sleeper: subprocess.Popen[bytes]) -> None:
     quick = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
+        # Ended but not reaped, whatever the machine's load: a short wait must not depend on start-up speed.
+        os.waitid(os.P_PID, quick.pid, os.WEXITED | os.WNOWAIT)
         assert wait_gone([sleeper.pid, quick.pid], timeout=0.2) == {sleeper.pid}
     finally:
         quick.wait()

@@ -64,7 +64,9 @@ def worker_status(local_rank: int, raw: Mapping[str, Any], default_global_rank: 
     status = raw.get("status")
     global_rank = raw.get("global_rank", default_global_rank)
     if (pid is not None and not isinstance(pid, int)) or not isinstance(global_rank, int):
-        raise ValueError(f"MONITOR entry for local rank {local_rank} has a bad pid or global_rank: {dict(raw)!r}")
+        raise ValueError(
+            f"MONITOR entry for local rank {local_rank} has a bad pid or global_rank: {dict(raw)!r}"
+        )
     if status == STATUS_NOT_STARTED or (status is None and pid is None):
         return WorkerStatus(local_rank, global_rank, WorkerState.NOT_STARTED, pid)
     if status is None:
@@ -111,7 +113,9 @@ class MSRunAdapter:
         rank_offset: int = 0,
         stop_timeout: float = 30.0,
     ) -> None:
-        require_module("mindspore", "mindspore", "MindSpore (module mindspore, which provides msrun)", INSTALL_MINDSPORE)
+        require_module(
+            "mindspore", "mindspore", "MindSpore (module mindspore, which provides msrun)", INSTALL_MINDSPORE
+        )
         self._callbacks = callbacks
         self.recover_in_place = recover_in_place
         self.scheduler = scheduler
@@ -145,7 +149,9 @@ class MSRunAdapter:
     @hookimpl
     def taskd_stop_workers(self, local_ranks: Sequence[int] | None, timeout: float) -> bool:
         statuses = self.statuses()
-        chosen = statuses.values() if local_ranks is None else [statuses[r] for r in local_ranks if r in statuses]
+        chosen = (
+            statuses.values() if local_ranks is None else [statuses[r] for r in local_ranks if r in statuses]
+        )
         pids = [s.pid for s in chosen if s.pid is not None and s.state is WorkerState.RUNNING]
         if local_ranks is None:
             # [-1] also makes msrun forget its worker list and stop its log tailers.

@@ -1,4 +1,6 @@
-"""``MSRunPlugin``: the object msrun hands its workers to (``taskd.python.framework.agent.ms_mgr.msrun_plugin``).
+"""``MSRunPlugin``: the object msrun hands its workers to.
+
+msrun imports it as ``taskd.python.framework.agent.ms_mgr.msrun_plugin.MSRunPlugin``.
 
 msrun 2.10 uses it when ``taskd.api.taskd_agent_api`` cannot be imported or
 refuses to initialise::

@@ -94,10 +94,13 @@ class MsrunSettings:
         host = env.get("MS_SCHED_HOST", "127.0.0.1")
         sched_port = env_count(env, "MS_SCHED_PORT", _MSRUN_MASTER_PORT)
         policy = JobPolicy(
-            max_cycles=env_count(env, "TASKD_MAX_CYCLES", default_of(JobPolicy, "max_cycles")), expected_agents=nnodes
+            max_cycles=env_count(env, "TASKD_MAX_CYCLES", default_of(JobPolicy, "max_cycles")),
+            expected_agents=nnodes,
         )
         if env.get("TASKD_STRATEGIES", "").strip():
-            policy = replace(policy, strategies=parse_strategies(env["TASKD_STRATEGIES"], key="TASKD_STRATEGIES"))
+            policy = replace(
+                policy, strategies=parse_strategies(env["TASKD_STRATEGIES"], key="TASKD_STRATEGIES")
+            )
         explicit = controller_from_env(env)
         launch = launch_identity(nnodes, f"{host}:{sched_port}")
         credentials = job_credentials(
@@ -124,7 +127,9 @@ class MsrunSettings:
                 controller=agent.controller,
                 multi_node=sched_port + 1,
             ),
-            metrics_port=env_count(env, "TASKD_METRICS_PORT", 0) if env.get("TASKD_METRICS_PORT", "").strip() else None,
+            metrics_port=env_count(env, "TASKD_METRICS_PORT", 0)
+            if env.get("TASKD_METRICS_PORT", "").strip()
+            else None,
             policy=policy,
             linger=env_seconds(env, "TASKD_LINGER", default_of(NodeSettings, "linger")),
             insecure=env.get("TASKD_INSECURE", "").strip().lower() in _TRUE,
@@ -132,7 +137,8 @@ class MsrunSettings:
         return cls(
             node=node,
             recover_in_place=any(
-                env.get(k, "").strip().lower() in _TRUE for k in ("TASKD_RECOVER_IN_PLACE", "ENABLE_RESTART_FAULT_PROCESS")
+                env.get(k, "").strip().lower() in _TRUE
+                for k in ("TASKD_RECOVER_IN_PLACE", "ENABLE_RESTART_FAULT_PROCESS")
             ),
             scheduler_grace=env_seconds(env, "TASKD_SCHEDULER_GRACE", 30.0),
         )

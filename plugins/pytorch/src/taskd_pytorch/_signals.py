@@ -35,7 +35,9 @@ def _signals_torch_handles() -> list[signal.Signals]:
 
 
 def _no_orphan_warning(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Failed to register signal handlers since torchelastic is running")
+    return not record.getMessage().startswith(
+        "Failed to register signal handlers since torchelastic is running"
+    )
 
 
 @contextmanager

@@ -23,7 +23,7 @@ INSTALL_TORCH = "pip install 'taskd-pytorch[framework]'"
 
 
 def require_torch() -> None:
-    """Raise :class:`~taskd_core.errors.FrameworkMissingError` with :data:`INSTALL_TORCH` unless torch is installed."""
+    """Raise :class:`~taskd_core.errors.FrameworkMissingError` (with :data:`INSTALL_TORCH`) without torch."""
     require_module("pytorch", "torch", "PyTorch (module torch)", INSTALL_TORCH)
 
 
@@ -68,7 +68,9 @@ class PytorchAdapter:
     @property
     def agent(self) -> WorkerControl:
         if self._agent is None:
-            raise ConfigError("the pytorch adapter controls workers only inside taskdrun, which gives it an agent")
+            raise ConfigError(
+                "the pytorch adapter controls workers only inside taskdrun, which gives it an agent"
+            )
         return self._agent
 
     @hookimpl

@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from torch.distributed import PrefixStore, Store, TCPStore
+# torch.distributed re-exports its C stores without listing them in __all__.
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.elastic.rendezvous import RendezvousStoreInfo
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,9 @@ class RoundStores:
         self._timeout = timeout
         self._store: TCPStore | None = None
 
-    def meet(self, store: Store, group_rank: int, round_no: int, local_addr: str | None) -> RendezvousStoreInfo:
+    def meet(
+        self, store: Store, group_rank: int, round_no: int, local_addr: str | None
+    ) -> RendezvousStoreInfo:
         """``MASTER_ADDR``/``MASTER_PORT`` for the workers of restart round ``round_no``.
 
         :param store: the rendezvous store all agents of the round share.
@@ -50,7 +53,10 @@ class RoundStores:
         if group_rank == 0:
             # Replacing the previous round's store shuts it down: its workers are gone.
             self._store = TCPStore(
-                host_name=local_addr or "0.0.0.0", port=0, is_master=True, wait_for_workers=False,
+                host_name=local_addr or "0.0.0.0",
+                port=0,
+                is_master=True,
+                wait_for_workers=False,
                 timeout=self._timeout,
             )
             port = self._store.port

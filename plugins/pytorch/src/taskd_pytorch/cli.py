@@ -3,7 +3,8 @@
 One ``taskdrun`` per node, exactly like ``torchrun``, in every rendezvous form::
 
     taskdrun --nproc-per-node=2 train.py                                   # one node (--standalone)
-    taskdrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=JOB train.py
+    taskdrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        --rdzv-id=JOB train.py
     taskdrun --nnodes=2 --node-rank=N --master-addr=HOST --master-port=29500 --nproc-per-node=4 train.py
 
 The node's :class:`~taskd_pytorch.elastic.TaskdElasticAgent` runs under the
@@ -52,7 +53,10 @@ _TORCHRUN_MASTER_PORT = 29500
 
 
 def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
-    """The choices ``torch.distributed.run.run()`` makes before launching (it launches too, so it is not called)."""
+    """The choices ``torch.distributed.run.run()`` makes before launching.
+
+    (It launches too, so it is not called.)
+    """
     from torch.distributed.run import parse_min_max_nnodes
 
     single_node = parse_min_max_nnodes(args.nnodes)[1] == 1
@@ -135,8 +139,8 @@ def _launch(args: argparse.Namespace) -> int:
         raise ConfigError("taskdrun does not support --duplicate-stdout-filters/--duplicate-stderr-filters")
     if config.min_nodes != config.max_nodes:
         raise ConfigError(
-            f"--nnodes={args.nnodes}: taskdrun needs a fixed number of nodes (--nnodes=N); every node's agent takes "
-            "part in each recovery, so the job cannot shrink or grow between restarts"
+            f"--nnodes={args.nnodes}: taskdrun needs a fixed number of nodes (--nnodes=N); every node's "
+            "agent takes part in each recovery, so the job cannot shrink or grow between restarts"
         )
     master_host, _ = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
     options = TaskdOptions.from_args(args, os.environ, nnodes=config.max_nodes, master_addr=master_host)
@@ -148,8 +152,11 @@ def _launch(args: argparse.Namespace) -> int:
     with forward_stop_signals(stop, "taskdrun", STOP_SIGNALS):
         try:
             logger.info(
-                "job %s: joining the %s rendezvous at %s for %s nodes", options.node.job_id, config.rdzv_backend,
-                config.rdzv_endpoint, config.max_nodes,
+                "job %s: joining the %s rendezvous at %s for %s nodes",
+                options.node.job_id,
+                config.rdzv_backend,
+                config.rdzv_endpoint,
+                config.max_nodes,
             )
             # Connecting may wait for the store's host to come up (c10d, etcd): interruptible too.
             rdzv = run_interruptibly(
@@ -189,8 +196,11 @@ def _launch(args: argparse.Namespace) -> int:
             )
             group_rank, store = elastic.join()
             logger.info(
-                "job %s node %s: %s workers of %s", options.node.job_id, group_rank, config.nproc_per_node,
-                spec.get_entrypoint_name(),
+                "job %s node %s: %s workers of %s",
+                options.node.job_id,
+                group_rank,
+                config.nproc_per_node,
+                spec.get_entrypoint_name(),  # type: ignore[no-untyped-call]
             )
             # The rendezvous, not --node-rank, says which node this is (torch's c10d ignores --node-rank too).
             settings = replace(
@@ -210,7 +220,8 @@ def _launch(args: argparse.Namespace) -> int:
                 elastic.close()
                 if outcome is not None and outcome.kind is not Outcome.INTERRUPTED:
                     _close_rendezvous(rdzv)
-    # A stop signal that came after the agent's end (while the controller waited for the other nodes) still counts.
+    # A stop signal that came after the agent's end (while the controller waited for the other
+    # nodes) still counts.
     return 128 + stop.signum if stop.signum is not None else outcome.exit_code
 
 

@@ -39,12 +39,12 @@ from collections.abc import Sequence
 from string import Template
 
 import torch
-from torch.distributed import Store
+from torch.distributed import Store  # type: ignore[attr-defined]  # re-exported without __all__
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.api import WorkerState as TorchState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
-from torch.distributed.elastic.utils import macros
+from torch.distributed.elastic.utils.api import macros
 
 from taskd_core.errors import ConfigError, LauncherInterrupted
 from taskd_core.launcher.interrupt import StopRequest
@@ -94,7 +94,8 @@ class TaskdElasticAgent(LocalElasticAgent):
             raise ConfigError("taskdrun does not support --virtual-local-rank")
         if not torch.__version__.startswith(VERIFIED_TORCH + "."):
             logger.warning(
-                "taskd-pytorch was verified with torch %s; torch %s may have changed the elastic agent API it uses",
+                "taskd-pytorch was verified with torch %s; torch %s may have changed the elastic agent API "
+                "it uses",
                 VERIFIED_TORCH,
                 torch.__version__,
             )
@@ -177,7 +178,9 @@ class TaskdElasticAgent(LocalElasticAgent):
             if all(r >= round_no for r in joined):
                 return True
             with self._taskd_lock:
-                ended = [r for r in range(size) if self._taskd_procs.status(r).state is not WorkerState.RUNNING]
+                ended = [
+                    r for r in range(size) if self._taskd_procs.status(r).state is not WorkerState.RUNNING
+                ]
             if ended:
                 logger.warning("live round %s: local ranks %s ended before joining it", round_no, ended)
                 return False
@@ -205,7 +208,9 @@ class TaskdElasticAgent(LocalElasticAgent):
             out = {}
             for rank in range(group.spec.local_world_size):
                 seen = self._taskd_procs.status(rank)
-                out[rank] = WorkerStatus(rank, global_ranks.get(rank, NO_RANK), seen.state, seen.pid, seen.exit_code)
+                out[rank] = WorkerStatus(
+                    rank, global_ranks.get(rank, NO_RANK), seen.state, seen.pid, seen.exit_code
+                )
             return out
 
     def _check_ranks(self, local_ranks: Sequence[int]) -> None:
@@ -220,7 +225,8 @@ class TaskdElasticAgent(LocalElasticAgent):
         if self._taskd_joined:
             self._taskd_joined = False
             return
-        run_interruptibly(functools.partial(super()._rendezvous, worker_group), self._taskd_stop, "rendezvous")
+        rendezvous = functools.partial(super()._rendezvous, worker_group)
+        run_interruptibly(rendezvous, self._taskd_stop, "rendezvous")
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
         spec = worker_group.spec
@@ -228,7 +234,9 @@ class TaskdElasticAgent(LocalElasticAgent):
             raise LauncherInterrupted("starting workers", self._taskd_stop.signum)
         if worker_group.store is None or spec.entrypoint is None:
             raise ConfigError("workers cannot start before the rendezvous has given them a store")
-        meet = self._taskd_round_stores.meet(worker_group.store, worker_group.group_rank, self._taskd_starts, spec.local_addr)
+        meet = self._taskd_round_stores.meet(
+            worker_group.store, worker_group.group_rank, self._taskd_starts, spec.local_addr
+        )
         launches = {}
         for worker in worker_group.workers:
             env = {

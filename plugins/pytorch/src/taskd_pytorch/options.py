@@ -21,7 +21,8 @@ from taskd_core.launcher.settings import NodeSettings, add_node_options, default
 from taskd_core.models import JobPolicy
 
 PREFIX = "taskd-"
-#: Signals that end the job: the agent stops every worker and taskdrun exits 128 + signal (SIGHUP as torchrun).
+#: Signals that end the job: the agent stops every worker and taskdrun exits 128 + signal
+#: (SIGHUP too, as torchrun).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -31,20 +32,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.prog = "taskdrun"
     parser.description = (
         "torchrun with process-level fault recovery by TaskD: a controller negotiates each recovery and "
-        "this node's agent stops and restarts exactly the workers that need it. "
-        + (parser.description or "")
+        "this node's agent stops and restarts exactly the workers that need it. " + (parser.description or "")
     )
     # torchrun stops after --max-restarts failures; here it is the controller's cycle budget.
     parser.set_defaults(max_restarts=default_of(JobPolicy, "max_cycles"))
     add_node_options(parser, PREFIX, published=True)
     g = parser.add_argument_group("TaskD workers")
     g.add_argument(
-        "--taskd-in-place", action="store_true",
-        help="the job's workers survive a peer's restart (no collectives between them): offer recover-in-place, "
+        "--taskd-in-place",
+        action="store_true",
+        help="the job's workers survive a peer's restart (no collectives between them): "
+        "offer recover-in-place, "
         "which restarts only the faulty ranks",
     )
     g.add_argument(
-        "--taskd-log-level", default=os.environ.get("TASKD_LOG_LEVEL", "INFO"), metavar="LEVEL",
+        "--taskd-log-level",
+        default=os.environ.get("TASKD_LOG_LEVEL", "INFO"),
+        metavar="LEVEL",
         help="level of taskdrun's own log (default: $TASKD_LOG_LEVEL or %(default)s)",
     )
     return parser

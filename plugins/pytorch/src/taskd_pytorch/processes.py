@@ -159,7 +159,9 @@ class RankProcesses:
 
     # --- stopping ------------------------------------------------------------------
 
-    def stop(self, local_ranks: Iterable[int] | None, timeout: float, death_sig: signal.Signals = signal.SIGTERM) -> None:
+    def stop(
+        self, local_ranks: Iterable[int] | None, timeout: float, death_sig: signal.Signals = signal.SIGTERM
+    ) -> None:
         """Stop the given ranks (all when None): ``death_sig``, then SIGKILL after ``timeout``; reaps them.
 
         The contexts are closed side by side, so every worker gets the signal
@@ -171,13 +173,19 @@ class RankProcesses:
             return
         wait = max(timeout, _MIN_CLOSE_WAIT)
         for rank in chosen:
-            logger.info("stopping %s local rank %s (pid %s) with %s", self.name, rank, self._pids[rank], death_sig.name)
+            logger.info(
+                "stopping %s local rank %s (pid %s) with %s",
+                self.name,
+                rank,
+                self._pids[rank],
+                death_sig.name,
+            )
         for rank in chosen:
             # A stopped worker (SIGSTOP, Ctrl-Z) would hold the polite signal until SIGKILL.
             _continue(self._pids[rank])
         with ThreadPoolExecutor(max_workers=len(chosen), thread_name_prefix="taskd-stop") as pool:
             # list() re-raises the first close() failure here instead of losing it.
-            list(pool.map(lambda ctx: ctx.close(death_sig, wait), chosen.values()))  # type: ignore[arg-type]
+            list(pool.map(lambda ctx: ctx.close(death_sig, wait), chosen.values()))
         for rank in chosen:
             self._settle(rank)
 
@@ -197,12 +205,12 @@ class RankProcesses:
         if result is None:
             return RankState(WorkerState.RUNNING, self._pids[rank])
         failure = result.failures.get(0)
-        ended = RankState(
-            WorkerState.EXITED, self._pids[rank], failure.exitcode if failure else 0, failure
-        )
+        ended = RankState(WorkerState.EXITED, self._pids[rank], failure.exitcode if failure else 0, failure)
         del self._contexts[rank]
         self._ended[rank] = ended
-        logger.info("%s local rank %s (pid %s) ended with exit code %s", self.name, rank, ended.pid, ended.exit_code)
+        logger.info(
+            "%s local rank %s (pid %s) ended with exit code %s", self.name, rank, ended.pid, ended.exit_code
+        )
         return ended
 
 

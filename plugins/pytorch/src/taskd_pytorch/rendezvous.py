@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from torch.distributed import Store
+from torch.distributed import Store  # type: ignore[attr-defined]  # re-exported without __all__
 
 from taskd_core.errors import ControllerUnavailableError, LauncherInterrupted
 from taskd_core.launcher.interrupt import StopRequest

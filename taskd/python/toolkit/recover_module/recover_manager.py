@@ -28,7 +28,9 @@ class DLRecoverManager(manager.DLRecoverManager):
         ``frame`` whose installed adapter cannot find them by itself.
     """
 
-    def __init__(self, info: pb.ClientInfo, server_addr: str, *, adapter: object | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, info: pb.ClientInfo, server_addr: str, *, adapter: object | None = None, **kwargs: Any
+    ) -> None:
         def build(frame: str, reporter: manager.DLRecoverManager) -> SignalHandler:
             return frame_handler(frame, reporter, adapter).handle
 

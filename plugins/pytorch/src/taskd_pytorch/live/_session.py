@@ -206,7 +206,11 @@ class LiveSession:
         if self._channel is not None:
             self._channel.mark_joined(self._local_rank, round_no)
         logger.info(
-            "rank %s joined round %s at step %s in %.3fs", self.rank, round_no, self.step, time.monotonic() - began
+            "rank %s joined round %s at step %s in %.3fs",
+            self.rank,
+            round_no,
+            self.step,
+            time.monotonic() - began,
         )
 
     def _sync(self, fresh: bool) -> None:
@@ -224,7 +228,11 @@ class LiveSession:
                     size = send_packed(packed, dst)
                 logger.info(
                     "rank %s sent the state of step %s (%d bytes) to ranks %s in %.3fs",
-                    self.rank, target, size, needy, time.monotonic() - began,
+                    self.rank,
+                    target,
+                    size,
+                    needy,
+                    time.monotonic() - began,
                 )
             elif self.rank in needy:
                 restore(self._state, recv_state(source))

@@ -1,4 +1,4 @@
-"""Seed import path of ``MSRunPlugin`` (real msrun imports exactly this); a re-export of :mod:`taskd_mindspore`.
+"""Seed import path of ``MSRunPlugin`` (real msrun imports exactly this), from :mod:`taskd_mindspore`.
 
 Shipped by taskd-core, like :mod:`taskd.api.taskd_agent_api`, so that a missing
 taskd-mindspore is reported with the command that installs it.
