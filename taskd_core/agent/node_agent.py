@@ -106,8 +106,13 @@ class NodeAgent:
     # --- control from other threads --------------------------------------------------
 
     def shutdown(self, signum: int = signals.SIGTERM) -> None:
-        """Stop every worker and end :meth:`run` (safe from a signal handler)."""
+        """Stop every worker and end :meth:`run` (safe from a signal handler).
+
+        A start-up still trying to reach the controller gives up at once
+        instead of after the connect deadline; the last report gets one try.
+        """
         self._shutdown_signal = signum
+        self.client.abandon_retries()
         self._watch.wake()
 
     def _handle_signal(self, signal: Signal) -> None:

@@ -448,6 +448,14 @@ class DLRecoverManager:
 
     # --- shutdown ----------------------------------------------------------------------
 
+    def abandon_retries(self) -> None:
+        """Make every retry (connecting, reports) give up at its next wait; safe from a signal handler.
+
+        For a caller that is stopping: a launcher told to stop while the
+        controller cannot be reached must not wait out the connect deadline.
+        """
+        self._closed.set()
+
     def close(self) -> None:
         """End :meth:`start_subscribe`, stop the health thread and close the channel."""
         self._closed.set()

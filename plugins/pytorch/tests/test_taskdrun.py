@@ -135,6 +135,23 @@ def test_sigterm_while_waiting_in_the_rendezvous_ends_taskdrun_at_once(launch, o
 
 
 @pytest.mark.slow
+def test_sigterm_while_the_controller_cannot_be_reached_ends_taskdrun_at_once(
+    launch, out_dir: Path, tmp_path: Path
+) -> None:
+    # Nothing listens there; without the signal taskdrun would keep trying for 600 s.
+    dead = f"127.0.0.1:{free_port()}"
+    node = launch("--nproc-per-node=2", "--taskd-controller", dead, "--taskd-connect-timeout", "600", IDLE, str(out_dir),
+                  log="unreachable")
+    log = tmp_path / "unreachable.0.log"
+    wait_for(lambda: f"controller {dead}" in log.read_text(), 120, "taskdrun to try the controller")
+
+    node.send_signal(signal.SIGTERM)
+
+    assert node.wait(timeout=60) == 128 + signal.SIGTERM
+    assert records(out_dir) == []
+
+
+@pytest.mark.slow
 def test_nnodes_min_max_is_refused_at_start_with_a_clear_message(launch, out_dir: Path, tmp_path: Path) -> None:
     node = launch(*c10d("elastic", nnodes="1:2"), IDLE, str(out_dir), log="elastic")
 
