@@ -36,7 +36,7 @@ from taskd_core.errors import (
 from taskd_core.models import PERMISSION_DENIED_INFO, Code, Credentials, Signal, SignalType, WorkerEvent
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc as pb_grpc
-from taskd_core.rpc.convert import fault_dict_to_pb, signal_from_pb, worker_event_to_pb
+from taskd_core.rpc.convert import fault_codes_to_pb, fault_dict_to_pb, signal_from_pb, worker_event_to_pb
 from taskd_core.rpc.security import open_channel
 
 logger = logging.getLogger(__name__)
@@ -197,10 +197,20 @@ class DLRecoverManager:
             attempt += 1
 
     def register(self, request: pb.ClientInfo | None = None) -> pb.Status:
-        """Register this client for its job; ``Status.code`` 0 is success."""
+        """Register this client for its job; ``Status.code`` 0 is success.
+
+        A ``request`` may change the role, never the job: a different
+        ``jobId`` is answered with :attr:`Code.INVALID_PARAM` and nothing is sent.
+        """
         info = self.client_info()
         if request is not None:
-            info.jobId = request.jobId or info.jobId
+            if request.jobId and request.jobId != self.job_id:
+                refusal = (
+                    f"register: this manager serves job {self.job_id!r}, not {request.jobId!r}; "
+                    "create a DLRecoverManager for that job instead"
+                )
+                logger.error("%s", refusal)
+                return pb.Status(code=Code.INVALID_PARAM, info=refusal)
             info.role = request.role or info.role
         status: pb.Status = self._stub.Register(info, timeout=self._rpc_timeout)
         return status
@@ -360,22 +370,39 @@ class DLRecoverManager:
                 return int(Code.SERVER_INNER_ERROR)
             attempt += 1
 
+    def _faults(self, name: str, fault_ranks: Mapping[int, int]) -> list[pb.FaultRank] | None:
+        """``fault_ranks`` for the wire; None (logged) when a caller's dict cannot be sent.
+
+        The seed API answers a bad argument with a non-zero code, never an exception.
+        """
+        try:
+            return fault_dict_to_pb(fault_ranks)
+        except ProtocolError as exc:
+            logger.error("%s for job %s not sent: %s", name, self.job_id, exc)
+            return None
+
     def report_stop_complete(self, code: int, msg: str, fault_ranks: Mapping[int, int]) -> int:
-        """Workers are stopped (``code`` 0) or could not be (non-zero)."""
+        """Workers are stopped (``code`` 0) or could not be (non-zero); 409 for bad ``fault_ranks``."""
+        faults = self._faults("ReportStopComplete", fault_ranks)
+        if faults is None:
+            return int(Code.INVALID_PARAM)
         req = pb.StopCompleteRequest(
             jobId=self.job_id,
             status=pb.Status(code=code, info=msg),
-            faultRanks=fault_dict_to_pb(fault_ranks),
+            faultRanks=faults,
             agentId=self.agent_id,
             uuid=self.cycle_uuid,
         )
         return self._report("ReportStopComplete", self._stub.ReportStopComplete, req)
 
     def report_recover_strategy(self, fault_ranks: Mapping[int, int], strategy_list: Iterable[str]) -> int:
-        """The strategies this client can carry out."""
+        """The strategies this client can carry out; 409 for bad ``fault_ranks``."""
+        faults = self._faults("ReportRecoverStrategy", fault_ranks)
+        if faults is None:
+            return int(Code.INVALID_PARAM)
         req = pb.RecoverStrategyRequest(
             jobId=self.job_id,
-            faultRanks=fault_dict_to_pb(fault_ranks),
+            faultRanks=faults,
             strategies=[str(s) for s in strategy_list],
             agentId=self.agent_id,
             uuid=self.cycle_uuid,
@@ -385,25 +412,44 @@ class DLRecoverManager:
     def report_recover_status(
         self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str
     ) -> int:
-        """Result of carrying out ``strategy``; the ranks go in ``isolateRankIds``."""
+        """Result of carrying out ``strategy`` (ranks in ``isolateRankIds``); 409 for bad ``fault_ranks``."""
+        faults = self._faults("ReportRecoverStatus", fault_ranks)
+        if faults is None:
+            return int(Code.INVALID_PARAM)
         req = pb.RecoverStatusRequest(
             jobId=self.job_id,
             status=pb.Status(code=code, info=msg),
             strategy=strategy,
-            isolateRankIds=[str(int(r)) for r in fault_ranks],
+            isolateRankIds=[f.rankId for f in faults],
             agentId=self.agent_id,
             uuid=self.cycle_uuid,
         )
         return self._report("ReportRecoverStatus", self._stub.ReportRecoverStatus, req)
 
-    def report_process_fault(self, fault_ranks: Mapping[int, int], *, detail: str = "") -> int:
-        """Processes of the job failed: ``{global_rank: fault_type}``.
+    def report_process_fault(
+        self,
+        fault_ranks: Mapping[int, int],
+        fault_codes: Mapping[int, object] | None = None,
+        *,
+        detail: str = "",
+    ) -> int:
+        """Processes of the job failed: ``{global_rank: fault_type}``; 409 (logged) for bad arguments.
 
+        :param fault_codes: the seed API's ``{global_rank: code}`` (MindIO's error
+            codes, say); the controller keeps them in its journal with the fault.
         :param detail: TaskD extension: evidence the controller journals with the
             fault (a hung rank's stack), at most 64 KiB.
         """
+        faults = self._faults("ReportProcessFault", fault_ranks)
+        try:
+            codes = fault_codes_to_pb(fault_codes)
+        except ProtocolError as exc:
+            logger.error("ReportProcessFault for job %s not sent: %s", self.job_id, exc)
+            faults = None
+        if faults is None:
+            return int(Code.INVALID_PARAM)
         req = pb.ProcessFaultRequest(
-            jobId=self.job_id, faultRanks=fault_dict_to_pb(fault_ranks), agentId=self.agent_id, detail=detail
+            jobId=self.job_id, faultRanks=faults, agentId=self.agent_id, detail=detail, faultCodes=codes
         )
         return self._report("ReportProcessFault", self._stub.ReportProcessFault, req)
 

@@ -118,6 +118,8 @@ class FaultReported:
     faults: tuple[FaultRank, ...]
     #: evidence for the journal (a hung rank's reason and stack); empty for most faults.
     detail: str = ""
+    #: the seed API's fault codes, ``(rank, code)``, for the journal.
+    codes: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,6 +468,7 @@ class JobMachine:
             pending=pending,
             ranks={str(f.rank): f.fault_type.value for f in event.faults},
             **({"evidence": event.detail} if event.detail else {}),
+            **({"codes": {str(rank): code for rank, code in event.codes}} if event.codes else {}),
         )
         return Reply(Code.OK, f"jobId={self.job_id}, receive ReportProcessFault")
 

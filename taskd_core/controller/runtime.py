@@ -367,12 +367,13 @@ class Controller:
         faults: tuple[FaultRank, ...],
         caller: Caller = _ANONYMOUS,
         detail: str = "",
+        codes: tuple[tuple[int, str], ...] = (),
     ) -> Reply:
         job = self._registered(job_id, caller, "ReportProcessFault")
         self._check_fault_count(job, faults)
         # A fault is never dropped for want of a reporter: ambiguous ones stay anonymous.
         agent = self._attribute(job, agent_id) if agent_id or len(job.agents) == 1 else ""
-        return self._apply(job, FaultReported(agent, faults, detail))
+        return self._apply(job, FaultReported(agent, faults, detail, codes))
 
     def health(self, job_id: str, agent_id: str, progress: str, caller: Caller = _ANONYMOUS) -> None:
         """A HealthCheck of a known agent: it is alive, and uses these hang timeouts; others are ignored.
@@ -674,21 +675,30 @@ class Controller:
 
 def policy_changes(
     strategies: Iterable[str],
-    recovery_enabled: bool,
-    report_timeout: float,
-    flush_seconds: float,
-    max_cycles: int,
-    expected_agents: int,
+    recovery_enabled: bool | None,
+    report_timeout: float | None,
+    flush_seconds: float | None,
+    max_cycles: int | None,
+    expected_agents: int | None,
 ) -> dict[str, object]:
-    """A ``SetJobPolicy`` request's fields as policy changes; unset fields keep the current value."""
-    changes: dict[str, object] = {"recovery_enabled": recovery_enabled, "expected_agents": expected_agents}
+    """A ``SetJobPolicy`` request's fields as policy changes.
+
+    None (the field was left out) keeps the current value, and so do the
+    "keep" values older clients send: no strategies, a report timeout of 0, a
+    negative flush window or cycle budget.
+    """
+    changes: dict[str, object] = {}
     names = list(strategies)
     if names:
         changes["strategies"] = names
-    if report_timeout != 0:
+    if recovery_enabled is not None:
+        changes["recovery_enabled"] = recovery_enabled
+    if report_timeout is not None and report_timeout != 0:
         changes["report_timeout"] = report_timeout
-    if flush_seconds >= 0:
+    if flush_seconds is not None and flush_seconds >= 0:
         changes["flush_seconds"] = flush_seconds
-    if max_cycles >= 0:
+    if max_cycles is not None and max_cycles >= 0:
         changes["max_cycles"] = max_cycles
+    if expected_agents is not None:
+        changes["expected_agents"] = expected_agents
     return changes

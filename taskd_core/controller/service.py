@@ -275,8 +275,16 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
                 raise ProtocolError(
                     f"detail has {len(request.detail)} characters; at most {MAX_FAULT_DETAIL}", field="detail"
                 )
+            codes = tuple(
+                (parse_rank(rank, field="faultCodes"), check_name(code, "faultCodes"))
+                for rank, code in sorted(request.faultCodes.items())
+            )
+            if len(codes) > len(faults):
+                raise ProtocolError(
+                    f"faultCodes has {len(codes)} entries for {len(faults)} faulty ranks", field="faultCodes"
+                )
             return self._ctl.process_fault(
-                request.jobId, _agent(request.agentId), faults, caller, request.detail
+                request.jobId, _agent(request.agentId), faults, caller, request.detail, codes
             )
 
         return _answer(call)
@@ -309,13 +317,15 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
         caller = caller_of(context)
 
         def call() -> Reply:
+            has = request.HasField
+            # A field left out keeps the job's value (proto3 optional).
             changes = policy_changes(
                 _strategies(request.strategies),
-                request.recoveryEnabled,
-                request.reportTimeoutSeconds,
-                request.flushSeconds,
-                request.maxCycles,
-                request.expectedAgents,
+                request.recoveryEnabled if has("recoveryEnabled") else None,
+                request.reportTimeoutSeconds if has("reportTimeoutSeconds") else None,
+                request.flushSeconds if has("flushSeconds") else None,
+                request.maxCycles if has("maxCycles") else None,
+                request.expectedAgents if has("expectedAgents") else None,
             )
             return self._ctl.set_policy(request.jobId, changes, caller)
 

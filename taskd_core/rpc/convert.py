@@ -61,12 +61,49 @@ def fault_ranks_to_pb(faults: Iterable[FaultRank]) -> list[pb.FaultRank]:
     return [pb.FaultRank(rankId=str(f.rank), faultType=f.fault_type.value) for f in faults]
 
 
+def _whole(value: object, field: str) -> str:
+    """An ``int`` (not a bool) or a decimal string, as the decimal string the wire carries."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return value.strip()
+    raise ProtocolError(f"{field} must be a whole number, got {value!r:.40}", field=field)
+
+
 def fault_dict_to_pb(fault_ranks: Mapping[int, int] | None) -> list[pb.FaultRank]:
-    """The seed API's ``{global_rank: fault_type}`` dict as wire messages."""
+    """The seed API's ``{global_rank: fault_type}`` dict as wire messages.
+
+    :raises ProtocolError: for anything but a mapping of whole-number ranks to fault types.
+    """
+    if fault_ranks is None:
+        return []
+    if not isinstance(fault_ranks, Mapping):
+        raise ProtocolError(
+            f"fault_ranks must be a dict {{rank: fault_type}}, got {type(fault_ranks).__name__}",
+            field="faultRanks",
+        )
     out = []
-    for rank, kind in (fault_ranks or {}).items():
-        out.append(pb.FaultRank(rankId=str(int(rank)), faultType=parse_fault_type(str(int(kind))).value))
+    for rank, kind in fault_ranks.items():
+        rank_id = str(parse_rank(_whole(rank, "rank")))
+        out.append(pb.FaultRank(rankId=rank_id, faultType=parse_fault_type(_whole(kind, "faultType")).value))
     return out
+
+
+def fault_codes_to_pb(fault_codes: Mapping[int, object] | None) -> dict[str, str]:
+    """The seed API's ``fault_codes`` (``{rank: code}``) as the wire's ``faultCodes`` map.
+
+    :raises ProtocolError: for anything but a mapping of whole-number ranks to codes.
+    """
+    if fault_codes is None:
+        return {}
+    if not isinstance(fault_codes, Mapping):
+        raise ProtocolError(
+            f"fault_codes must be a dict {{rank: code}}, got {type(fault_codes).__name__}", field="faultCodes"
+        )
+    return {
+        str(parse_rank(_whole(rank, "rank"))): check_name(str(code), "fault code")
+        for rank, code in fault_codes.items()
+    }
 
 
 def fault_dict(faults: Iterable[FaultRank]) -> dict[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ import pytest
 from taskd.python.toolkit.recover_module import recover_manager
 from taskd.python.toolkit.recover_module.pb import recover_pb2 as pb
 from taskd.python.toolkit.recover_module.recover_manager import DLRecoverManager
+from taskd_core.client.status import query_status
 from taskd_core.controller.server import EmbeddedController
 from taskd_core.errors import AdapterNotFoundError, ConfigError
 from taskd_core.launcher.process_adapter import ProcessAdapter
@@ -57,8 +59,6 @@ def test_a_cycle_through_the_seed_paths(controller: EmbeddedController, workers:
 
 
 def _wait_for_event(controller: EmbeddedController, job: str, kind: str) -> list[str]:
-    from taskd_core.client.status import query_status
-
     seen: list[str] = []
     stop = threading.Event()
     for _ in range(600):
@@ -95,3 +95,41 @@ def test_an_attached_adapter_without_workers_is_refused(controller: EmbeddedCont
     with DLRecoverManager(pb.ClientInfo(jobId="j", role="r"), controller.address, adapter=NoWorkers()) as manager:
         with pytest.raises(ConfigError, match="frame 'mine': the adapter has no workers to act on; start the workers"):
             manager.start_subscribe(frame="mine")
+
+
+def test_fault_codes_reach_the_journal(controller: EmbeddedController) -> None:
+    """The reference's signature: report_process_fault(fault_ranks, fault_codes); the codes are kept."""
+    with DLRecoverManager(pb.ClientInfo(jobId="codes", role="r"), controller.address) as manager:
+        assert manager.init_clusterd() and manager.register().code == Code.OK
+        assert recover_manager.report_process_fault({2: 1}, fault_codes={2: 8001}) == Code.OK
+        events = query_status(controller.address, "codes", events=50)["jobs"][0]["events"]
+    faults = [json.loads(e["detail"]) for e in events if e["kind"] == "fault"]
+    assert faults[0]["codes"] == {"2": "8001"}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"a": 1}, [1, 2], {1.5: 1}, {True: 1}, {1: "x"}, {-1: 1}, "0:1"],
+    ids=["rank-text", "list", "rank-float", "rank-bool", "type-text", "rank-negative", "string"],
+)
+def test_bad_fault_ranks_return_a_code_and_log_why(
+    controller: EmbeddedController, bad: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The seed's report functions answer an int: bad fault_ranks give 409 and a logged reason, never a raise."""
+    with DLRecoverManager(pb.ClientInfo(jobId="bad", role="r"), controller.address) as manager:
+        assert recover_manager.report_process_fault(bad) == Code.INVALID_PARAM  # type: ignore[arg-type]
+        assert recover_manager.report_stop_complete(0, "x", bad) == Code.INVALID_PARAM  # type: ignore[arg-type]
+        assert recover_manager.report_recover_strategy(bad, ["exit"]) == Code.INVALID_PARAM  # type: ignore[arg-type]
+        assert recover_manager.report_recover_status(0, "x", bad, "recover") == Code.INVALID_PARAM  # type: ignore[arg-type]
+        assert manager.report_process_fault({0: 1}, {"r": 1}) == Code.INVALID_PARAM  # type: ignore[dict-item]
+    assert "ReportProcessFault for job bad not sent" in caplog.text
+    assert "ReportRecoverStatus for job bad not sent" in caplog.text
+
+
+def test_register_for_another_job_is_refused(controller: EmbeddedController) -> None:
+    with DLRecoverManager(pb.ClientInfo(jobId="mine", role="r"), controller.address) as manager:
+        assert manager.init_clusterd()
+        status = manager.register(pb.ClientInfo(jobId="theirs", role="r"))
+        assert status.code == Code.INVALID_PARAM
+        assert "serves job 'mine', not 'theirs'" in status.info
+        assert manager.register(pb.ClientInfo(jobId="mine", role="other role")).code == Code.OK

@@ -96,6 +96,21 @@ def test_set_job_policy_turns_recovery_off_and_validates(tmp_path, controller_fa
     assert view.maxCycles == 7 and list(view.strategies) == ["recover", "exit"]
 
 
+def test_set_job_policy_changes_only_the_fields_given(controller, make_agent):
+    """A client that sets only strategies neither turns recovery off nor zeroes the budget or the waits."""
+    agent = make_agent(controller.address, JOB).join()
+    before = agent.job()
+    assert agent.stub.SetJobPolicy(pb.JobPolicyRequest(jobId=JOB, strategies=["exit"])).code == Code.OK
+    after = agent.job()
+    assert list(after.strategies) == ["exit"]
+    assert after.maxCycles == before.maxCycles
+    assert agent.stub.Init(agent.info).code == Code.OK  # recovery still on
+    # Explicit values still change, zero included.
+    assert agent.stub.SetJobPolicy(pb.JobPolicyRequest(jobId=JOB, maxCycles=0, recoveryEnabled=False)).code == 0
+    assert agent.job().maxCycles == 0
+    assert agent.stub.Init(agent.info).code == Code.RECOVERY_OFF
+
+
 @pytest.mark.parametrize(
     "rpc",
     [
@@ -169,6 +184,19 @@ def test_bad_fault_reports_answer_409(controller, make_agent, faults, field):
     reply = agent.stub.ReportProcessFault(pb.ProcessFaultRequest(jobId=JOB, faultRanks=faults))
     assert reply.code == Code.INVALID_PARAM and field in reply.info
     _healthy(agent)
+    assert agent.job().state == "idle"
+
+
+@pytest.mark.parametrize(
+    "codes",
+    [{"abc": "1"}, {"1": "\x1b[2J"}, {"1": "a", "2": "b"}],
+    ids=["rank-text", "code-escape", "more-codes-than-faults"],
+)
+def test_bad_fault_codes_answer_409(controller, make_agent, codes):
+    agent = make_agent(controller.address, JOB).join()
+    request = pb.ProcessFaultRequest(jobId=JOB, faultRanks=[pb.FaultRank(rankId="1", faultType="1")], faultCodes=codes)
+    reply = agent.stub.ReportProcessFault(request)
+    assert reply.code == Code.INVALID_PARAM and "faultCodes" in reply.info
     assert agent.job().state == "idle"
 
 

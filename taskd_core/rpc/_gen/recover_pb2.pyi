@@ -109,16 +109,25 @@ class RecoverStatusRequest(_message.Message):
     def __init__(self, jobId: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., strategy: _Optional[str] = ..., isolateRankIds: _Optional[_Iterable[str]] = ..., agentId: _Optional[str] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class ProcessFaultRequest(_message.Message):
-    __slots__ = ("jobId", "faultRanks", "agentId", "detail")
+    __slots__ = ("jobId", "faultRanks", "agentId", "detail", "faultCodes")
+    class FaultCodesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     JOBID_FIELD_NUMBER: _ClassVar[int]
     FAULTRANKS_FIELD_NUMBER: _ClassVar[int]
     AGENTID_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    FAULTCODES_FIELD_NUMBER: _ClassVar[int]
     jobId: str
     faultRanks: _containers.RepeatedCompositeFieldContainer[FaultRank]
     agentId: str
     detail: str
-    def __init__(self, jobId: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., agentId: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    faultCodes: _containers.ScalarMap[str, str]
+    def __init__(self, jobId: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., agentId: _Optional[str] = ..., detail: _Optional[str] = ..., faultCodes: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AgentExitRequest(_message.Message):
     __slots__ = ("jobId", "agentId", "role", "status")

@@ -74,13 +74,20 @@ class CallbackRegistry:
         self._funcs: dict[Operator, Callable[..., Any]] = {}
 
     def register(self, operator: str, func: Callable[..., Any]) -> None:
-        """Record ``func`` for ``operator``; raises :class:`CallbackError` for anything unusable."""
+        """Record ``func`` for ``operator``; raises :class:`CallbackError` for a non-callable.
+
+        An operator this version does not know is logged and ignored: a newer
+        msrun may register more, and raising would make it run without TaskD.
+        """
         try:
             op = Operator(operator)
         except ValueError:
-            raise CallbackError(
-                f"unknown msrun callback operator {operator!r}; accepted operators: {_ACCEPTED}"
-            ) from None
+            logger.warning(
+                "msrun registered callback operator %r, which this TaskD does not use (it uses %s); ignored",
+                operator,
+                _ACCEPTED,
+            )
+            return
         if not callable(func):
             raise CallbackError(f"callback for {op.value} must be callable, got {type(func).__name__}")
         if op in self._funcs:

@@ -59,7 +59,9 @@ class MSRunPlugin:
         """Register msrun's callback for ``operator`` (``KILL_WORKER``, ``START_ALL_WORKER``,
         ``START_WORKER_LIST`` or ``MONITOR``).
 
-        :raises CallbackError: (a ``ValueError``) for an unknown operator or a non-callable.
+        An operator this TaskD does not know is logged and ignored (a newer msrun may register more).
+
+        :raises CallbackError: (a ``ValueError``) for a non-callable.
         """
         self._registry.register(operator, func)
 

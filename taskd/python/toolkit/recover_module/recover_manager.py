@@ -50,8 +50,10 @@ def report_recover_status(code: int, msg: str, fault_ranks: Mapping[int, int], s
     return active_manager().report_recover_status(code, msg, fault_ranks, strategy)
 
 
-def report_process_fault(fault_ranks: Mapping[int, int]) -> int:
-    return active_manager().report_process_fault(fault_ranks)
+def report_process_fault(
+    fault_ranks: Mapping[int, int], fault_codes: Mapping[int, object] | None = None
+) -> int:
+    return active_manager().report_process_fault(fault_ranks, fault_codes)
 
 
 __all__ = [
