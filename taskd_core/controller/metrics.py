@@ -133,14 +133,24 @@ class ControllerMetrics:
         self._failed_at: dict[str, dict[int, float]] = {}
         self._resume_from: dict[str, dict[int, float]] = {}
         self._last_step: dict[str, dict[int, int]] = {}
+        #: labelled children by (metric, label values); few: labels have few values.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def attach(self, read: Callable[[], ControllerGauges]) -> None:
         """Serve the live gauges that ``read`` returns (called at every scrape)."""
         self.registry.register(_LiveCollector(read))
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept: labels() takes a lock and builds its key on every call."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        self.rpcs.labels(method, code).inc()
-        self.rpc_seconds.labels(method).observe(seconds)
+        self._child(self.rpcs, method, code).inc()
+        self._child(self.rpc_seconds, method).observe(seconds)
 
     # --- the journal ------------------------------------------------------------
 
@@ -154,7 +164,7 @@ class ControllerMetrics:
     def _on_fault(self, job: str, detail: Any, now: float) -> None:
         ranks: dict[str, str] = detail.get("ranks", {})
         for rank, kind in ranks.items():
-            self.faults.labels(_FAULT_NAMES.get(kind, kind)).inc()
+            self._child(self.faults, _FAULT_NAMES.get(kind, kind)).inc()
             self._faulty.setdefault(job, set()).add(int(rank))
         self._fault_at.setdefault(job, now)
 
@@ -164,20 +174,20 @@ class ControllerMetrics:
 
     def _on_decision(self, job: str, detail: Any, now: float) -> None:
         strategy = str(detail.get("strategy", ""))
-        self.decisions.labels(strategy).inc()
+        self._child(self.decisions, strategy).inc()
         self._strategy[job] = strategy
         first = self._fault_at.pop(job, None)
         if first is not None and not detail.get("after"):
             self.fault_to_strategy.observe(now - first)
 
     def _on_strategy_failed(self, job: str, detail: Any, now: float) -> None:
-        self.escalations.labels(str(detail.get("strategy", ""))).inc()
+        self._child(self.escalations, str(detail.get("strategy", ""))).inc()
 
     def _end_cycle(self, job: str, outcome: str, now: float) -> None:
         start = self._cycle_at.pop(job, None)
         if start is not None:
-            self.cycles.labels(self._strategy.pop(job, "none"), outcome).inc()
-            self.cycle_seconds.labels(outcome).observe(now - start)
+            self._child(self.cycles, self._strategy.pop(job, "none"), outcome).inc()
+            self._child(self.cycle_seconds, outcome).observe(now - start)
 
     def _on_recovered(self, job: str, detail: Any, now: float) -> None:
         self._end_cycle(job, "recovered", now)
@@ -188,10 +198,10 @@ class ControllerMetrics:
         self._forget(job)
 
     def _on_signal(self, job: str, detail: Any, now: float) -> None:
-        self.signals.labels(str(detail.get("type", ""))).inc()
+        self._child(self.signals, str(detail.get("type", ""))).inc()
 
     def _on_deadline(self, job: str, detail: Any, now: float) -> None:
-        self.deadlines.labels(str(detail.get("state", ""))).inc()
+        self._child(self.deadlines, str(detail.get("state", ""))).inc()
 
     def _on_worker_started(self, job: str, detail: Any, now: float) -> None:
         self.worker_starts.inc()
@@ -204,9 +214,8 @@ class ControllerMetrics:
     def _on_worker_exited(self, job: str, detail: Any, now: float) -> None:
         rank = int(detail["rank"])
         failed = rank in self._faulty.get(job, set())
-        self.worker_exits.labels(
-            "failed" if failed else "ok" if detail.get("exit_code") == 0 else "stopped"
-        ).inc()
+        outcome = "failed" if failed else "ok" if detail.get("exit_code") == 0 else "stopped"
+        self._child(self.worker_exits, outcome).inc()
         if failed:
             self._faulty[job].discard(rank)
             self._failed_at.setdefault(job, {})[rank] = float(detail["at"])
@@ -315,30 +324,38 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, metrics: ControllerMetrics, service: str) -> None:
         self._metrics = metrics
         self._prefix = f"/{service}/"
+        #: wrapped handler per method: the service's handlers never change, so wrap each once.
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
         method: str = details.method
+        wrapped = self._wrapped.get(method)
+        if wrapped is not None:
+            return wrapped
+        handler = await continuation(details)
         if handler is None or not method.startswith(self._prefix):
             return handler
         name = method[len(self._prefix) :]
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
+            wrapped = grpc.unary_unary_rpc_method_handler(
                 self._unary(name, handler.unary_unary),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
+        elif handler.unary_stream is not None:
+            wrapped = grpc.unary_stream_rpc_method_handler(
                 self._stream(name, handler.unary_stream),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        return handler
+        else:
+            return handler
+        self._wrapped[method] = wrapped
+        return wrapped
 
     def _unary(self, name: str, inner: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -349,7 +366,10 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 code = _code_of(reply)
                 return reply
             finally:
-                self._metrics.observe_rpc(name, code, time.perf_counter() - start)
+                # Counted once the answer is on its way, not before.
+                asyncio.get_running_loop().call_soon(
+                    self._metrics.observe_rpc, name, code, time.perf_counter() - start
+                )
 
         return call
 

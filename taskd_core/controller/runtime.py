@@ -639,7 +639,8 @@ class Controller:
         now = self._clock()
         self._store.commit(row, entries, agents, now=now)
         if self._observer is not None and entries:
-            self._observer.journalled(job.job_id, entries, now)
+            # After this callback, so signals go out first; the loop keeps the order for scrapes.
+            asyncio.get_running_loop().call_soon(self._observer.journalled, job.job_id, entries, now)
 
     def _broadcast(self, job: _Job, signal: Signal) -> None:
         for sub in list(job.subscribers.values()):
