@@ -136,3 +136,7 @@ class RequestRejected(TaskdError):
 
 class DuplicateSubscriberError(RequestRejected):
     """A second live signal subscription for the same agent of a job."""
+
+
+class IllegalTransition(TaskdError):
+    """The state machine tried a transition its table does not declare: a bug in the controller."""

@@ -8,14 +8,20 @@ journal entries to store (in one transaction with the new snapshot). Time is
 passed in, deadlines are absolute wall-clock seconds, so a restarted
 controller re-arms its timers from the stored snapshot.
 
-States::
+States (every transition the machine makes; ``_TARGETS`` declares the same
+edges per handler, ``_enter`` refuses any other, and a test holds this
+diagram against it)::
 
-    IDLE --fault--> FLUSHING --flush deadline--> WAIT_STOP      (stopTrain sent)
-    WAIT_STOP --all stopped--> WAIT_STRATEGIES                   (globalFault sent)
-    WAIT_STRATEGIES --all reported / deadline--> WAIT_STATUS     (changeStrategy sent)
-    WAIT_STATUS --all 0--> IDLE (or FLUSHING for faults that came meanwhile)
-    WAIT_STATUS --failure / deadline--> WAIT_STATUS (next rung) or GIVEN_UP
-    any wait --failure that leaves only exit--> GIVEN_UP         (exit + killMaster sent)
+    IDLE --fault--> FLUSHING                                    (a flush window collects faults)
+    IDLE --fault, no flush window--> WAIT_STOP                  (stopTrain sent)
+    IDLE --fault, cycle budget used--> GIVEN_UP                 (killMaster sent)
+    FLUSHING --flush deadline--> WAIT_STOP                      (stopTrain sent)
+    WAIT_STOP --all stopped--> WAIT_STRATEGIES                  (globalFault sent)
+    WAIT_STRATEGIES --all reported / deadline--> WAIT_STATUS    (changeStrategy sent)
+    WAIT_STATUS --all 0--> IDLE
+    WAIT_STATUS --all 0, faults came meanwhile--> FLUSHING / WAIT_STOP / GIVEN_UP   (as from IDLE)
+    WAIT_STATUS --failure / deadline--> WAIT_STATUS             (the next rung)
+    WAIT_STOP / WAIT_STRATEGIES / WAIT_STATUS --failure that leaves only exit--> GIVEN_UP
     IDLE --every agent exited 0--> FINISHED
 
 A report that does not fit the state, the cycle's uuid or the cycle's members
@@ -31,6 +37,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from taskd_core.errors import IllegalTransition
 from taskd_core.models import (
     EXTRA_DUMP_EXIT,
     LADDER,
@@ -174,47 +181,6 @@ def new_cycle_uuid() -> str:
     return f"{time.time_ns():x}-{secrets.token_hex(16)}"
 
 
-def _faults_to_json(faults: Mapping[int, FaultType]) -> dict[str, str]:
-    return {str(rank): kind.value for rank, kind in faults.items()}
-
-
-def _faults_from_json(data: Mapping[str, str]) -> dict[int, FaultType]:
-    return {int(rank): FaultType(kind) for rank, kind in data.items()}
-
-
-def signal_to_dict(signal: Signal) -> dict[str, Any]:
-    return {
-        "signal_type": signal.signal_type,
-        "job_id": signal.job_id,
-        "uuid": signal.uuid,
-        "actions": list(signal.actions),
-        "fault_ranks": {str(f.rank): f.fault_type.value for f in signal.fault_ranks},
-        "change_strategy": signal.change_strategy,
-        "timeout": signal.timeout,
-        "node_rank_ids": list(signal.node_rank_ids),
-        "extra_params": signal.extra_params,
-        "seq": signal.seq,
-        "cycle": signal.cycle,
-    }
-
-
-def signal_from_dict(data: Mapping[str, Any]) -> Signal:
-    faults = tuple(FaultRank(r, t) for r, t in _faults_from_json(data["fault_ranks"]).items())
-    return Signal(
-        signal_type=data["signal_type"],
-        job_id=data["job_id"],
-        uuid=data["uuid"],
-        actions=tuple(data["actions"]),
-        fault_ranks=faults,
-        change_strategy=data["change_strategy"],
-        timeout=data["timeout"],
-        node_rank_ids=tuple(data["node_rank_ids"]),
-        extra_params=data["extra_params"],
-        seq=data["seq"],
-        cycle=data["cycle"],
-    )
-
-
 @dataclass(slots=True)
 class Snapshot:
     """Everything about a job's recovery that must survive a controller restart."""
@@ -242,48 +208,6 @@ class Snapshot:
     tried: list[str] = field(default_factory=list)
     last_signal: Signal | None = None
     outcome: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "state": self.state.value,
-            "cycle": self.cycle,
-            "uuid": self.uuid,
-            "seq": self.seq,
-            "step": self.step,
-            "deadline": self.deadline,
-            "faults": _faults_to_json(self.faults),
-            "pending": _faults_to_json(self.pending),
-            "members": list(self.members),
-            "stops": dict(self.stops),
-            "strategies": {a: list(s) for a, s in self.strategies.items()},
-            "statuses": dict(self.statuses),
-            "strategy": self.strategy,
-            "tried": list(self.tried),
-            "last_signal": signal_to_dict(self.last_signal) if self.last_signal else None,
-            "outcome": self.outcome,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Snapshot:
-        last = data.get("last_signal")
-        return cls(
-            state=State(data["state"]),
-            cycle=data["cycle"],
-            uuid=data["uuid"],
-            seq=data["seq"],
-            step=data["step"],
-            deadline=data["deadline"],
-            faults=_faults_from_json(data["faults"]),
-            pending=_faults_from_json(data["pending"]),
-            members=list(data["members"]),
-            stops=dict(data["stops"]),
-            strategies={a: list(s) for a, s in data["strategies"].items()},
-            statuses=dict(data["statuses"]),
-            strategy=data["strategy"],
-            tried=list(data["tried"]),
-            last_signal=signal_from_dict(last) if last else None,
-            outcome=data["outcome"],
-        )
 
 
 def brief(names: Iterable[str], most: int = 5) -> str:
@@ -330,6 +254,8 @@ class JobMachine:
         # Membership is checked on every report; a set keeps that O(1) for big jobs.
         self._members_of: list[str] | None = None
         self._member_set: frozenset[str] = frozenset()
+        #: (state, event type) of the handler running: what _enter checks a transition against.
+        self._handling: tuple[State, type] = (self.snap.state, type(None))
 
     @property
     def state(self) -> State:
@@ -347,6 +273,7 @@ class JobMachine:
                 return Reaction(Reply())
             return Reaction(self._order_mix(f"{_EVENT_NAMES[type(event)]} does not fit the job's state"))
         fx = _Effects(now)
+        self._handling = (self.snap.state, type(event))
         reply = handler(self, event, fx)
         return Reaction(reply, tuple(fx.signals), tuple(fx.journal), persist=True)
 
@@ -365,6 +292,12 @@ class JobMachine:
 
     def _enter(self, fx: _Effects, state: State, timeout: float | None) -> None:
         s = self.snap
+        if state not in _TARGETS.get(self._handling, frozenset()):
+            source, event = self._handling
+            raise IllegalTransition(
+                f"job {self.job_id}: {event.__name__} in {source.value} may not lead to {state.value}; "
+                "declare the edge in machine._TARGETS (and the module's diagram) if it is meant"
+            )
         self._journal(fx, "transition", source=s.state.value, target=state.value)
         s.state = state
         s.step += 1
@@ -510,7 +443,7 @@ class JobMachine:
             "cycle started",
             uuid=s.uuid,
             members=s.members,
-            faults=_faults_to_json(s.faults),
+            faults={str(rank): kind.value for rank, kind in s.faults.items()},
         )
         self._send(fx, SignalType.STOP_TRAIN, [Action.STOP_TRAIN])
         self._enter(fx, State.WAIT_STOP, self.policy.report_timeout)
@@ -710,4 +643,23 @@ _TABLE: dict[tuple[State, type], Handler] = {
     (State.WAIT_STATUS, StatusReported): JobMachine._on_status,
     (State.WAIT_STATUS, DeadlinePassed): JobMachine._on_deadline,
     **{(state, AgentExited): JobMachine._on_agent_exit for state in State},
+}
+
+_CYCLE_START = frozenset({State.FLUSHING, State.WAIT_STOP, State.GIVEN_UP})
+_AFTER_STOP = frozenset({State.WAIT_STRATEGIES, State.GIVEN_UP})
+_AFTER_STRATEGIES = frozenset({State.WAIT_STATUS, State.GIVEN_UP})
+_AFTER_STATUS = frozenset({State.IDLE, State.WAIT_STATUS}) | _CYCLE_START
+
+#: The states each handler of :data:`_TABLE` may enter, through any chain of steps (a
+#: recovered cycle enters IDLE and then the next cycle's first state); none for the others.
+_TARGETS: dict[tuple[State, type], frozenset[State]] = {
+    (State.IDLE, FaultReported): _CYCLE_START,
+    (State.FLUSHING, DeadlinePassed): frozenset({State.WAIT_STOP}),
+    (State.WAIT_STOP, StopReported): _AFTER_STOP,
+    (State.WAIT_STOP, DeadlinePassed): _AFTER_STOP,
+    (State.WAIT_STRATEGIES, StrategiesReported): _AFTER_STRATEGIES,
+    (State.WAIT_STRATEGIES, DeadlinePassed): _AFTER_STRATEGIES,
+    (State.WAIT_STATUS, StatusReported): _AFTER_STATUS,
+    (State.WAIT_STATUS, DeadlinePassed): _AFTER_STATUS,
+    (State.IDLE, AgentExited): frozenset({State.FINISHED}),
 }

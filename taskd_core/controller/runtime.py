@@ -46,7 +46,7 @@ from taskd_core.controller.machine import (
     brief,
 )
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
-from taskd_core.controller.store import EventRecord, JobRow, Store
+from taskd_core.controller.store import EventRecord, JobRow, Store, snapshot_from_dict, snapshot_to_dict
 from taskd_core.controller.subscriber import Subscriber
 from taskd_core.errors import DuplicateSubscriberError, RequestRejected
 from taskd_core.models import Code, FaultRank, JobPolicy, Signal, SignalType, WorkerEvent
@@ -218,7 +218,7 @@ class Controller:
         """Load stored jobs, re-arm their deadlines and start keep-alives."""
         for stored in self._store.load():
             row = stored.row
-            job = _Job(row.job_id, policy_from_dict(row.policy), Snapshot.from_dict(row.snapshot))
+            job = _Job(row.job_id, policy_from_dict(row.policy), snapshot_from_dict(row.snapshot))
             job.inited = row.inited
             job.claim = stored.claim
             job.agents.update((a.agent_id, a) for a in stored.agents)
@@ -633,7 +633,11 @@ class Controller:
 
     def _save(self, job: _Job, journal: Iterable[JournalEntry], agents: Iterable[AgentInfo] = ()) -> None:
         row = JobRow(
-            job.job_id, job.inited, policy_to_dict(job.machine.policy), job.machine.snap.to_dict(), job.claim
+            job.job_id,
+            job.inited,
+            policy_to_dict(job.machine.policy),
+            snapshot_to_dict(job.machine.snap),
+            job.claim,
         )
         entries = list(journal)
         now = self._clock()

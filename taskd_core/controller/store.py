@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from taskd_core.controller.access import Claim
-from taskd_core.controller.machine import AgentInfo, JournalEntry
+from taskd_core.controller.machine import AgentInfo, JournalEntry, Snapshot, State
 from taskd_core.errors import ConfigError
+from taskd_core.models import FaultRank, FaultType, Signal
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,95 @@ logger = logging.getLogger(__name__)
 #: :data:`ROTATE_EVERY` more, so a job holds at most ``max_events + ROTATE_EVERY`` entries.
 MAX_EVENTS_PER_JOB = 10_000
 ROTATE_EVERY = 64
+
+# --- the JSON codec of snapshots ------------------------------------------------------
+
+
+def _faults_to_json(faults: Mapping[int, FaultType]) -> dict[str, str]:
+    return {str(rank): kind.value for rank, kind in faults.items()}
+
+
+def _faults_from_json(data: Mapping[str, str]) -> dict[int, FaultType]:
+    return {int(rank): FaultType(kind) for rank, kind in data.items()}
+
+
+def _signal_to_dict(signal: Signal) -> dict[str, Any]:
+    return {
+        "signal_type": signal.signal_type,
+        "job_id": signal.job_id,
+        "uuid": signal.uuid,
+        "actions": list(signal.actions),
+        "fault_ranks": {str(f.rank): f.fault_type.value for f in signal.fault_ranks},
+        "change_strategy": signal.change_strategy,
+        "timeout": signal.timeout,
+        "node_rank_ids": list(signal.node_rank_ids),
+        "extra_params": signal.extra_params,
+        "seq": signal.seq,
+        "cycle": signal.cycle,
+    }
+
+
+def _signal_from_dict(data: Mapping[str, Any]) -> Signal:
+    faults = tuple(FaultRank(r, t) for r, t in _faults_from_json(data["fault_ranks"]).items())
+    return Signal(
+        signal_type=data["signal_type"],
+        job_id=data["job_id"],
+        uuid=data["uuid"],
+        actions=tuple(data["actions"]),
+        fault_ranks=faults,
+        change_strategy=data["change_strategy"],
+        timeout=data["timeout"],
+        node_rank_ids=tuple(data["node_rank_ids"]),
+        extra_params=data["extra_params"],
+        seq=data["seq"],
+        cycle=data["cycle"],
+    )
+
+
+def snapshot_to_dict(snap: Snapshot) -> dict[str, Any]:
+    """A job's snapshot as JSON-ready data (what the ``jobs`` table stores)."""
+    return {
+        "state": snap.state.value,
+        "cycle": snap.cycle,
+        "uuid": snap.uuid,
+        "seq": snap.seq,
+        "step": snap.step,
+        "deadline": snap.deadline,
+        "faults": _faults_to_json(snap.faults),
+        "pending": _faults_to_json(snap.pending),
+        "members": list(snap.members),
+        "stops": dict(snap.stops),
+        "strategies": {a: list(s) for a, s in snap.strategies.items()},
+        "statuses": dict(snap.statuses),
+        "strategy": snap.strategy,
+        "tried": list(snap.tried),
+        "last_signal": _signal_to_dict(snap.last_signal) if snap.last_signal else None,
+        "outcome": snap.outcome,
+    }
+
+
+def snapshot_from_dict(data: Mapping[str, Any]) -> Snapshot:
+    """The snapshot :func:`snapshot_to_dict` stored."""
+    last = data.get("last_signal")
+    return Snapshot(
+        state=State(data["state"]),
+        cycle=data["cycle"],
+        uuid=data["uuid"],
+        seq=data["seq"],
+        step=data["step"],
+        deadline=data["deadline"],
+        faults=_faults_from_json(data["faults"]),
+        pending=_faults_from_json(data["pending"]),
+        members=list(data["members"]),
+        stops=dict(data["stops"]),
+        strategies={a: list(s) for a, s in data["strategies"].items()},
+        statuses=dict(data["statuses"]),
+        strategy=data["strategy"],
+        tried=list(data["tried"]),
+        last_signal=_signal_from_dict(last) if last else None,
+        outcome=data["outcome"],
+    )
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (

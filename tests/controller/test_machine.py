@@ -9,17 +9,19 @@ import pytest
 
 from taskd_core.controller.machine import (
     _TABLE,
+    _TARGETS,
     AgentExited,
     AgentInfo,
     DeadlinePassed,
     FaultReported,
     JobMachine,
-    Snapshot,
     State,
     StatusReported,
     StopReported,
     StrategiesReported,
 )
+from taskd_core.controller.store import snapshot_from_dict, snapshot_to_dict
+from taskd_core.errors import IllegalTransition
 from taskd_core.models import Code, FaultRank, FaultType, JobPolicy, Strategy
 
 NOW = 1_000.0
@@ -277,6 +279,34 @@ def test_every_agent_exiting_zero_finishes_an_idle_job():
 def test_signal_sequence_is_job_wide_and_the_snapshot_round_trips_through_json():
     m = machine()
     to_decision(m)
-    data = json.loads(json.dumps(m.snap.to_dict()))
-    copy = Snapshot.from_dict(data)
+    data = json.loads(json.dumps(snapshot_to_dict(m.snap)))
+    copy = snapshot_from_dict(data)
     assert copy == m.snap and copy.last_signal.seq == 3
+
+
+def _diagram_edges() -> set[tuple[State, State]]:
+    """The ``A --label--> B`` lines of the module docstring; ``A / B`` lists several states."""
+    import taskd_core.controller.machine as module
+
+    edges = set()
+    for line in (module.__doc__ or "").splitlines():
+        found = re.match(r"\s+([A-Z_ /]+?) --.*?--> ([A-Z_ /]+?)(\s{2,}\(.*)?$", line)
+        if found:
+            for source in found.group(1).split("/"):
+                for target in found.group(2).split("/"):
+                    edges.add((State[source.strip()], State[target.strip()]))
+    return edges
+
+
+def test_the_module_diagram_shows_exactly_the_declared_transitions():
+    declared = {(source, target) for (source, _), targets in _TARGETS.items() for target in targets}
+    assert _diagram_edges() == declared
+    assert set(_TARGETS) <= set(_TABLE)
+
+
+def test_an_undeclared_transition_is_refused(monkeypatch):
+    """A handler that would enter a state its table row does not declare raises instead of corrupting the job."""
+    monkeypatch.setitem(_TARGETS, (State.IDLE, FaultReported), frozenset({State.FLUSHING}))
+    m = machine(flush_seconds=0)
+    with pytest.raises(IllegalTransition, match="FaultReported in idle may not lead to wait-stop"):
+        fault(m)

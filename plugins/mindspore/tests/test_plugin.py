@@ -17,6 +17,9 @@ Starter = Callable[[FakeMsrun, Mapping[str, str]], None]
 
 
 def _via_plugin(fake: FakeMsrun, env: Mapping[str, str]) -> None:
+    # The path msrun imports, as the seed document writes it.
+    from taskd.python.framework.agent.ms_mgr.msrun_plugin import MSRunPlugin
+
     plugin = MSRunPlugin(env=env)
     for name, func in fake.callbacks().items():
         plugin.register_callbacks(name, func)
