@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from taskd_core.cli.status import render
+from taskd_core.client.status import query_status
 from taskd_core.models import Code
 from taskd_core.rpc import recover_pb2 as pb
 
@@ -65,3 +67,15 @@ def test_health_check_carries_the_agents_hang_timeouts(controller, make_agent):
     long = pb.ClientInfo(jobId=JOB, agentId="node-0", progress="y" * 5000)
     assert agent.stub.HealthCheck(long, timeout=10).code == Code.OK  # cut, not refused: HealthCheck always answers OK
     assert len(_status(agent).agents[0].progress) == 1000
+
+
+def test_taskd_status_shows_the_timeouts_and_keeps_a_stack_to_one_line(controller, make_agent):
+    agent = make_agent(controller.address, JOB, agent_id="node-0").join()
+    info = pb.ClientInfo(jobId=JOB, agentId="node-0", progress="stopped 0.5s; heartbeat 3.0s (learned)")
+    assert agent.stub.HealthCheck(info, timeout=10).code == Code.OK
+    stack = "rank 1 (pid 42) hung: heartbeat\n" + "    frame (train.py:7)\n" * 200
+    assert _fault(agent, "3", stack).code == Code.OK
+    text = render(query_status(controller.address, JOB, events=50))
+    assert "hang timeouts: stopped 0.5s; heartbeat 3.0s (learned)" in text
+    fault_line = next(line for line in text.splitlines() if " fault " in line)
+    assert "hung: heartbeat | " in fault_line and fault_line.endswith("...") and len(fault_line) < 400
