@@ -61,6 +61,8 @@ def recovered(tmp_path: Path, cluster: Cluster, reference: str, victim: int) -> 
     assert cluster.wait_all() == [0, 0], cluster.diagnostics()
     hangs = [f for f in faults(cluster) if "3" in f["ranks"].values()]  # type: ignore[attr-defined]
     assert [h["ranks"] for h in hangs] == [{str(victim): "3"}], cluster.journal()
+    # The peers whose collective broke when the hung rank was killed end in the same cycle: one recovery.
+    assert [kind for kind, _ in cluster.journal()].count("cycle started") == 1, cluster.journal()
     events = read_events(tmp_path / "progress.jsonl")
     assert sorted(e["rank"] for e in events if e["event"] == "resumed") == [0, 1, 2, 3]
     assert json.loads((tmp_path / "result.json").read_text())["sha256"] == reference
