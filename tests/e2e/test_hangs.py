@@ -117,7 +117,8 @@ def test_spinning_rank_found_by_the_timeout_learned_after_a_step_time_change(
              "--job", cluster.job_id],
             capture_output=True, text=True, cwd=REPO, timeout=60, check=False,
         ).stdout
-        return "hang timeouts:" in status and "heartbeat 4." in status
+        shown = re.search(r"hang timeouts: .*heartbeat ([0-9.]+)s \(learned", status)
+        return shown is not None and float(shown.group(1)) > 3.0  # above the floor: the slow steps count
 
     wait_until("taskd status showing the learned heartbeat timeout", status_shows_learned_timeout, cluster)
     evidence = recovered(tmp_path, cluster, reference, victim=0)
