@@ -23,7 +23,6 @@ import time
 from types import FrameType
 
 import torch
-from taskd_pytorch.live import LiveSession
 from torch import nn
 from train_ddp import (
     Progress,
@@ -35,7 +34,12 @@ from train_ddp import (
     parse_args,
     save_checkpoint,
     sgd_step,
+    spin_forever,
+    step_pause,
+    step_timer,
 )
+
+from taskd_pytorch.live import LiveSession
 
 
 def main() -> int:
@@ -56,7 +60,8 @@ def main() -> int:
 
     model = make_model()
     velocity = [torch.zeros_like(p) for p in model.parameters()]
-    session = LiveSession(model=model, velocity=velocity)  # the state a replacement receives
+    # The state a replacement receives; every committed step is a heartbeat unless told otherwise.
+    session = LiveSession(model=model, velocity=velocity, heartbeat=not args.no_heartbeat)
     signal.signal(signal.SIGUSR1, on_dump)
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt_dir / "ckpt.pt"
@@ -65,18 +70,24 @@ def main() -> int:
     if done:
         progress.log("resumed", done)
     loss_fn = nn.MSELoss()
+    watchdog = step_timer(args.timer)
+    first_life = restart == 0 and session.round == 0
     for live_step in session.steps(args.steps):
         with live_step:
             step = live_step.number
-            if step == args.fail_at_step and rank == args.fail_rank and restart == 0 and session.round == 0:
+            if step == args.fail_at_step and rank == args.fail_rank and first_life:
                 inject_fault(args.fail_mode, step)
-            if args.step_time:
-                # Stands for compute: the window in which a peer's fault is handled.
-                time.sleep(args.step_time)
-            model.zero_grad()
-            x, y = batch(step, rank)
-            loss_fn(model(x), y).backward()
-            sgd_step(model, velocity, world_size, session.all_reduce)
+            with watchdog():
+                if step == args.hang_at_step and rank == args.hang_rank and first_life:
+                    spin_forever()
+                pause = step_pause(args, step)
+                if pause:
+                    # Stands for compute: the window in which a peer's fault is handled.
+                    time.sleep(pause)
+                model.zero_grad()
+                x, y = batch(step, rank)
+                loss_fn(model(x), y).backward()
+                sgd_step(model, velocity, world_size, session.all_reduce)
             done = step + 1
             progress.log("step", done)
             if rank == 0 and (done % args.ckpt_every == 0 or done == args.steps):

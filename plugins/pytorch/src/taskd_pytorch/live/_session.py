@@ -45,6 +45,8 @@ class LiveSession:
         group, may take before it counts as a lost peer (gloo waits 30 min).
     :param rejoin_timeout: seconds a worker whose group broke waits for its
         agent to announce the next round before it gives up and exits.
+    :param heartbeat: every committed step is a heartbeat for the node agent's
+        hang detection (:mod:`taskd_core.worker`); turn it off to report progress yourself.
     :param state: the job's replicated state by name: modules, optimizers,
         schedulers, tensors and lists of tensors. A replacement rank receives
         all of it, plus the step counter, from a live replica.
@@ -56,6 +58,7 @@ class LiveSession:
         backend: str = "gloo",
         collective_timeout: float = 300.0,
         rejoin_timeout: float = 300.0,
+        heartbeat: bool = True,
         **state: object,
     ) -> None:
         for name, obj in state.items():
@@ -64,6 +67,7 @@ class LiveSession:
         self._backend = backend
         self._collective_timeout = timedelta(seconds=collective_timeout)
         self._rejoin_timeout = rejoin_timeout
+        self._heartbeat = heartbeat
         env = _Env.read()
         self.rank, self.world_size, self._local_rank = env.rank, env.world_size, env.local_rank
         self._prefix = f"taskd/live/{env.restart}/"
@@ -141,8 +145,9 @@ class LiveSession:
 
     def _commit(self, number: int) -> None:
         self.step = number + 1
-        # Every committed step tells the node agent this rank makes progress (hang detection).
-        worker.heartbeat()
+        if self._heartbeat:
+            # Every committed step tells the node agent this rank makes progress (hang detection).
+            worker.heartbeat()
 
     def _fail(self, exc: BaseException) -> None:
         logger.warning(
