@@ -22,6 +22,7 @@ diagram against it)::
     WAIT_STATUS --all 0, faults came meanwhile--> FLUSHING / WAIT_STOP / GIVEN_UP   (as from IDLE)
     WAIT_STATUS --failure / deadline--> WAIT_STATUS             (the next rung)
     WAIT_STOP / WAIT_STRATEGIES / WAIT_STATUS --failure that leaves only exit--> GIVEN_UP
+    (an agent that exits, or whose stream ends for good, during a wait counts as a failed answer)
     IDLE --every agent exited 0--> FINISHED
 
 A report that does not fit the state, the cycle's uuid or the cycle's members
@@ -163,7 +164,22 @@ class AgentExited:
     code: int
 
 
-Event = FaultReported | StopReported | StrategiesReported | StatusReported | DeadlinePassed | AgentExited
+@dataclass(frozen=True, slots=True)
+class AgentLost:
+    """The agent's signal stream ended and it did not subscribe again within the runtime's grace."""
+
+    agent: str
+
+
+Event = (
+    FaultReported
+    | StopReported
+    | StrategiesReported
+    | StatusReported
+    | DeadlinePassed
+    | AgentExited
+    | AgentLost
+)
 Report = StopReported | StrategiesReported | StatusReported
 
 _EVENT_NAMES: dict[type, str] = {
@@ -173,6 +189,7 @@ _EVENT_NAMES: dict[type, str] = {
     StatusReported: "ReportRecoverStatus",
     DeadlinePassed: "deadline",
     AgentExited: "ReportAgentExit",
+    AgentLost: "stream lost",
 }
 
 
@@ -269,7 +286,7 @@ class JobMachine:
     def handle(self, event: Event, now: float) -> Reaction:
         handler = _TABLE.get((self.snap.state, type(event)))
         if handler is None:
-            if isinstance(event, DeadlinePassed):
+            if isinstance(event, (DeadlinePassed, AgentLost)):
                 return Reaction(Reply())
             return Reaction(self._order_mix(f"{_EVENT_NAMES[type(event)]} does not fit the job's state"))
         fx = _Effects(now)
@@ -600,6 +617,8 @@ class JobMachine:
 
     def _on_agent_exit(self, event: AgentExited, fx: _Effects) -> Reply:
         self._journal(fx, "agent exit", agent=event.agent, code=event.code)
+        if self.snap.state in _CONCLUDE:
+            self._settle_gone(event.agent, fx)
         everyone = self.agents.values()
         if (
             self.snap.state is State.IDLE
@@ -610,6 +629,31 @@ class JobMachine:
             self.snap.outcome = "job finished"
             self._journal(fx, "job finished", agents=sorted(self.agents))
         return Reply(Code.OK, f"jobId={self.job_id}, receive ReportAgentExit")
+
+    def _on_agent_lost(self, event: AgentLost, fx: _Effects) -> Reply:
+        self._journal(fx, "agent lost", agent=event.agent)
+        self._settle_gone(event.agent, fx)
+        return Reply()
+
+    def _settle_gone(self, agent: str, fx: _Effects) -> None:
+        """A member that can no longer answer the wait in flight counts as having answered it failed.
+
+        Waiting out the report timeout for it would change nothing but the delay: a failed stop
+        or status moves down the ladder, no strategies leave only exit.
+        """
+        s = self.snap
+        waits: dict[State, tuple[dict[str, Any], object]] = {
+            State.WAIT_STOP: (s.stops, int(Code.CLIENT_ERROR)),
+            State.WAIT_STRATEGIES: (s.strategies, []),
+            State.WAIT_STATUS: (s.statuses, int(Code.CLIENT_ERROR)),
+        }
+        answers, failed = waits[s.state]
+        if not self._is_member(agent) or agent in answers:
+            return
+        answers[agent] = failed
+        self._journal(fx, "report", agent=agent, step=s.state.value, gone=True)
+        if self._complete(answers):
+            _CONCLUDE[s.state](self, fx)
 
 
 #: The ``recover`` variants and the ``extraParams`` each travels with.
@@ -643,6 +687,7 @@ _TABLE: dict[tuple[State, type], Handler] = {
     (State.WAIT_STATUS, StatusReported): JobMachine._on_status,
     (State.WAIT_STATUS, DeadlinePassed): JobMachine._on_deadline,
     **{(state, AgentExited): JobMachine._on_agent_exit for state in State},
+    **{(state, AgentLost): JobMachine._on_agent_lost for state in _CONCLUDE},
 }
 
 _CYCLE_START = frozenset({State.FLUSHING, State.WAIT_STOP, State.GIVEN_UP})
@@ -662,4 +707,14 @@ _TARGETS: dict[tuple[State, type], frozenset[State]] = {
     (State.WAIT_STATUS, StatusReported): _AFTER_STATUS,
     (State.WAIT_STATUS, DeadlinePassed): _AFTER_STATUS,
     (State.IDLE, AgentExited): frozenset({State.FINISHED}),
+    # An agent gone during a wait settles its answer, which may end the wait.
+    **{
+        (wait, gone): targets
+        for wait, targets in (
+            (State.WAIT_STOP, _AFTER_STOP),
+            (State.WAIT_STRATEGIES, _AFTER_STRATEGIES),
+            (State.WAIT_STATUS, _AFTER_STATUS),
+        )
+        for gone in (AgentExited, AgentLost)
+    },
 }

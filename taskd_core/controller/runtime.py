@@ -35,6 +35,7 @@ from taskd_core.controller.access import (
 from taskd_core.controller.machine import (
     AgentExited,
     AgentInfo,
+    AgentLost,
     DeadlinePassed,
     Event,
     FaultReported,
@@ -170,7 +171,9 @@ def check_job_id(job_id: str) -> str:
 class _Job:
     """A job's live state: the machine plus what only exists while running."""
 
-    __slots__ = ("agents", "claim", "denied_at", "inited", "machine", "subscribers", "timer", "timer_step")
+    __slots__ = (
+        "agents", "claim", "denied_at", "inited", "lost", "machine", "subscribers", "timer", "timer_step"
+    )
 
     def __init__(self, job_id: str, policy: JobPolicy, snapshot: Snapshot | None = None) -> None:
         self.agents: dict[str, AgentInfo] = {}
@@ -182,6 +185,8 @@ class _Job:
         self.subscribers: dict[str, Subscriber] = {}
         self.timer: asyncio.TimerHandle | None = None
         self.timer_step = -1
+        #: agents whose stream ended: when each counts as lost for good unless it subscribes again.
+        self.lost: dict[str, asyncio.TimerHandle] = {}
 
     @property
     def job_id(self) -> str:
@@ -197,6 +202,7 @@ class Controller:
         policies: PolicyBook,
         *,
         keepalive_interval: float = 5.0,
+        stream_grace: float = LIVE_GRACE,
         limits: Limits | None = None,
         clock: Callable[[], float] = time.time,
         access: AccessRules | None = None,
@@ -207,6 +213,7 @@ class Controller:
         self._observer = observer
         self._policies = policies
         self._keepalive_interval = keepalive_interval
+        self._stream_grace = stream_grace
         self._limits = limits or Limits()
         self._clock = clock
         self._jobs: dict[str, _Job] = {}
@@ -250,6 +257,8 @@ class Controller:
         for job in self._jobs.values():
             if job.timer is not None:
                 job.timer.cancel()
+            for handle in job.lost.values():
+                handle.cancel()
         self.end_streams()
 
     # --- the reference's RPCs ---------------------------------------------------------
@@ -333,6 +342,9 @@ class Controller:
                 "job needs its own identity: set ClientInfo.agentId (e.g. to the node rank)",
             )
         sub = job.subscribers[who.key] = Subscriber(job.job_id, who.key)
+        lost = job.lost.pop(who.key, None)
+        if lost is not None:
+            lost.cancel()
         job.agents[who.key].last_seen = self._clock()
         last = job.machine.snap.last_signal
         if last is not None:
@@ -351,6 +363,12 @@ class Controller:
         if job is not None and job.subscribers.get(sub.agent_id) is sub:
             del job.subscribers[sub.agent_id]
             logger.info("job %s: agent %s stream ended", sub.job_id, sub.agent_id)
+            # A wait must not sit out its report timeout for an agent that is gone; one that
+            # comes back within the grace rejoins the cycle instead.
+            if sub.agent_id not in job.lost:
+                job.lost[sub.agent_id] = asyncio.get_running_loop().call_later(
+                    self._stream_grace, self._on_stream_lost, job, sub.agent_id
+                )
         sub.close()
 
     def report(
@@ -664,6 +682,17 @@ class Controller:
         delay = max(0.0, snap.deadline - self._clock())
         job.timer = asyncio.get_running_loop().call_later(delay, self._on_deadline, job, snap.step)
         job.timer_step = snap.step
+
+    def _on_stream_lost(self, job: _Job, agent_id: str) -> None:
+        job.lost.pop(agent_id, None)
+        if agent_id not in job.subscribers and self._jobs.get(job.job_id) is job:
+            logger.warning(
+                "job %s: agent %s did not subscribe again within %.0fs",
+                job.job_id,
+                agent_id,
+                self._stream_grace,
+            )
+            self._apply(job, AgentLost(agent_id))
 
     def _on_deadline(self, job: _Job, step: int) -> None:
         job.timer = None

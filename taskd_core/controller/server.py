@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from taskd_core.controller.access import AccessRules
 from taskd_core.controller.metrics import ControllerMetrics, MetricsEndpoint, RpcMetricsInterceptor, on_loop
 from taskd_core.controller.policy import PolicyBook, validated
-from taskd_core.controller.runtime import Controller, Limits
+from taskd_core.controller.runtime import LIVE_GRACE, Controller, Limits
 from taskd_core.controller.service import RecoverService
 from taskd_core.controller.store import Store
 from taskd_core.errors import ConfigError
@@ -84,6 +84,9 @@ class ControllerConfig:
     #: serve Prometheus ``/metrics`` on this port of the listen host (0: any free port); None: off.
     #: With ``tls`` it is served over HTTPS with the same certificate (and client CA).
     metrics_port: int | None = None
+    #: seconds an agent whose signal stream ended has to subscribe again before the wait in
+    #: flight counts it as a failed answer (instead of waiting out the report timeout).
+    stream_grace: float = LIVE_GRACE
 
     def access(self) -> AccessRules:
         """The authorisation rules; checks the listener's security (:class:`ConfigError`)."""
@@ -156,6 +159,7 @@ class ControllerServer:
             self._store,
             self.config.policies,
             keepalive_interval=self.config.keepalive_interval,
+            stream_grace=self.config.stream_grace,
             access=self._access,
             limits=self.config.limits,
             observer=metrics,
@@ -294,6 +298,7 @@ class EmbeddedController:
         admin_token_file: str = "",
         limits: Limits | None = None,
         metrics_port: int | None = None,
+        stream_grace: float = LIVE_GRACE,
     ) -> None:
         book = policies or PolicyBook(validated(defaults or JobPolicy(), "defaults: "))
         self._config = ControllerConfig(
@@ -308,6 +313,7 @@ class EmbeddedController:
             admin_token_file,
             limits or Limits(),
             metrics_port=metrics_port,
+            stream_grace=stream_grace,
         )
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
