@@ -29,13 +29,39 @@ class ControllerUnavailableError(TaskdError):
 
     def __init__(self, address: str, waited: float, cause: BaseException | None = None) -> None:
         super().__init__(
-            f"controller at {address} did not answer within {waited:.1f}s"
+            f"controller at {address} unreachable for {round(waited, 1):g} s"
             f"{f' ({cause})' if cause else ''}; check that it runs, that the address is right and, if it "
             "serves TLS, that --tls-ca / TASKD_TLS_CA names its CA (and TASKD_TLS_CERT/KEY a client "
             "certificate for mutual TLS)"
         )
         self.address = address
         self.waited = waited
+        self.cause = cause
+
+
+#: What to do about each refusal of :class:`RegistrationRefusedError`.
+_REFUSAL_FIXES: dict[int | str, str] = {
+    409: "the job id or client fields are invalid; fix the job id (printable, at most 256 characters)",
+    500: "the controller serves as many jobs as it can; use another controller or let jobs end first",
+    "PERMISSION_DENIED": "this client may not act for the job; check its job token",
+    "UNAUTHENTICATED": "the controller wants credentials; give the client its token / TLS settings",
+    "UNIMPLEMENTED": "the server at this address is not a TaskD/ClusterD controller; check the address",
+}
+
+
+class RegistrationRefusedError(TaskdError):
+    """The controller refuses to take this client: no retry can change its answer.
+
+    ``code`` is the wire code (409 bad job id, 500 controller full, ...) or
+    the gRPC status name (``PERMISSION_DENIED``, ``UNAUTHENTICATED``).
+    """
+
+    def __init__(self, address: str, rpc: str, code: int | str, info: str) -> None:
+        fix = _REFUSAL_FIXES.get(code, "see the controller's log")
+        super().__init__(f"controller at {address} refused {rpc} ({code}: {info}); {fix}")
+        self.address = address
+        self.rpc = rpc
+        self.code = code
 
 
 class LauncherInterrupted(TaskdError):

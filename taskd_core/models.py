@@ -287,8 +287,12 @@ class JobPolicy:
     #: that come later still join the cycle until its strategy is chosen, so the
     #: window only has to cover near-simultaneous faults (the reference waits 1 s).
     flush_seconds: float = 0.1
-    #: recovery cycles allowed for the job before it is given up.
+    #: recovery cycles allowed within ``cycle_window`` before the job is given up.
     max_cycles: int = 3
+    #: seconds over which ``max_cycles`` is counted (a cycle older than this no
+    #: longer counts, so a long job is not killed by its 4th fault ever); 0
+    #: counts over the job's whole life.
+    cycle_window: float = 3600.0
     #: agents the job should have; 0 means whoever registered.
     expected_agents: int = 0
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)

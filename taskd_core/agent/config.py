@@ -48,6 +48,32 @@ class DispatchConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RestartBackoff:
+    """How a worker that keeps failing right after its start is slowed down.
+
+    See :mod:`taskd_core.agent.crashloop`.
+
+    ``initial`` 0 turns the backoff off.
+    """
+
+    initial: float = 1.0
+    cap: float = 30.0
+    #: a worker that ran this long was healthy: its failure starts no streak.
+    healthy_after: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_seconds(self.initial, "restart backoff")
+        check_seconds(self.cap, "restart backoff cap")
+        check_seconds(self.healthy_after, "healthy after")
+
+    def delay(self, streak: int) -> float:
+        """Seconds to hold back the report of the ``streak``-th quick failure in a row."""
+        if streak <= 1 or self.initial <= 0:
+            return 0.0
+        return min(self.cap, self.initial * 2.0 ** min(streak - 2, 30))
+
+
+@dataclass(frozen=True, slots=True)
 class AgentConfig:
     """Where the agent reports and how it treats its workers."""
 
@@ -70,6 +96,7 @@ class AgentConfig:
     credentials: Credentials = field(default_factory=Credentials)
     #: hang detection: bounds, timeouts, or off.
     progress: ProgressConfig = field(default_factory=ProgressConfig)
+    restart_backoff: RestartBackoff = field(default_factory=RestartBackoff)
 
     def __post_init__(self) -> None:
         if not self.job_id:

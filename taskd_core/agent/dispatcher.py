@@ -88,6 +88,11 @@ class ActionDispatcher:
         self.closed = threading.Event()
         #: the controller chose dump or exit: workers ending now, even with 0, are not a finished job.
         self.ending = threading.Event()
+        #: the controller did not take a cycle report (it lost the cycle): the agent reports its
+        #: stopped workers as faults again, so a new cycle restarts them instead of nothing happening.
+        self.refused = threading.Event()
+        #: why the controller gave the job up (its killMaster's extraParams).
+        self.give_up_reason = ""
 
     def handle(self, signal: Signal) -> None:
         """Carry out ``signal``'s actions under the lock, then send their reports without it.
@@ -101,7 +106,10 @@ class ActionDispatcher:
                 logger.info("agent is ending: %s not carried out", signal.signal_type)
                 return
             if signal.signal_type == SignalType.KILL_MASTER:
-                logger.warning("controller gave the job up (killMaster): stopping every worker")
+                self.give_up_reason = signal.extra_params or "no reason given"
+                logger.warning(
+                    "controller gave the job up (killMaster: %s): stopping every worker", self.give_up_reason
+                )
                 self.ending.set()
                 self._stop_quietly(None)
                 self.given_up.set()
@@ -117,7 +125,7 @@ class ActionDispatcher:
                 else:
                     logger.debug("action %r needs no work of its own on this node", action)
         for report in reports:
-            report()
+            self._taken(report())
 
     # --- rank bookkeeping -------------------------------------------------------
 
@@ -225,6 +233,10 @@ class ActionDispatcher:
                 f"within {self.config.live_timeout}s",
             )
         return Code.OK, f"live round {signal.cycle}: replaced local ranks {local}, every local worker joined"
+
+    def _taken(self, code: int) -> None:
+        if code != Code.OK:
+            self.refused.set()
 
     def _dump(self) -> tuple[Code, str]:
         statuses = self.adapter.monitor()

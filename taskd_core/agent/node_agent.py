@@ -20,17 +20,19 @@ import functools
 import logging
 import signal as signals
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from taskd_core.agent.config import AgentConfig
+from taskd_core.agent.crashloop import CrashLoop
 from taskd_core.agent.dispatcher import ActionDispatcher
 from taskd_core.agent.lifecycle import WorkerLedger
 from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.agent.progress import Hang, ProgressWatcher
 from taskd_core.client.manager import DLRecoverManager
-from taskd_core.errors import ConfigError, TaskdError
+from taskd_core.errors import ConfigError, RecoveryDisabledError, TaskdError
 from taskd_core.models import Code, FaultType, Signal, WorkerState, WorkerStatus
 from taskd_core.plugins.registry import Adapter
 
@@ -80,6 +82,12 @@ class NodeAgent:
         self._progress = (
             ProgressWatcher(config.progress, self._watch.wake) if config.progress.enabled else None
         )
+        #: why the agent must end the job itself: a fault report the controller did not take.
+        self._unreported: str | None = None
+        self._crashloop = CrashLoop(config.restart_backoff)
+        #: global ranks whose fault report the restart backoff holds back, and until when.
+        self._held: set[int] = set()
+        self._report_at = 0.0
         if not config.controller:
             raise ConfigError(f"the agent of job {config.job_id} needs a controller address")
         self.client = DLRecoverManager.for_job(
@@ -91,7 +99,8 @@ class NodeAgent:
             credentials=config.credentials,
             handler=self._handle_signal,
             connect_deadline=config.connect_timeout,
-            report_deadline=config.report_deadline,
+            # A fault found during an outage must wait as long as the outage is ridden out.
+            report_deadline=max(config.report_deadline, config.connect_timeout),
             health_interval=config.health_interval,
             health_note=self._progress.describe if self._progress is not None else None,
         )
@@ -130,13 +139,11 @@ class NodeAgent:
         """Run the node's workers to the end; never raises for worker failures."""
         subscriber: threading.Thread | None = None
         try:
-            recovery = self.client.init_clusterd()
-            if recovery:
-                status = self.client.register()
-                if status.code != Code.OK:
-                    raise TaskdError(
-                        f"controller refused to register job {self.config.job_id}: {status.info}"
-                    )
+            try:
+                self.client.rejoin()
+                recovery = True
+            except RecoveryDisabledError:
+                recovery = False
             if self._progress is not None:
                 # Before the first start: workers inherit where to report their progress.
                 self._progress.start()
@@ -219,12 +226,24 @@ class NodeAgent:
                         "was lost, the job cannot recover: start it again",
                     )
                 self._report_changes()
-                self._final_report(1, "job given up by the controller")
-                return AgentOutcome(Outcome.GIVEN_UP, 1, "the controller gave the job up")
+                reason = f"the controller gave the job up: {self.dispatcher.give_up_reason}"
+                self._final_report(1, reason)
+                return AgentOutcome(Outcome.GIVEN_UP, 1, reason)
+            if self._unreported is not None:
+                return self._end_failed(self._unreported)
             with self._lock:
                 statuses = self.adapter.monitor()
                 changes = self._ledger.update(statuses)
+                resync = self.dispatcher.refused.is_set()
+                self.dispatcher.refused.clear()
+            now = time.monotonic()
+            self._crashloop.seen(statuses.values(), now)
             failed = [s for s in statuses.values() if s.failed and (s.local_rank, s.pid) not in self._settled]
+            if resync:
+                # The controller lost the cycle these workers were stopped for: report them again.
+                failed = [
+                    s for s in statuses.values() if s.state is not WorkerState.RUNNING and not s.succeeded
+                ]
             if failed:
                 self._settle(failed)
                 for s in failed:
@@ -238,16 +257,17 @@ class NodeAgent:
                 if not recovery:
                     self._stop_all()
                     return AgentOutcome(Outcome.FAILED, 1, f"ranks {[s.global_rank for s in failed]} failed")
-                report = self._fault_reports.submit(
-                    self.client.report_process_fault,
-                    {s.global_rank: int(FaultType.NORMAL.value) for s in failed},
-                )
-                report.add_done_callback(_log_failed_report)
+                self._hold(failed, 0.0 if resync else self._crashloop.failed(failed, now), now)
+            reported = bool(self._held) and now >= self._report_at
+            if reported:
+                ranks = sorted(self._held)
+                self._held.clear()
+                self._send_fault(ranks, {r: int(FaultType.NORMAL.value) for r in ranks})
             if recovery and changes:
                 # Queued behind the fault report: the journal keeps the order, the recovery never
                 # waits for it.
                 self._fault_reports.submit(self.client.report_worker_events, changes)
-            if failed:
+            if failed or reported:
                 continue
             hangs = self._progress.take_hangs() if self._progress is not None else []
             if hangs:
@@ -256,14 +276,11 @@ class NodeAgent:
                     self._stop_all()
                     return AgentOutcome(Outcome.FAILED, 1, stopped[0].reason)
                 if stopped:
-                    report = self._fault_reports.submit(
-                        functools.partial(
-                            self.client.report_process_fault,
-                            {h.global_rank: int(FaultType.HANG.value) for h in stopped},
-                            detail="\n".join(h.evidence() for h in stopped),
-                        )
+                    self._send_fault(
+                        sorted(h.global_rank for h in stopped),
+                        {h.global_rank: int(FaultType.HANG.value) for h in stopped},
+                        detail="\n".join(h.evidence() for h in stopped),
                     )
-                    report.add_done_callback(_log_failed_report)
                 continue
             # After dump or exit the workers may end with 0, but the job is
             # being given up: wait for killMaster instead of claiming success.
@@ -279,7 +296,50 @@ class NodeAgent:
                 self._progress.track({s.pid: (s.local_rank, s.global_rank) for s in running if s.pid})
             if self._watch.watch(s.pid for s in running if s.pid):
                 continue
-            self._watch.wait(_WAIT_CAP)
+            self._watch.wait(min(_WAIT_CAP, self._report_at - now) if self._held else _WAIT_CAP)
+
+    def _hold(self, failed: list[WorkerStatus], delay: float, now: float) -> None:
+        if delay > 0:
+            logger.warning(
+                "ranks %s failed within %.0f s of their start, %d times in a row: restarting in %.1f s "
+                "(restart backoff, at most %.0f s)",
+                sorted(s.global_rank for s in failed),
+                self.config.restart_backoff.healthy_after,
+                self._crashloop.streak,
+                delay,
+                self.config.restart_backoff.cap,
+            )
+        self._report_at = max(self._report_at, now + delay) if self._held else now + delay
+        self._held.update(s.global_rank for s in failed)
+
+    def _send_fault(self, ranks: list[int], faults: Mapping[int, int], detail: str = "") -> None:
+        """Report faults from the report thread; one the controller does not take ends the job (see below)."""
+        report = self._fault_reports.submit(
+            functools.partial(self.client.report_process_fault, faults, detail=detail)
+        )
+        report.add_done_callback(functools.partial(self._fault_report_done, ranks=ranks))
+
+    def _fault_report_done(self, report: Future[int], ranks: list[int]) -> None:
+        """A fault report the controller did not take ends the job here, loudly, instead of a silent hang."""
+        if report.cancelled():
+            return
+        exc = report.exception()
+        code = Code.SERVER_INNER_ERROR if exc is not None else report.result()
+        if code == Code.OK:
+            return
+        if exc is not None:
+            logger.error("reporting failed workers to the controller failed: %s", exc, exc_info=exc)
+        self._unreported = (
+            f"the controller did not take the fault report of ranks {ranks} (code {code}); "
+            "without it the job cannot be recovered"
+        )
+        self._watch.wake()
+
+    def _end_failed(self, reason: str) -> AgentOutcome:
+        logger.error("job %s ends here: %s", self.config.job_id, reason)
+        self._stop_all()
+        self._final_report(1, reason)
+        return AgentOutcome(Outcome.FAILED, 1, reason)
 
     def _report_changes(self) -> None:
         with self._lock:
@@ -319,9 +379,3 @@ class NodeAgent:
             self.client.report_agent_exit(code, msg, deadline=_FINAL_REPORT_DEADLINE)
         except Exception:  # the outcome stands even if the controller cannot hear it
             logger.exception("could not tell the controller that this agent ends")
-
-
-def _log_failed_report(report: Future[int]) -> None:
-    exc = None if report.cancelled() else report.exception()
-    if exc is not None:
-        logger.error("reporting failed workers to the controller failed: %s", exc, exc_info=exc)

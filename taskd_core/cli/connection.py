@@ -13,6 +13,7 @@ import argparse
 import os
 from collections.abc import Mapping
 
+from taskd_core.launcher.settings import argtype, parse_seconds
 from taskd_core.models import Credentials
 from taskd_core.rpc.security import read_token_file
 
@@ -38,7 +39,11 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
         help="present the controller's admin token (sees every job); otherwise $TASKD_JOB_TOKEN is sent",
     )
     parser.add_argument(
-        "--timeout", type=float, default=5.0, metavar="S", help="RPC deadline (default: %(default)s)"
+        "--timeout",
+        type=argtype(lambda text: parse_seconds(text, positive=True)),
+        default=5.0,
+        metavar="S",
+        help="RPC deadline (default: %(default)s)",
     )
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from taskd_core.controller.policy import load_policies, parse_strategies
 from taskd_core.controller.server import ControllerConfig, ControllerServer, serve, split_listen
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.settings import argtype, parse_port
+from taskd_core.launcher.settings import argtype, parse_count, parse_port, parse_seconds
 from taskd_core.rpc.security import ServerTls
 
 logger = logging.getLogger(__name__)
@@ -36,14 +36,27 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--policy", type=Path, help='TOML policy file with [defaults] and [jobs."<id>"] tables')
     p.add_argument("--strategies", help="default strategies, comma-separated, e.g. recover,dump,exit")
-    p.add_argument("--report-timeout", type=float, metavar="S", help="deadline of each wait for reports")
+    seconds = argtype(parse_seconds)
+    positive = argtype(lambda text: parse_seconds(text, positive=True))
+    p.add_argument("--report-timeout", type=positive, metavar="S", help="deadline of each wait for reports")
     p.add_argument(
-        "--flush-seconds", type=float, metavar="S", help="fault flush window before stopping training"
+        "--flush-seconds", type=seconds, metavar="S", help="fault flush window before stopping training"
     )
-    p.add_argument("--max-cycles", type=int, metavar="N", help="recovery cycles a job may use")
+    p.add_argument(
+        "--max-cycles",
+        type=argtype(parse_count),
+        metavar="N",
+        help="recovery cycles a job may use in the window",
+    )
+    p.add_argument(
+        "--cycle-window",
+        type=seconds,
+        metavar="S",
+        help="seconds over which --max-cycles counts; 0: a job's whole life (default: 3600)",
+    )
     p.add_argument(
         "--keepalive-interval",
-        type=float,
+        type=positive,
         default=5.0,
         metavar="S",
         help="seconds between keep-alive signals (default: %(default)s)",
@@ -107,10 +120,14 @@ def _port(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     split_listen(args.listen)
     flags = {
-        "strategies": parse_strategies(args.strategies, key="--strategies") if args.strategies else None,
+        # An empty --strategies is an error, not "the default": parse it whenever it is given.
+        "strategies": parse_strategies(args.strategies, key="--strategies")
+        if args.strategies is not None
+        else None,
         "report_timeout": args.report_timeout,
         "flush_seconds": args.flush_seconds,
         "max_cycles": args.max_cycles,
+        "cycle_window": args.cycle_window,
     }
     policies = load_policies(args.policy, **{k: v for k, v in flags.items() if v is not None})
     logger.info("default policy: %s; %d job-specific policies", policies.defaults, len(policies.jobs))

@@ -21,26 +21,16 @@ import os
 import socket
 from pathlib import Path
 
+from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.launcher.process_adapter import ProcessAdapter
-from taskd_core.launcher.settings import add_node_options, node_settings_from_args
+from taskd_core.launcher.settings import add_node_options, argtype, node_settings_from_args, parse_count
 from taskd_core.launcher.spec import DEFAULT_MASTER_PORT, LaunchSpec
 from taskd_core.plugins import load_adapter
 
 logger = logging.getLogger(__name__)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, not {value}")
-    return value
+_at_least_one = argtype(lambda text: parse_count(text, low=1))
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -51,16 +41,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     topo = p.add_argument_group("workers")
     topo.add_argument(
-        "--nproc", "--nproc-per-node", type=_positive_int, default=1, help="workers on this node"
+        "--nproc", "--nproc-per-node", type=_at_least_one, default=1, help="workers on this node"
     )
-    topo.add_argument("--nnodes", type=_positive_int, default=1, help="nodes in the job")
-    topo.add_argument("--node-rank", type=_non_negative_int, default=0, help="this node's rank (0..nnodes-1)")
+    topo.add_argument("--nnodes", type=_at_least_one, default=1, help="nodes in the job")
+    topo.add_argument(
+        "--node-rank", type=argtype(parse_count), default=0, help="this node's rank (0..nnodes-1)"
+    )
     topo.add_argument(
         "--master-addr", default="127.0.0.1", help="host of rank 0 and of the embedded controller"
     )
     topo.add_argument(
         "--master-port",
-        type=int,
+        type=argtype(parse_count),
         default=None,
         help=f"workers' rendezvous port (default: free port on one node, {DEFAULT_MASTER_PORT} on several)",
     )
@@ -127,12 +119,13 @@ def run(args: argparse.Namespace) -> int:
         controller_state=args.controller_state,
     )
     spec = build_spec(args, settings.job_id, settings.agent.dispatch.stop_timeout)
-    adapter = load_adapter("process", instance=ProcessAdapter(spec))
-    logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
-    try:
-        outcome = run_node_agent(adapter, settings, "taskd run")
-    finally:
-        # Workers that exited 0 may leave children behind (the agent is done with
-        # them once the leaders ended): taskd run leaves no process of the job running.
-        adapter.stop(None, spec.stop_timeout)
+    with Lifeline() as lifeline:
+        adapter = load_adapter("process", instance=ProcessAdapter(spec, lifeline))
+        logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
+        try:
+            outcome = run_node_agent(adapter, settings, "taskd run")
+        finally:
+            # Workers that exited 0 may leave children behind (the agent is done with
+            # them once the leaders ended): taskd run leaves no process of the job running.
+            adapter.stop(None, spec.stop_timeout)
     return outcome.exit_code

@@ -31,6 +31,7 @@ from taskd_core.errors import (
     ControllerUnavailableError,
     ProtocolError,
     RecoveryDisabledError,
+    RegistrationRefusedError,
     TaskdError,
 )
 from taskd_core.models import PERMISSION_DENIED_INFO, Code, Credentials, Signal, SignalType, WorkerEvent
@@ -46,17 +47,43 @@ SignalHandler = Callable[[Signal], None]
 HandlerFactory = Callable[[str, "DLRecoverManager"], SignalHandler]
 
 #: The real clients ping every 3 s; the controller is configured to allow it.
+#: gRPC's own reconnect backoff grows to 120 s by default, so after a long
+#: outage the channel would not even try again before the connect deadline;
+#: capping it at 1 s keeps every attempt of ours a real one.
 _CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 3000),
     ("grpc.keepalive_timeout_ms", 1000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+#: Answers meaning "this controller does not know the job or agent" (it lost
+#: its state, or restarted without any): joining again fixes them.
+_REJOIN_CODES = frozenset({Code.UNREGISTERED, Code.JOB_NOT_EXIST, Code.UNINIT})
+#: gRPC statuses no retry can fix: the controller refuses this client.
+_REFUSING_STATUSES = frozenset(
+    {
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
 )
 
 # The seed's module-level report functions have no manager argument, so the
 # open managers are tracked here; close() removes a manager again.
 _active_lock = threading.Lock()
 _active: list[DLRecoverManager] = []
+
+
+def _brief(exc: BaseException | None) -> ConnectionError | None:
+    """A gRPC error as one short line (its details run over several lines)."""
+    if exc is None:
+        return None
+    details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+    return ConnectionError((details or str(exc)).splitlines()[0][:200])
 
 
 def active_manager() -> DLRecoverManager:
@@ -128,6 +155,7 @@ class DLRecoverManager:
         self._stream: Any = None
         self._stream_lock = threading.Lock()
         self._last_seq = 0
+        self._last_uuid = ""
         #: uuid of the cycle whose signal is being handled; reports carry it.
         self.cycle_uuid = ""
         self._channel = open_channel(
@@ -162,18 +190,29 @@ class DLRecoverManager:
 
     # --- set-up ---------------------------------------------------------------
 
-    def init_clusterd(self) -> bool:
+    def init_clusterd(self, deadline: float | None = None) -> bool:
         """Initialise the job on the controller; False when it answers 403 (recovery off).
 
-        Retries other codes and connection errors with capped exponential
-        backoff and jitter; raises :class:`ControllerUnavailableError` at the deadline.
+        Retries connection errors and transient answers with capped
+        exponential backoff until ``deadline`` (a ``time.monotonic()`` value;
+        default: the connect deadline from now), the last attempt landing on
+        it. A refusal no retry can fix raises at once.
+
+        :raises ControllerUnavailableError: nothing answered before the deadline.
+        :raises RegistrationRefusedError: 409 (bad job id), 500 (controller
+            full) or a permission error.
         """
-        deadline = time.monotonic() + self._connect_deadline
+        started = time.monotonic()
+        until = started + self._connect_deadline if deadline is None else deadline
         attempt = 0
         last: BaseException | None = None
         while True:
             try:
-                status = self._stub.Init(self.client_info(), timeout=self._rpc_timeout)
+                # wait_for_ready: an attempt waits for the channel to connect
+                # instead of failing at once while it is between reconnects.
+                status = self._stub.Init(
+                    self.client_info(), timeout=self._attempt_timeout(until), wait_for_ready=True
+                )
                 if status.code == Code.OK:
                     return True
                 if status.code == Code.FORBIDDEN and PERMISSION_DENIED_INFO in status.info:
@@ -186,15 +225,47 @@ class DLRecoverManager:
                         status.info,
                     )
                     return False
+                if status.code in (Code.INVALID_PARAM, Code.OUT_OF_MAX_JOBS):
+                    raise RegistrationRefusedError(self.server_addr, "Init", int(status.code), status.info)
                 logger.warning(
                     "Init of job %s answered %s (%s); retrying", self.job_id, status.code, status.info
                 )
             except grpc.RpcError as exc:
+                self._raise_if_refused(exc, "Init")
                 last = exc
                 logger.debug("Init of job %s failed: %s", self.job_id, exc)
-            if not self._backoff.wait(attempt, deadline, self._closed):
-                raise ControllerUnavailableError(self.server_addr, self._connect_deadline, last)
+            if not self._backoff.wait(attempt, until, self._closed):
+                raise ControllerUnavailableError(self.server_addr, until - started, _brief(last))
             attempt += 1
+
+    def _attempt_timeout(self, until: float) -> float:
+        # At least a short try even at the deadline, so the last attempt is a real one.
+        return max(0.5, min(self._rpc_timeout, until - time.monotonic()))
+
+    def _raise_if_refused(self, exc: grpc.RpcError, rpc: str) -> None:
+        if exc.code() in _REFUSING_STATUSES:
+            raise RegistrationRefusedError(
+                self.server_addr, rpc, exc.code().name, exc.details() or ""
+            ) from None
+
+    def rejoin(self, deadline: float | None = None) -> None:
+        """Init and Register again: what a controller that lost (or never had) the job needs.
+
+        :raises RecoveryDisabledError: the controller now answers 403.
+        :raises RegistrationRefusedError: it refuses this client.
+        :raises ControllerUnavailableError: it did not answer before ``deadline``.
+        """
+        if not self.init_clusterd(deadline):
+            raise RecoveryDisabledError(self.job_id)
+        try:
+            status = self.register()
+        except grpc.RpcError as exc:
+            self._raise_if_refused(exc, "Register")
+            raise ControllerUnavailableError(self.server_addr, self._rpc_timeout, _brief(exc)) from None
+        if status.code == Code.FORBIDDEN and PERMISSION_DENIED_INFO in status.info:
+            raise AccessDeniedError(self.server_addr, status.info)
+        if status.code != Code.OK:
+            raise RegistrationRefusedError(self.server_addr, "Register", int(status.code), status.info)
 
     def register(self, request: pb.ClientInfo | None = None) -> pb.Status:
         """Register this client for its job; ``Status.code`` 0 is success.
@@ -246,13 +317,12 @@ class DLRecoverManager:
 
     def _subscribe_loop(self, handler: SignalHandler) -> None:
         attempt = 0
+        # The outage clock starts when the stream is lost, so the job rides out
+        # exactly the connect deadline, however the time splits into attempts.
+        lost_since = time.monotonic()
         while not self._closed.is_set():
             try:
-                if not self.init_clusterd():
-                    raise RecoveryDisabledError(self.job_id)
-                status = self.register()
-                if status.code != Code.OK:
-                    raise TaskdError(f"Register of job {self.job_id!r} answered {status.code}: {status.info}")
+                self.rejoin(lost_since + self._connect_deadline)
                 stream = self._stub.SubscribeProcessManageSignal(self.client_info())
                 with self._stream_lock:
                     self._stream = stream
@@ -266,16 +336,23 @@ class DLRecoverManager:
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     return
+                self._raise_if_refused(exc, "SubscribeProcessManageSignal")
                 logger.warning("signal stream of job %s lost: %s %s", self.job_id, exc.code(), exc.details())
-            except TaskdError as exc:
-                if isinstance(exc, (ControllerUnavailableError, RecoveryDisabledError, AccessDeniedError)):
-                    raise
-                logger.warning("%s", exc)
+            except ControllerUnavailableError as exc:
+                if self._closed.is_set():
+                    return
+                # The figure the user configured, which is how long the outage was ridden out.
+                raise ControllerUnavailableError(
+                    self.server_addr, self._connect_deadline, exc.cause
+                ) from None
             finally:
                 with self._stream_lock:
                     self._stream = None
-            deadline = time.monotonic() + self._backoff.cap * 2
-            self._backoff.wait(attempt, deadline, self._closed)
+            if attempt == 0:
+                lost_since = time.monotonic()
+            # Not bounded by the deadline: rejoin() enforces it, and a controller
+            # that answers but refuses the stream (ALREADY_EXISTS) must not be hammered.
+            self._closed.wait(self._backoff.delay(attempt))
             attempt += 1
 
     def _on_message(self, message: pb.ProcessManageSignal, handler: SignalHandler) -> bool:
@@ -290,13 +367,15 @@ class DLRecoverManager:
             return False
         if signal.signal_type == SignalType.KEEP_ALIVE:
             return False
-        if signal.seq and signal.seq <= self._last_seq:
+        # A controller that restarted without its state numbers from 1 again,
+        # but always in a new cycle (uuid): only the same cycle's numbers repeat.
+        if signal.seq and signal.uuid == self._last_uuid and signal.seq <= self._last_seq:
             logger.info("signal %s #%s already executed; skipped", signal.signal_type, signal.seq)
             return False
         kill = signal.signal_type == SignalType.KILL_MASTER
         if not kill and not signal.actions:
             return False
-        self._last_seq = max(self._last_seq, signal.seq)
+        self._last_seq, self._last_uuid = signal.seq, signal.uuid
         self.cycle_uuid = signal.uuid
         logger.info(
             "job %s signal %s actions=%s strategy=%s faults=%s",
@@ -335,40 +414,53 @@ class DLRecoverManager:
     def _report(
         self, name: str, call: Callable[..., pb.Status], request: Any, deadline: float | None = None
     ) -> int:
-        """Send a report; on a non-zero code re-register and retry once (as the reference does).
+        """Send a report until the controller takes it or the report deadline passes.
 
-        Connection errors are retried until the report deadline, so a report
-        survives a controller restart.
+        A controller that does not know the job or agent (it restarted
+        without its state) is joined again (Init, Register) and the report
+        re-sent; any other refusal is re-sent once after re-registering, as
+        the reference does. Connection errors are retried with backoff, so a
+        report survives a controller restart. Returns the last code: 0 when
+        taken, else why not (599 when the controller stayed unreachable).
         """
         patience = self._report_deadline if deadline is None else deadline
         until = time.monotonic() + patience
         attempt = 0
-        retried_code = False
+        code: int = Code.SERVER_INNER_ERROR
+        info = f"controller unreachable for {round(patience, 1):g} s"
+        retried_other = False
         while True:
             try:
-                status = call(request, timeout=self._rpc_timeout)
-                if status.code == Code.OK or retried_code:
-                    if status.code != Code.OK:
-                        logger.warning(
-                            "%s for job %s answered %s: %s", name, self.job_id, status.code, status.info
-                        )
-                    return int(status.code)
+                status = call(request, timeout=self._attempt_timeout(until))
+                code, info = int(status.code), status.info
+                if status.code == Code.OK:
+                    return 0
+                if status.code not in _REJOIN_CODES:
+                    if retried_other:
+                        break
+                    retried_other = True
                 logger.info(
-                    "%s for job %s answered %s (%s); re-registering",
+                    "%s for job %s answered %s (%s); joining again",
                     name,
                     self.job_id,
                     status.code,
                     status.info,
                 )
-                retried_code = True
-                self.register()
+                self.rejoin(until)
                 continue
             except grpc.RpcError as exc:
                 logger.warning("%s for job %s failed: %s", name, self.job_id, exc.code())
+                code, info = (
+                    Code.SERVER_INNER_ERROR,
+                    f"controller unreachable for {round(patience, 1):g} s ({_brief(exc)})",
+                )
+            except TaskdError as exc:  # joining again failed: the report cannot be taken now
+                code, info = Code.SERVER_INNER_ERROR, str(exc)
             if not self._backoff.wait(attempt, until, self._closed):
-                logger.error("%s for job %s: controller unreachable for %.0fs", name, self.job_id, patience)
-                return int(Code.SERVER_INNER_ERROR)
+                break
             attempt += 1
+        logger.error("%s for job %s not taken: %s (code %s)", name, self.job_id, info, int(code))
+        return int(code)
 
     def _faults(self, name: str, fault_ranks: Mapping[int, int]) -> list[pb.FaultRank] | None:
         """``fault_ranks`` for the wire; None (logged) when a caller's dict cannot be sent.

@@ -23,7 +23,8 @@ def _ask(
                 pb.StatusQuery(jobId=job_id, events=events), timeout=timeout
             )
         except grpc.RpcError as exc:
-            raise ControllerUnavailableError(address, timeout, ConnectionError(exc.details())) from None
+            details = (exc.details() or str(exc.code())).splitlines()[0]
+            raise ControllerUnavailableError(address, timeout, ConnectionError(details)) from None
     if reply.status.code != 0:
         raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
     return reply

@@ -225,6 +225,8 @@ class Snapshot:
     tried: list[str] = field(default_factory=list)
     last_signal: Signal | None = None
     outcome: str = ""
+    #: wall-clock starts of the cycles that still count against the budget.
+    cycle_starts: list[float] = field(default_factory=list)
 
 
 def brief(names: Iterable[str], most: int = 5) -> str:
@@ -429,9 +431,9 @@ class JobMachine:
 
     def _begin(self, fx: _Effects) -> None:
         """Faults are known and no cycle runs: flush, start, or give up."""
-        s = self.snap
-        if s.cycle >= self.policy.max_cycles:
-            self._give_up(fx, f"recovery cycle budget used up ({s.cycle} of {self.policy.max_cycles})")
+        used = self._cycles_counted(fx.now)
+        if used >= self.policy.max_cycles:
+            self._give_up(fx, self._budget_spent(used))
         elif self.policy.flush_seconds > 0:
             self._enter(fx, State.FLUSHING, self.policy.flush_seconds)
         else:
@@ -448,9 +450,31 @@ class JobMachine:
             self._start_cycle(fx)
         return Reply()
 
+    def _cycles_counted(self, now: float) -> int:
+        """Cycles that count against the budget now: those within the window (or all)."""
+        window = self.policy.cycle_window
+        if window <= 0:
+            return self.snap.cycle
+        return sum(1 for t in self.snap.cycle_starts if now - t < window)
+
+    def _budget_spent(self, used: int) -> str:
+        window, most = self.policy.cycle_window, self.policy.max_cycles
+        if window <= 0:
+            return (
+                f"recovery cycle budget used up: {used} of {most} cycles over the job's life "
+                "(policy max_cycles, cycle_window 0)"
+            )
+        return (
+            f"recovery cycle budget used up: {used} cycles within the last {window:g} s, "
+            f"budget {most} per {window:g} s (policy max_cycles, cycle_window)"
+        )
+
     def _start_cycle(self, fx: _Effects) -> None:
         s = self.snap
         s.cycle += 1
+        if self.policy.cycle_window > 0:
+            # Only the starts still inside the window matter: the list stays short.
+            s.cycle_starts = [t for t in s.cycle_starts if fx.now - t < self.policy.cycle_window] + [fx.now]
         s.uuid = new_cycle_uuid()
         s.members = sorted(a for a, info in self.agents.items() if info.exit_code is None)
         s.stops, s.strategies, s.statuses = {}, {}, {}
@@ -608,7 +632,8 @@ class JobMachine:
         self._give_up(fx, reason)
 
     def _give_up(self, fx: _Effects, reason: str) -> None:
-        self._send(fx, SignalType.KILL_MASTER, with_faults=False)
+        # extraParams carries the reason, so the agents can say why they end.
+        self._send(fx, SignalType.KILL_MASTER, extra=reason, with_faults=False)
         self._enter(fx, State.GIVEN_UP, None)
         self.snap.outcome = reason
         self._journal(fx, "job given up", reason=reason)

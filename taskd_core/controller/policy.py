@@ -8,7 +8,8 @@ per job that differs::
     recovery = true
     report_timeout = 900      # seconds each wait for the agents' reports may take
     flush_seconds = 0.1       # window that collects faults arriving together
-    max_cycles = 3            # recovery cycles a job may use before it is given up
+    max_cycles = 3            # recovery cycles a job may use within cycle_window before it is given up
+    cycle_window = 3600       # seconds over which max_cycles counts; 0: the job's whole life
     expected_agents = 0       # 0: whoever registered
 
     [jobs."job-42"]
@@ -42,6 +43,7 @@ _FILE_KEYS = {
     "report_timeout": "report_timeout",
     "flush_seconds": "flush_seconds",
     "max_cycles": "max_cycles",
+    "cycle_window": "cycle_window",
     "expected_agents": "expected_agents",
 }
 _FILE_LABELS = {attr: key for key, attr in _FILE_KEYS.items()}
@@ -104,7 +106,7 @@ def updated_policy(
             clean[name] = value
         elif name == "report_timeout":
             clean[name] = _number(key, value, minimum=0, integer=False, exclusive=True)
-        elif name == "flush_seconds":
+        elif name in ("flush_seconds", "cycle_window"):
             clean[name] = _number(key, value, minimum=0, integer=False)
         elif name in ("max_cycles", "expected_agents"):
             clean[name] = int(_number(key, value, minimum=0, integer=True))
@@ -132,6 +134,7 @@ def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
         "report_timeout": policy.report_timeout,
         "flush_seconds": policy.flush_seconds,
         "max_cycles": policy.max_cycles,
+        "cycle_window": policy.cycle_window,
         "expected_agents": policy.expected_agents,
     }
 

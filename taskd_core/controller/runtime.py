@@ -47,9 +47,16 @@ from taskd_core.controller.machine import (
     brief,
 )
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
-from taskd_core.controller.store import EventRecord, JobRow, Store, snapshot_from_dict, snapshot_to_dict
+from taskd_core.controller.store import (
+    EventRecord,
+    JobRow,
+    Store,
+    StoredJob,
+    snapshot_from_dict,
+    snapshot_to_dict,
+)
 from taskd_core.controller.subscriber import Subscriber
-from taskd_core.errors import DuplicateSubscriberError, RequestRejected
+from taskd_core.errors import DuplicateSubscriberError, RequestRejected, TaskdError
 from taskd_core.models import Code, FaultRank, JobPolicy, Signal, SignalType, WorkerEvent
 from taskd_core.rpc.security import Caller
 
@@ -224,24 +231,33 @@ class Controller:
     def start(self) -> None:
         """Load stored jobs, re-arm their deadlines and start keep-alives."""
         for stored in self._store.load():
-            row = stored.row
-            job = _Job(row.job_id, policy_from_dict(row.policy), snapshot_from_dict(row.snapshot))
-            job.inited = row.inited
-            job.claim = stored.claim
-            job.agents.update((a.agent_id, a) for a in stored.agents)
-            # Agents get a full grace period to come back before their job counts as abandoned.
-            for agent in job.agents.values():
-                agent.last_seen = max(agent.last_seen, self._clock())
-            self._jobs[row.job_id] = job
-            self._arm(job)
+            try:
+                job = self._restore(stored)
+            except (TaskdError, KeyError, ValueError, TypeError, AttributeError) as exc:
+                self._jobs.pop(stored.row.job_id, None)
+                self._store.set_aside(stored.row.job_id, f"{type(exc).__name__}: {exc}")
+                continue
             if job.machine.state not in (State.IDLE, State.FINISHED, State.GIVEN_UP):
                 logger.info(
                     "job %s resumes in state %s (cycle %d)",
-                    row.job_id,
+                    job.job_id,
                     job.machine.state.value,
                     job.machine.snap.cycle,
                 )
         self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
+
+    def _restore(self, stored: StoredJob) -> _Job:
+        row = stored.row
+        job = _Job(row.job_id, policy_from_dict(row.policy), snapshot_from_dict(row.snapshot))
+        job.inited = row.inited
+        job.claim = stored.claim
+        job.agents.update((a.agent_id, a) for a in stored.agents)
+        # Agents get a full grace period to come back before their job counts as abandoned.
+        for agent in job.agents.values():
+            agent.last_seen = max(agent.last_seen, self._clock())
+        self._jobs[row.job_id] = job
+        self._arm(job)
+        return job
 
     def end_streams(self) -> None:
         """End every signal stream (agents re-subscribe to another controller)."""

@@ -42,15 +42,26 @@ from taskd_core.rpc.security import (
 
 logger = logging.getLogger(__name__)
 
+_KEEPALIVE_MS = 3_000
+#: Bound on how long the stream of a frozen or vanished agent stays "live" (ping after 3 s, 3 s to answer).
+STREAM_DEAD_AFTER = 2 * _KEEPALIVE_MS / 1000
+
 #: Server channel options. Real clients ping every 3 s even without calls;
 #: grpcio's default (5 min, 2 strikes) would answer them with GOAWAY too_many_pings.
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.min_ping_interval_without_data_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_ping_strikes", 0),
-    # The reference pings idle clients after a minute and drops them 5 s later.
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    # A frozen (SIGSTOPped) or vanished agent holds its agent id until its
+    # stream is known dead; its replacement is refused with ALREADY_EXISTS till
+    # then. The server pings a connection after 3 s without reads and closes it
+    # when a ping stays unanswered for 3 s (ping_timeout_ms: a keepalive ping
+    # can be held back behind another unanswered ping, so keepalive_timeout_ms
+    # alone never fired, measured ~121 s). The reference waits a minute plus 5 s.
+    ("grpc.keepalive_time_ms", _KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", _KEEPALIVE_MS),
+    ("grpc.http2.ping_timeout_ms", _KEEPALIVE_MS),
+    ("grpc.http2.max_pings_without_data", 0),
     # Without this a second controller could bind the same port and split the agents between them.
     ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", 4 * 1024 * 1024),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +98,7 @@ def snapshot_to_dict(snap: Snapshot) -> dict[str, Any]:
         "tried": list(snap.tried),
         "last_signal": _signal_to_dict(snap.last_signal) if snap.last_signal else None,
         "outcome": snap.outcome,
+        "cycle_starts": list(snap.cycle_starts),
     }
 
 
@@ -120,6 +122,8 @@ def snapshot_from_dict(data: Mapping[str, Any]) -> Snapshot:
         tried=list(data["tried"]),
         last_signal=_signal_from_dict(last) if last else None,
         outcome=data["outcome"],
+        # Absent from state files written before the budget window existed.
+        cycle_starts=[float(t) for t in data.get("cycle_starts", ())],
     )
 
 
@@ -155,6 +159,12 @@ CREATE TABLE IF NOT EXISTS claims (
     token_digest TEXT NOT NULL,
     launch       TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS damaged_jobs (
+    job_id   TEXT NOT NULL,
+    reason   TEXT NOT NULL,
+    row      TEXT NOT NULL,
+    set_aside REAL NOT NULL
+);
 """
 
 
@@ -189,6 +199,13 @@ class EventRecord:
     detail: str
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a JSON object, found {type(value).__name__}")
+    return value
+
+
 class Store:
     """One SQLite database; use from one thread (the controller's event loop)."""
 
@@ -216,13 +233,30 @@ class Store:
             raise ConfigError(f"state file {path}: cannot open it as SQLite ({exc}); check --state") from None
 
     def load(self) -> list[StoredJob]:
+        """Every stored job; a job whose rows cannot be read is set aside (see :meth:`set_aside`).
+
+        :raises ConfigError: the file itself is damaged (one line naming it).
+        """
+        try:
+            return self._load()
+        except sqlite3.Error as exc:
+            raise ConfigError(
+                f"state file {self.path} is damaged ({exc}); move it away to start with an empty state"
+            ) from None
+
+    def _load(self) -> list[StoredJob]:
         agents: dict[str, list[AgentInfo]] = {}
+        damaged: dict[str, str] = {}
         for job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen in self._db.execute(
             "SELECT job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen FROM agents"
         ):
-            agents.setdefault(job_id, []).append(
-                AgentInfo(agent_id, role, node_rank, tuple(json.loads(rank_ids)), exit_code, last_seen)
-            )
+            try:
+                ranks = tuple(int(r) for r in json.loads(rank_ids))
+                agents.setdefault(job_id, []).append(
+                    AgentInfo(str(agent_id), str(role), node_rank, ranks, exit_code, float(last_seen))
+                )
+            except (ValueError, TypeError) as exc:
+                damaged[job_id] = f"agent {agent_id!r}: {exc}"
         claims = {
             job_id: Claim(digest, launch)
             for job_id, digest, launch in self._db.execute("SELECT job_id, token_digest, launch FROM claims")
@@ -230,13 +264,45 @@ class Store:
         jobs = []
         for job_id, inited, policy, snapshot in self._db.execute(
             "SELECT job_id, inited, policy, snapshot FROM jobs ORDER BY job_id"
-        ):
-            row = JobRow(job_id, bool(inited), json.loads(policy), json.loads(snapshot), claims.get(job_id))
+        ).fetchall():
+            if job_id in damaged:
+                self.set_aside(job_id, damaged[job_id])
+                continue
+            try:
+                row = JobRow(
+                    job_id, bool(inited), _json_object(policy), _json_object(snapshot), claims.get(job_id)
+                )
+            except (ValueError, TypeError) as exc:
+                self.set_aside(job_id, str(exc))
+                continue
             jobs.append(StoredJob(row, tuple(agents.get(job_id, ()))))
         logger.info(
             "state file %s: %d job(s), %d agent(s)", self.path, len(jobs), sum(map(len, agents.values()))
         )
         return jobs
+
+    def set_aside(self, job_id: str, reason: str) -> None:
+        """Move a job that cannot be loaded out of the way, keeping its row for inspection.
+
+        The controller starts without it (an agent of that job registers it
+        afresh); the row stays in table ``damaged_jobs``.
+        """
+        logger.error(
+            "state file %s: job %s is damaged (%s); set aside in table damaged_jobs, the other jobs load",
+            self.path,
+            job_id,
+            reason,
+        )
+        with self._transaction():
+            found = self._db.execute(
+                "SELECT inited, policy, snapshot FROM jobs WHERE job_id = ?", (job_id,)
+            ).fetchone()
+            self._db.execute(
+                "INSERT INTO damaged_jobs (job_id, reason, row, set_aside) VALUES (?, ?, ?, ?)",
+                (job_id, reason, json.dumps(found, default=str), time.time()),
+            )
+            self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+            self._db.execute("DELETE FROM agents WHERE job_id = ?", (job_id,))
 
     def commit(
         self,

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 
 from taskd_core.errors import ConfigError
+from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.launcher.spec import LaunchSpec
 from taskd_core.launcher.supervisor import WorkerProcess, stop_processes
 from taskd_core.models import Strategy, WorkerState, WorkerStatus
@@ -26,10 +27,12 @@ class ProcessAdapter:
     :param spec: what to launch. ``None`` makes an adapter that can only
         declare its strategies (what ``taskd plugins`` needs); worker control
         hooks then raise :class:`~taskd_core.errors.ConfigError`.
+    :param lifeline: kills the workers should the launcher die.
     """
 
-    def __init__(self, spec: LaunchSpec | None = None) -> None:
+    def __init__(self, spec: LaunchSpec | None = None, lifeline: Lifeline | None = None) -> None:
         self.spec = spec
+        self._lifeline = lifeline
         self._workers: dict[int, WorkerProcess] = {}
         self._restarts: dict[int, int] = {}
         # Hooks come from the agent's control thread, but monitor may also be
@@ -58,6 +61,7 @@ class ProcessAdapter:
             env=spec.worker_env(local_rank, count),
             log_path=spec.log_path(local_rank, count),
             cwd=spec.cwd,
+            lifeline=self._lifeline,
         )
 
     @hookimpl

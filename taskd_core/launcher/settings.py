@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from taskd_core.agent.config import AgentConfig, DispatchConfig, check_seconds
+from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff, check_seconds
 from taskd_core.agent.progress import ProgressConfig
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
@@ -501,6 +501,20 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "", *, publi
             DispatchConfig,
             "live_timeout",
         ),
+        "restart-backoff": (
+            (
+                "delay before restarting a worker that failed right after its start for the 2nd time "
+                "in a row, doubling each further time; 0 turns it off"
+            ),
+            RestartBackoff,
+            "initial",
+        ),
+        "restart-backoff-max": ("longest restart backoff delay", RestartBackoff, "cap"),
+        "healthy-after": (
+            "seconds a worker must run for its failure not to count as a crash loop",
+            RestartBackoff,
+            "healthy_after",
+        ),
     }
     for name, (text, cls, attr) in agent_seconds.items():
         g.add_argument(
@@ -534,6 +548,14 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "", *, publi
         default=None,
         metavar="N",
         help=f"recovery cycles before the job is given up (default: {policy.max_cycles})",
+    )
+    pol.add_argument(
+        f"{p}cycle-window",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="seconds over which the cycle budget counts; 0: the job's whole life "
+        f"(default: {policy.cycle_window:g})",
     )
     pol.add_argument(
         f"{p}report-timeout",
@@ -584,6 +606,16 @@ def node_settings_from_args(
         return getattr(args, _dest(prefix, name))
 
     controller = arg("controller") or controller_from_env(env) or ""
+    if controller:
+        # The budget is the controller's policy: a flag the controller never hears must not look obeyed.
+        for name in ("max-cycles", "cycle-window"):
+            if arg(name) is not None:
+                raise ConfigError(
+                    f"--{prefix}{name} sets the budget of the embedded controller, but this job uses the "
+                    f"controller at {controller}: set it in that controller's policy (taskd controller "
+                    f"--{name} or its --policy file) and drop the flag here"
+                )
+    window = arg("cycle-window")
     launch = launch_identity(nnodes, shared)
     credentials = job_credentials(
         env,
@@ -607,6 +639,9 @@ def node_settings_from_args(
         ),
         credentials=credentials,
         progress=progress_config(not arg("no-hang-detection"), {name: arg(name) for name in HANG_OPTIONS}),
+        restart_backoff=RestartBackoff(
+            arg("restart-backoff"), arg("restart-backoff-max"), arg("healthy-after")
+        ),
     )
     return NodeSettings(
         agent=agent,
@@ -622,6 +657,7 @@ def node_settings_from_args(
             report_timeout=arg("report-timeout"),
             flush_seconds=arg("flush-seconds"),
             max_cycles=cycles,
+            cycle_window=default_of(JobPolicy, "cycle_window") if window is None else window,
             # Every node's agent must answer before a cycle step ends.
             expected_agents=nnodes,
         ),

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from taskd_core.launcher.lifeline import Lifeline
+
 logger = logging.getLogger(__name__)
 
 #: How often a stop re-checks for live group members while it waits. Leaders
@@ -76,6 +78,7 @@ class WorkerProcess:
     :param name: how log lines name this worker (e.g. ``"rank 3"``).
     :param log_path: file that receives stdout and stderr (parents are created);
         ``None`` lets the worker inherit the launcher's streams.
+    :param lifeline: kills the worker's group should the launcher die.
     """
 
     def __init__(
@@ -85,9 +88,11 @@ class WorkerProcess:
         env: Mapping[str, str],
         log_path: Path | None = None,
         cwd: Path | None = None,
+        lifeline: Lifeline | None = None,
     ) -> None:
         self.name = name
         self.args = tuple(args)
+        self._lifeline = lifeline
         self._log: IO[bytes] | None = None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +112,8 @@ class WorkerProcess:
         except BaseException:
             self._close_log()
             raise
+        if lifeline is not None:
+            lifeline.adopt(self._popen.pid)
         logger.info("started %s: pid %s, command %s", name, self._popen.pid, " ".join(self.args))
 
     @property
@@ -147,7 +154,12 @@ class WorkerProcess:
 
     def alive(self) -> bool:
         """Whether the leader runs or any process of its group is still alive."""
-        return self.poll() is None or group_alive(self.pid)
+        if self.poll() is None or group_alive(self.pid):
+            return True
+        if self._lifeline is not None:
+            self._lifeline.release(self.pid)
+            self._lifeline = None
+        return False
 
     def _close_log(self) -> None:
         if self._log is not None:

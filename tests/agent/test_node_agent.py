@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -11,13 +12,15 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from taskd_core.agent.config import AgentConfig, DispatchConfig
+from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
 from taskd_core.agent.node_agent import AgentOutcome, NodeAgent, Outcome
 from taskd_core.controller.server import EmbeddedController
+from taskd_core.errors import ConfigError
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import LaunchSpec
 from taskd_core.models import JobPolicy, Strategy
@@ -29,13 +32,16 @@ WORKER = """
 import os, pathlib, signal, sys, time
 rank, restart = os.environ["RANK"], os.environ["TASKD_RESTART_COUNT"]
 out = pathlib.Path(sys.argv[1])
-(out / f"start-{rank}-{restart}-{os.getpid()}").touch()
 def dump(signum, frame):
     (out / f"dumped-{rank}").touch()
     sys.exit(0)
-signal.signal(signal.SIGUSR1, dump)
+signal.signal(signal.SIGUSR1, dump)  # before the start is announced: a dump may follow at once
+(out / f"start-{rank}-{restart}-{os.getpid()}").write_text(repr(time.monotonic()))
 deadline = time.monotonic() + 120
 while not (out / "finish").exists() and time.monotonic() < deadline:
+    if (out / f"kill-{rank}-{restart}").exists():  # the test asks this start to fail
+        (out / f"died-{rank}-{restart}").touch()
+        sys.exit(1)
     time.sleep(0.02)
 """
 
@@ -46,11 +52,11 @@ class Job:
     def __init__(
         self,
         tmp: Path,
-        controller: EmbeddedController,
+        controller: Any,  # EmbeddedController or a controller process: anything with .address
         *,
         nproc: int = 2,
         independent: bool = False,
-        report_deadline: float = 60.0,
+        **config: Any,
     ) -> None:
         self.out = tmp / "out"
         self.out.mkdir()
@@ -64,8 +70,8 @@ class Job:
             AgentConfig(
                 job_id="job",
                 controller=controller.address,
-                report_deadline=report_deadline,
                 dispatch=DispatchConfig(stop_timeout=5.0, dump_grace=10.0),
+                **config,
             ),
             load_adapter("process", instance=ProcessAdapter(spec)),
         )
@@ -261,3 +267,115 @@ def test_agent_obeys_sigterm_while_a_fault_report_retries(make_job, caplog) -> N
     outcome = job.result.result(timeout=120)
     assert (outcome.kind, outcome.exit_code) == (Outcome.INTERRUPTED, 128 + signal.SIGTERM)
     assert_gone(pids.values())
+
+
+def _wait_for(what: str, check: Any, job: Job, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert not job.result.done(), f"{what}: agent ended: {job.result.result()}"
+        assert time.monotonic() < end, f"{what}: not within {timeout}s"
+        time.sleep(0.02)
+
+
+NO_BACKOFF = RestartBackoff(initial=0.0)
+CONTROLLER_FLAGS = ("--flush-seconds", "0", "--report-timeout", "30", "--max-cycles", "3")
+
+
+def test_faults_during_outages_are_recovered_by_controllers_restarted_empty(tmp_path: Path, controller_process) -> None:
+    """10 times: the controller is SIGKILLed, a worker dies meanwhile, a controller with an EMPTY state
+    takes its port. The refused fault is re-sent after joining again and every time the job recovers."""
+    port = free_port()
+    listen = ("--listen", f"127.0.0.1:{port}")
+    memory = Path(":memory:")
+    ctl = controller_process(memory, *listen, *CONTROLLER_FLAGS)
+    job = Job(tmp_path, ctl, connect_timeout=120, restart_backoff=NO_BACKOFF)
+    try:
+        for k in range(10):
+            job.wait_starts(2 * (k + 1))
+            ctl.kill()
+            (job.out / f"kill-1-{k}").touch()
+            _wait_for(f"rank 1 to die in outage {k}", (job.out / f"died-1-{k}").exists, job)
+            ctl = controller_process(memory, *listen, *CONTROLLER_FLAGS)
+        job.wait_starts(22)
+        outcome = job.finish()
+        assert outcome.kind is Outcome.SUCCEEDED and outcome.exit_code == 0
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize(("outage", "survives"), [(0.75, True), (1.5, False)])
+def test_an_outage_is_ridden_out_for_the_connect_timeout(tmp_path: Path, outage: float, survives: bool) -> None:
+    """The controller is away for ``outage`` x the connect timeout (the 45 s of a 60 s timeout, scaled):
+    the job trains on and finishes; longer, the agent ends it saying the controller was unreachable.
+    (In-process controllers: a new one binds in milliseconds, so the outage is what the test says.)"""
+    timeout = 8.0
+    port = free_port()
+    state = str(tmp_path / "state.db")
+    policy = JobPolicy(**FAST)
+    ctl = EmbeddedController(listen=f"127.0.0.1:{port}", state=state, defaults=policy)
+    job = Job(tmp_path, ctl, connect_timeout=timeout)
+    try:
+        first = job.wait_starts(2)
+        _wait_for("the agent to subscribe", lambda: _subscribed(ctl.address), job)
+        ctl.stop()
+        time.sleep(outage * timeout)
+        if survives:
+            ctl = EmbeddedController(listen=f"127.0.0.1:{port}", state=state, defaults=policy)
+            _wait_for("the agent to subscribe again", lambda: _subscribed(ctl.address), job)
+            outcome = job.finish()
+            assert outcome.kind is Outcome.SUCCEEDED and job.starts() == first  # trained through it
+        else:
+            outcome = job.result.result(timeout=120)
+            assert outcome.kind is Outcome.FAILED and outcome.exit_code == 1
+            assert "unreachable for 8 s" in outcome.reason and "gave the job up" not in outcome.reason
+            assert_gone(first.values())
+    finally:
+        job.close()
+        ctl.stop()
+
+
+def _subscribed(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = pb_grpc.RecoverStub(channel).QueryStatus(pb.StatusQuery(jobId="job"), timeout=5)
+        except grpc.RpcError:
+            return False
+    return any(a.subscribed for j in reply.jobs for a in j.agents)
+
+
+def test_a_crash_looping_worker_is_restarted_with_growing_delays_then_given_up(make_job) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 dies right after every start: restarts are spaced by the backoff (none, 0.4, 0.8, 0.8 s)
+    and the 5th failure finds the budget (4 per hour) spent; the agent says so."""
+    backoff = RestartBackoff(initial=0.4, cap=0.8, healthy_after=60.0)
+    job, _ = make_job(
+        JobPolicy(max_cycles=4, cycle_window=3600, **FAST), independent=True, restart_backoff=backoff
+    )
+    for restart in range(6):
+        (job.out / f"kill-1-{restart}").touch()
+    outcome = job.result.result(timeout=120)
+    assert outcome.kind is Outcome.GIVEN_UP and outcome.exit_code == 1
+    assert "4 cycles within the last 3600 s, budget 4 per 3600 s" in outcome.reason
+    starts = sorted(
+        (int(p.name.split("-")[2]), float(p.read_text())) for p in job.out.glob("start-1-*")
+    )
+    assert [restart for restart, _ in starts] == [0, 1, 2, 3, 4]
+    gaps = [b - a for (_, a), (_, b) in itertools.pairwise(starts)]
+    # Lower bounds only: a loaded machine makes gaps longer, never shorter.
+    for gap, delay in zip(gaps, [backoff.delay(n) for n in (1, 2, 3, 4)]):
+        assert gap >= delay, (gaps, delay)
+
+
+def test_restart_backoff_delays() -> None:
+    backoff = RestartBackoff(initial=1.0, cap=5.0)
+    assert [backoff.delay(n) for n in range(1, 7)] == [0.0, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert RestartBackoff(initial=0.0).delay(9) == 0.0
+    with pytest.raises(ConfigError, match="restart backoff cap: must be"):
+        RestartBackoff(cap=-1.0)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from taskd_core.client.backoff import Backoff
 from taskd_core.client.manager import DLRecoverManager
-from taskd_core.controller.server import EmbeddedController
-from taskd_core.errors import ConfigError, ControllerUnavailableError, RecoveryDisabledError, TaskdError
+from taskd_core.client.status import query_status
+from taskd_core.controller.runtime import Limits
+from taskd_core.controller.server import STREAM_DEAD_AFTER, EmbeddedController
+from taskd_core.errors import (
+    ConfigError,
+    ControllerUnavailableError,
+    RecoveryDisabledError,
+    RegistrationRefusedError,
+    TaskdError,
+)
 from taskd_core.models import Code, JobPolicy, Signal, SignalType, Strategy
 from taskd_core.rpc import recover_pb2 as pb
+from taskd_core.rpc import recover_pb2_grpc as pb_grpc
 
 FAST = JobPolicy(flush_seconds=0.0, report_timeout=30.0, max_cycles=3)
 QUICK = Backoff(initial=0.02, cap=0.2)
@@ -131,7 +146,7 @@ def test_init_gives_up_at_its_deadline() -> None:
         pb.ClientInfo(jobId="j", role="r"), f"127.0.0.1:{free_port()}", connect_deadline=0.5, rpc_timeout=0.2, backoff=QUICK
     )
     try:
-        with pytest.raises(ControllerUnavailableError, match="did not answer"):
+        with pytest.raises(ControllerUnavailableError, match=r"unreachable for [\d.]+ s"):
             manager.init_clusterd()
     finally:
         manager.close()
@@ -147,13 +162,184 @@ def test_report_outside_a_cycle_gets_a_clear_code(controller: EmbeddedController
         manager.close()
 
 
-def test_report_for_unregistered_job_after_retry(controller: EmbeddedController) -> None:
-    """Re-register-and-retry-once cannot help a job that was never initialised: 408/400 comes back."""
+def test_a_report_for_a_job_the_controller_does_not_know_joins_it_first(controller: EmbeddedController) -> None:
+    """A 400 (unknown job) is answered by Init + Register and the report is sent again."""
     manager = DLRecoverManager(pb.ClientInfo(jobId="never", role="r"), controller.address, backoff=QUICK)
     try:
-        assert manager.report_process_fault({0: 1}) == Code.UNREGISTERED
+        assert manager.report_process_fault({0: 1}) == Code.OK
     finally:
         manager.close()
+
+
+def test_a_refusal_that_joining_cannot_fix_returns_its_code(controller: EmbeddedController) -> None:
+    """A report of a cycle the controller is not in is re-sent once after re-registering, then given back."""
+    manager = DLRecoverManager(pb.ClientInfo(jobId="stale", role="r"), controller.address, backoff=QUICK)
+    try:
+        manager.rejoin()
+        assert manager.report_recover_status(0, "done", {0: 1}, "recover") == Code.ORDER_MIX
+    finally:
+        manager.close()
+
+
+def test_a_fault_report_reaches_a_controller_that_restarted_without_its_state() -> None:
+    """The controller comes back empty: the refused fault is re-sent after joining again."""
+    port = free_port()
+    first = EmbeddedController(listen=f"127.0.0.1:{port}", defaults=FAST)
+    manager = DLRecoverManager(pb.ClientInfo(jobId="lost", role="r"), first.address, backoff=QUICK)
+    try:
+        manager.rejoin()
+        first.stop()
+        with EmbeddedController(listen=f"127.0.0.1:{port}", defaults=FAST) as second:
+            assert manager.report_process_fault({1: 1}) == Code.OK
+            (job,) = query_status(second.address, "lost", events=50)["jobs"]
+            assert int(job["cycle"]) == 1 and [f["rankId"] for f in job["faultRanks"]] == ["1"]
+    finally:
+        manager.close()
+
+
+def test_a_report_to_a_controller_that_stays_away_ends_at_its_deadline_with_a_reason(caplog) -> None:
+    manager = DLRecoverManager(
+        pb.ClientInfo(jobId="gone", role="r"), f"127.0.0.1:{free_port()}", report_deadline=1.0, backoff=QUICK
+    )
+    try:
+        assert manager.report_process_fault({0: 1}) == Code.SERVER_INNER_ERROR
+        assert any("not taken: controller unreachable for 1 s" in r.getMessage() for r in caplog.records)
+    finally:
+        manager.close()
+
+
+@pytest.mark.parametrize(("job_id", "code"), [("x" * 300, "409"), ("bad\njob", "409")])
+def test_init_names_a_bad_job_id_at_once(controller: EmbeddedController, job_id: str, code: str) -> None:
+    manager = DLRecoverManager(pb.ClientInfo(jobId=job_id, role="r"), controller.address, connect_deadline=120, backoff=QUICK)
+    try:
+        with pytest.raises(RegistrationRefusedError, match=f"refused Init \\({code}: .*fix the job id"):
+            manager.init_clusterd()
+    finally:
+        manager.close()
+
+
+def test_init_names_a_full_controller_at_once() -> None:
+    with EmbeddedController(defaults=FAST, limits=Limits(max_jobs=1)) as ctl:
+        first = DLRecoverManager(pb.ClientInfo(jobId="one", role="r"), ctl.address, backoff=QUICK)
+        second = DLRecoverManager(
+            pb.ClientInfo(jobId="two", role="r"), ctl.address, connect_deadline=120, backoff=QUICK, handler=print
+        )
+        try:
+            first.rejoin()
+            with pytest.raises(RegistrationRefusedError, match="\\(500: .*serves as many jobs"):
+                second.start_subscribe("unused")
+        finally:
+            first.close()
+            second.close()
+
+
+class _Denying(pb_grpc.RecoverServicer):
+    def Init(self, request: pb.ClientInfo, context: grpc.ServicerContext) -> pb.Status:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "job token does not match")
+
+
+def test_init_names_a_permission_error_at_once() -> None:
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+    pb_grpc.add_RecoverServicer_to_server(_Denying(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    manager = DLRecoverManager(pb.ClientInfo(jobId="j", role="r"), f"127.0.0.1:{port}", connect_deadline=120, backoff=QUICK)
+    try:
+        with pytest.raises(RegistrationRefusedError, match="PERMISSION_DENIED: job token does not match.*token"):
+            manager.init_clusterd()
+    finally:
+        manager.close()
+        server.stop(0)
+
+
+@pytest.mark.parametrize(("outage", "survives"), [(0.75, True), (1.5, False)])
+def test_an_outage_is_ridden_out_until_the_connect_deadline(tmp_path: Path, outage: float, survives: bool) -> None:
+    """The stream is lost for ``outage`` x the connect deadline: within it the subscription comes back,
+    beyond it start_subscribe ends saying for how long the controller was unreachable."""
+    deadline = 6.0
+    port = free_port()
+    state = str(tmp_path / "state.db")
+    ctl = EmbeddedController(listen=f"127.0.0.1:{port}", state=state, defaults=FAST)
+    manager, recorder = make_manager(ctl.address, "outage", connect_deadline=deadline)
+    errors: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            manager.start_subscribe("unused")
+        except TaskdError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=follow, daemon=True)
+    thread.start()
+    try:
+        wait_subscribed(ctl.address, "outage")
+        ctl.stop()
+        lost = time.monotonic()
+        thread.join(timeout=outage * deadline)
+        if survives:
+            assert thread.is_alive(), errors
+            ctl = EmbeddedController(listen=f"127.0.0.1:{port}", state=state, defaults=FAST)
+            wait_subscribed(ctl.address, "outage")
+            assert manager.report_process_fault({0: 1}) == Code.OK
+            recorder.next(SignalType.STOP_TRAIN)
+        else:
+            thread.join(timeout=60)
+            assert not thread.is_alive()
+            (error,) = errors
+            assert isinstance(error, ControllerUnavailableError) and "unreachable for 6 s" in str(error)
+            assert time.monotonic() - lost >= deadline - 0.5
+    finally:
+        manager.close()
+        thread.join(timeout=30)
+        ctl.stop()
+
+
+def wait_subscribed(address: str, job_id: str, agent_id: str = "master agent", timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            jobs = query_status(address, job_id)["jobs"]
+        except TaskdError:
+            jobs = []
+        if any(a["subscribed"] for j in jobs for a in j["agents"] if a["agentId"] == agent_id):
+            return
+        assert time.monotonic() < end, f"{agent_id} of {job_id} not subscribed within {timeout}s"
+        time.sleep(0.05)
+
+
+_FROZEN_AGENT = """
+import sys
+from taskd_core.client.manager import DLRecoverManager
+from taskd_core.rpc import recover_pb2 as pb
+manager = DLRecoverManager(pb.ClientInfo(jobId=sys.argv[2], role="taskd agent"), sys.argv[1], agent_id="node-0", handler=print)
+manager.start_subscribe("unused")
+"""
+
+
+def test_a_frozen_agent_is_replaced_by_a_new_agent_of_its_node(controller: EmbeddedController) -> None:
+    """The old agent is SIGSTOPped holding its stream; the controller declares that stream dead
+    within STREAM_DEAD_AFTER and the new agent with the same id takes over (it was ~121 s)."""
+    old = subprocess.Popen([sys.executable, "-c", _FROZEN_AGENT, controller.address, "frozen"])
+    replacement = None
+    thread = None
+    try:
+        wait_subscribed(controller.address, "frozen", "node-0")
+        old.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        replacement, recorder = make_manager(controller.address, "frozen", agent_id="node-0")
+        thread = subscribe(replacement)
+        assert replacement.report_process_fault({0: 1}) == Code.OK
+        recorder.next(SignalType.STOP_TRAIN)  # only a live subscription gets it
+        took = time.monotonic() - frozen
+        # Generous for a loaded machine; the bound is STREAM_DEAD_AFTER plus one client backoff.
+        assert took < 60, f"replacement took {took:.1f}s (bound {STREAM_DEAD_AFTER}s)"
+    finally:
+        old.kill()
+        old.wait(30)
+        if replacement is not None:
+            replacement.close()
+        if thread is not None:
+            thread.join(timeout=30)
 
 
 def test_resubscription_after_controller_restart_does_not_repeat_a_signal(tmp_path: Path) -> None:

@@ -37,12 +37,40 @@ def test_status_of_an_unknown_job_or_a_missing_controller_exits_2(controller, ca
         ["--listen", "nonsense"],
         ["--listen", "127.0.0.1:99999"],
         ["--strategies", "teleport"],
-        ["--report-timeout", "0"],
+        ["--strategies", ""],
     ],
 )
 def test_controller_rejects_bad_arguments_with_exit_2(argv, caplog):
     assert main(["controller", "--state", ":memory:", *argv]) == 2
     assert caplog.records and caplog.records[-1].levelname == "ERROR"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["controller", "--report-timeout", "0"], "--report-timeout: '0' is not a finite number of seconds > 0"),
+        (["controller", "--flush-seconds", "-1"], "--flush-seconds: '-1' is not a finite number"),
+        (["controller", "--max-cycles", "-1"], "--max-cycles: '-1' is not a whole number >= 0"),
+        (["controller", "--cycle-window", "nan"], "--cycle-window: 'nan' is not a finite number"),
+        (["controller", "--keepalive-interval", "inf"], "--keepalive-interval: 'inf' is not a finite number"),
+        (["status", "--events", "99999999999"], "--events: '99999999999' is more than 2147483647"),
+        (["status", "--events", "-1"], "--events: '-1' is not a whole number >= 0"),
+        (["status", "--timeout", "-3"], "--timeout: '-3' is not a finite number of seconds > 0"),
+    ],
+)
+def test_numeric_options_are_checked_with_one_line_and_no_traceback(argv, message, capsys):
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1]
+
+
+def test_an_unreachable_controller_is_one_line(capsys, caplog):
+    assert main(["status", "--controller", "127.0.0.1:1", "--timeout", "0.5"]) == 2
+    (record,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    line = record.getMessage()
+    assert "\n" not in line and "controller at 127.0.0.1:1 unreachable for 0.5 s" in line
 
 
 def test_controller_refuses_a_port_another_controller_holds(controller, caplog):

@@ -199,7 +199,7 @@ def test_failures_walk_down_the_ladder_to_kill_master():
     r = m.handle(StatusReported("a", 0, "dump"), NOW)
     assert [(s.signal_type, s.change_strategy, s.extra_params) for s in r.signals] == [
         ("changeStrategy", "exit", "dump_exit"),
-        ("killMaster", "", ""),
+        ("killMaster", "", "dump done, job exits"),
     ]
     assert m.state is State.GIVEN_UP and m.snap.tried == ["retry", "recover-in-place", "recover", "dump"]
 
@@ -310,3 +310,37 @@ def test_an_undeclared_transition_is_refused(monkeypatch):
     m = machine(flush_seconds=0)
     with pytest.raises(IllegalTransition, match="FaultReported in idle may not lead to wait-stop"):
         fault(m)
+
+
+def _one_cycle(m: JobMachine, now: float):
+    """A fault at ``now`` recovered by recover; the fault's reaction."""
+    r = m.handle(FaultReported("a", (FaultRank(0, FaultType("1")),)), now)
+    if m.state is State.GIVEN_UP:
+        return r
+    m.handle(StopReported("a", 0), now)
+    m.handle(StrategiesReported("a", ("recover", "exit")), now)
+    m.handle(StatusReported("a", 0, "recover"), now)
+    assert m.state is State.IDLE
+    return r
+
+
+def test_the_cycle_budget_counts_within_its_window():
+    m = machine(max_cycles=2, cycle_window=100)
+    _one_cycle(m, NOW)
+    _one_cycle(m, NOW + 50)
+    # The first cycle left the window: a third fault 101 s later is recovered, not fatal.
+    _one_cycle(m, NOW + 101)
+    assert m.snap.cycle == 3 and len(m.snap.cycle_starts) == 2
+    r = _one_cycle(m, NOW + 140)
+    assert kinds(r) == ["killMaster"] and m.state is State.GIVEN_UP
+    reason = m.snap.outcome
+    assert "2 cycles within the last 100 s" in reason and "budget 2 per 100 s" in reason
+    assert r.signals[0].extra_params == reason  # the agents learn why
+    assert snapshot_from_dict(json.loads(json.dumps(snapshot_to_dict(m.snap)))).cycle_starts == m.snap.cycle_starts
+
+
+def test_a_zero_cycle_window_counts_over_the_jobs_life():
+    m = machine(max_cycles=1, cycle_window=0)
+    _one_cycle(m, NOW)
+    r = _one_cycle(m, NOW + 10**6)
+    assert kinds(r) == ["killMaster"] and "1 of 1 cycles over the job's life" in m.snap.outcome

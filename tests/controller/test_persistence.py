@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import collections
 import json
+import sqlite3
 
 import pytest
 
-from taskd_core.controller.machine import AgentInfo, JournalEntry
-from taskd_core.controller.store import JobRow, Store
+from taskd_core.controller.machine import AgentInfo, JournalEntry, Snapshot
+from taskd_core.controller.store import JobRow, Store, snapshot_to_dict
 from taskd_core.errors import ConfigError
+from taskd_core.rpc import recover_pb2 as pb
 
 JOB = "job-p"
 
@@ -114,3 +116,61 @@ def test_sigkill_mid_cycle_then_restart_completes_the_cycle_with_each_event_once
         (step, f"n{i}") for step in ("stop", "strategies", "status") for i in range(2)
     )
     assert [e.seq for e in view.events] == sorted({e.seq for e in view.events})
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("snapshot", "{not json"),
+        ("snapshot", '{"state": "no-such-state"}'),
+        ("policy", '{"max_cycles": -4}'),
+        ("policy", "[1, 2]"),
+    ],
+)
+def test_a_damaged_job_row_is_set_aside_and_the_others_load(tmp_path, controller_factory, make_agent, caplog, column, value):
+    """A bad row never stops the controller: its job is set aside with one line naming file and job."""
+    state = tmp_path / "state.db"
+    ctl = controller_factory(state=str(state))
+    for job in ("good", "bad"):
+        make_agent(ctl.address, job).join()
+    ctl.stop()
+    db = sqlite3.connect(state)
+    with db:
+        db.execute(f"UPDATE jobs SET {column} = ? WHERE job_id = 'bad'", (value,))
+    db.close()
+    ctl = controller_factory(state=str(state))
+    probe = make_agent(ctl.address, "good")
+    assert [j.jobId for j in probe.stub.QueryStatus(pb.StatusQuery(), timeout=30).jobs] == ["good"]
+    (line,) = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert str(state) in line and "job bad " in line and "\n" not in line
+    db = sqlite3.connect(state)
+    assert [r[0] for r in db.execute("SELECT job_id FROM damaged_jobs")] == ["bad"]
+    db.close()
+    # The job's agent registers it afresh.
+    make_agent(ctl.address, "bad").join()
+
+
+def test_a_damaged_agent_row_sets_its_job_aside(tmp_path):
+    path = str(tmp_path / "state.db")
+    store = Store(path)
+    store.commit(JobRow("a", True, {}, {}), agents=[AgentInfo("n0", "taskd", 0, (0,))], now=1.0)
+    store.commit(JobRow("b", True, {}, {}), agents=[AgentInfo("n0", "taskd", 0, (0,))], now=1.0)
+    store._db.execute("UPDATE agents SET rank_ids = '[\"x\"]' WHERE job_id = 'a'")
+    assert [j.row.job_id for j in store.load()] == ["b"]
+    assert [j.row.job_id for j in store.load()] == ["b"]
+    store.close()
+
+
+def test_the_controller_daemon_starts_on_a_damaged_row_without_a_traceback(tmp_path, controller_process):
+    state = tmp_path / "state.db"
+    store = Store(str(state))
+    store.commit(JobRow("ok", True, {}, snapshot_to_dict(Snapshot())), now=1.0)
+    store.commit(JobRow("broken", True, {}, snapshot_to_dict(Snapshot())), now=1.0)
+    store._db.execute("UPDATE jobs SET snapshot = '{\"cycle\": ' WHERE job_id = 'broken'")
+    store.close()
+    child = controller_process(state)
+    assert child.terminate() == 0
+    log = child.log.read_text()
+    assert "Traceback" not in log
+    (line,) = [ln for ln in log.splitlines() if "damaged" in ln]
+    assert "ERROR" in line and str(state) in line and "job broken " in line

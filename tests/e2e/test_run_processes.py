@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from .harness import DEADLINE, REPO, Cluster, job_processes, wait_until
 
 #: argv: OUT MODE. Records each start as OUT/start-<rank>-<restart>-<pid>, then
 #: "finish": exits 0; "crash": exits 1; "orphan": starts a long-lived child and exits 0;
-#: "wait": runs until OUT/finish appears.
+#: "family": starts a long-lived child and waits; "wait": runs until OUT/finish appears.
 WORKER = textwrap.dedent(
     """
     import os, pathlib, sys, time
@@ -24,10 +25,11 @@ WORKER = textwrap.dedent(
     if mode == "crash":
         time.sleep(0.3)
         sys.exit(1)
-    if mode == "orphan":  # leaves a child behind and exits 0
+    if mode in ("orphan", "family"):  # a long-lived child; "orphan" then exits 0, "family" waits
         import subprocess
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(200)"])
-        sys.exit(0)
+        if mode == "orphan":
+            sys.exit(0)
     deadline = time.monotonic() + (0.5 if mode == "finish" else 200)
     while time.monotonic() < deadline and not (out / "finish").exists():
         time.sleep(0.05)
@@ -116,6 +118,19 @@ def test_signal_stops_every_worker(tmp_path: Path, cluster: Cluster, sig: signal
     wait_until("both workers started", lambda: len(starts(tmp_path)) == 2, cluster)
     run.proc.send_signal(sig)
     assert run.wait() == code, run.output()
+    assert job_processes(cluster.job_id) == []
+
+
+def test_sigkill_of_taskd_run_takes_every_worker_and_their_children(tmp_path: Path, cluster: Cluster) -> None:
+    """A SIGKILLed launcher runs no cleanup: its lifeline guard kills the workers' process groups."""
+    run = cluster.node(0, 1, 2, worker(tmp_path, "family"))
+    # 2 workers + their 2 children
+    wait_until("workers and children", lambda: len(job_processes(cluster.job_id)) == 4, cluster)
+    run.proc.kill()
+    run.wait()
+    left = time.monotonic() + 5.0  # measured well under 1 s; generous for a loaded machine
+    while job_processes(cluster.job_id) and time.monotonic() < left:
+        time.sleep(0.02)
     assert job_processes(cluster.job_id) == []
 
 

@@ -12,9 +12,14 @@ from taskd_core.cli import build_parser, main
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--nproc", "0", "--", "true"], "argument --nproc/--nproc-per-node: must be at least 1, not 0"),
-        (["--nnodes", "0", "--", "true"], "argument --nnodes: must be at least 1"),
-        (["--node-rank", "-1", "--", "true"], "argument --node-rank: must not be negative"),
+        (["--nproc", "0", "--", "true"], "argument --nproc/--nproc-per-node: '0' is not a whole number >= 1"),
+        (["--nnodes", "x", "--", "true"], "argument --nnodes: 'x' is not a whole number >= 1"),
+        (["--node-rank", "-1", "--", "true"], "argument --node-rank: '-1' is not a whole number >= 0"),
+        (["--master-port", "-1", "--", "true"], "argument --master-port: '-1' is not a whole number >= 0"),
+        (["--restart-backoff", "nan", "--", "true"], "argument --restart-backoff: 'nan' is not a finite number"),
+        (["--healthy-after", "-1", "--", "true"], "argument --healthy-after: '-1' is not a finite number"),
+        (["--cycle-window", "-5", "--", "true"], "argument --cycle-window: '-5' is not a finite number"),
+        (["--max-cycles", "1.5", "--", "true"], "argument --max-cycles: '1.5' is not a whole number >= 0"),
         (["--controller", "nohost", "--", "true"], "is not HOST:PORT"),
         (["--controller", "host:99999", "--", "true"], "not a TCP port"),
         (["--controller", "bad host!:80", "--", "true"], "neither an IP address nor a host name"),

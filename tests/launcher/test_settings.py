@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from taskd_core.agent.config import AgentConfig, DispatchConfig
+from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
 from taskd_core.agent.progress import ProgressConfig
 from taskd_core.cli import build_parser
 from taskd_core.errors import ConfigError
@@ -177,3 +177,21 @@ def test_hang_bounds_that_contradict_each_other_are_named() -> None:
 def test_join_address_brackets_ipv6_hosts() -> None:
     assert parse_address(join_address("::1", 8899)) == ("::1", 8899)
     assert join_address("node1", 8899) == "node1:8899"
+
+
+def test_restart_backoff_and_cycle_window_flags_reach_the_agent_and_the_policy() -> None:
+    settings = run_settings(
+        ["--restart-backoff", "0.5", "--restart-backoff-max", "4", "--healthy-after", "20", "--cycle-window", "600"]
+    )
+    assert settings.agent.restart_backoff == RestartBackoff(initial=0.5, cap=4.0, healthy_after=20.0)
+    assert settings.policy.cycle_window == 600.0
+    assert run_settings([]).policy.cycle_window == JobPolicy().cycle_window
+
+
+@pytest.mark.parametrize("flag", ["--max-cycles", "--cycle-window"])
+@pytest.mark.parametrize("env", [{}, {"TASKD_CONTROLLER": "ctl:7000"}])
+def test_a_budget_flag_with_an_external_controller_is_refused(flag: str, env: dict[str, str]) -> None:
+    """The budget is the controller's policy: a flag it never hears is an error, not silently ignored."""
+    argv = [flag, "5"] + ([] if env else ["--controller", "ctl:7000"])
+    with pytest.raises(ConfigError, match=f"{flag} sets the budget of the embedded controller.*ctl:7000"):
+        run_settings(argv, env)

@@ -169,3 +169,16 @@ def test_sigterm_stops_and_reaps_every_worker_and_exits_143(launch, out_dir: Pat
 
     assert job.wait(timeout=60) == 128 + signal.SIGTERM
     assert not [r["pid"] for r in seen if pid_alive(r["pid"])]
+
+
+@pytest.mark.slow
+def test_sigkill_of_taskdrun_leaves_no_worker(launch, out_dir: Path) -> None:
+    """taskdrun is SIGKILLed (no cleanup runs): its lifeline guard kills every worker."""
+    job = launch("--nproc-per-node=2", IDLE, str(out_dir))
+    seen = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 60, "both workers")
+
+    job.kill()
+    job.wait(timeout=60)
+
+    # Measured well under 1 s; the wait is generous for a loaded machine.
+    wait_for(lambda: not [r["pid"] for r in seen if pid_alive(r["pid"])], 5, "workers to die with taskdrun")

@@ -122,6 +122,7 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.run import config_from_args
 
     from taskd_core.agent.node_agent import Outcome
+    from taskd_core.launcher.lifeline import Lifeline
     from taskd_core.launcher.node import run_node_agent
     from taskd_core.plugins import load_adapter
     from taskd_pytorch.adapter import PytorchAdapter
@@ -148,6 +149,7 @@ def _launch(args: argparse.Namespace) -> int:
     stop = StopRequest()
     elastic = None
     outcome = None
+    lifeline = Lifeline()
     # Installed before the rendezvous: a signal must end taskdrun in every phase, not only once workers run.
     with forward_stop_signals(stop, "taskdrun", STOP_SIGNALS):
         try:
@@ -193,6 +195,7 @@ def _launch(args: argparse.Namespace) -> int:
                 log_line_prefix_template=config.log_line_prefix_template,
                 stop_timeout=stop_timeout,
                 stop=stop,
+                lifeline=lifeline,
             )
             group_rank, store = elastic.join()
             logger.info(
@@ -220,6 +223,7 @@ def _launch(args: argparse.Namespace) -> int:
                 elastic.close()
                 if outcome is not None and outcome.kind is not Outcome.INTERRUPTED:
                     _close_rendezvous(rdzv)
+            lifeline.close()
     # A stop signal that came after the agent's end (while the controller waited for the other
     # nodes) still counts.
     return 128 + stop.signum if stop.signum is not None else outcome.exit_code

@@ -48,6 +48,7 @@ from torch.distributed.elastic.utils.api import macros
 
 from taskd_core.errors import ConfigError, LauncherInterrupted
 from taskd_core.launcher.interrupt import StopRequest
+from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.models import WorkerState, WorkerStatus
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
 from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
@@ -78,6 +79,7 @@ class TaskdElasticAgent(LocalElasticAgent):
     :param stop_timeout: SIGTERM-to-SIGKILL delay when torch's own paths stop workers.
     :param stop: the launcher's stop request: once it fires, a rendezvous in
         progress is abandoned and no worker starts any more.
+    :param lifeline: kills the workers should taskdrun die.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         log_line_prefix_template: str | None = None,
         stop_timeout: float = 30.0,
         stop: StopRequest | None = None,
+        lifeline: Lifeline | None = None,
     ) -> None:
         if spec.virtual_local_rank:
             raise ConfigError("taskdrun does not support --virtual-local-rank")
@@ -107,7 +110,7 @@ class TaskdElasticAgent(LocalElasticAgent):
             shutdown_timeout=int(stop_timeout),
         )
         # Names carry a taskd_ prefix: LocalElasticAgent owns the plain private ones.
-        self._taskd_procs = RankProcesses(spec.role, logs_specs, start_method)
+        self._taskd_procs = RankProcesses(spec.role, logs_specs, start_method, lifeline)
         self._taskd_prefix = log_line_prefix_template
         self._taskd_stop_timeout = stop_timeout
         self._taskd_starts = 0

@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing import (
 )
 
 from taskd_core.errors import ConfigError
+from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.models import WorkerState
 from taskd_pytorch._signals import keep_signal_handlers
 
@@ -92,10 +93,14 @@ class RankProcesses:
     :param name: the workers' role name (torch's ``PContext`` name).
     :param logs_specs: where worker output goes, as torchrun was told.
     :param start_method: multiprocessing start method for function entrypoints.
+    :param lifeline: kills the workers should the launcher die.
     """
 
-    def __init__(self, name: str, logs_specs: LogsSpecs, start_method: str = "spawn") -> None:
+    def __init__(
+        self, name: str, logs_specs: LogsSpecs, start_method: str = "spawn", lifeline: Lifeline | None = None
+    ) -> None:
         self.name = name
+        self._lifeline = lifeline
         self._logs_specs = logs_specs
         self._start_method = start_method
         self._launches: dict[int, Launch] = {}
@@ -151,6 +156,8 @@ class RankProcesses:
                 start_method=self._start_method,
             )
         pid = context.pids()[0]
+        if self._lifeline is not None:
+            self._lifeline.adopt(pid)
         self._contexts[rank] = context
         self._pids[rank] = pid
         self._ended.pop(rank, None)
@@ -208,6 +215,8 @@ class RankProcesses:
         ended = RankState(WorkerState.EXITED, self._pids[rank], failure.exitcode if failure else 0, failure)
         del self._contexts[rank]
         self._ended[rank] = ended
+        if self._lifeline is not None:
+            self._lifeline.release(ended.pid or 0)
         logger.info(
             "%s local rank %s (pid %s) ended with exit code %s", self.name, rank, ended.pid, ended.exit_code
         )
