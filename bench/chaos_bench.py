@@ -8,13 +8,17 @@ time, and each must be recovered before the next is injected:
 
 ============================  =====================================================
 ``worker-kill``               SIGKILL a running worker
-``worker-stop``               SIGSTOP a worker, then SIGKILL it 1 s later: hang
-                              detection is another issue's, so a frozen worker is
-                              ended the way an operator (or that detector) would
+``worker-stop``               SIGSTOP a worker and leave it frozen: the agent's hang
+                              detection (state ``T`` past 0.5 s) must find it, take
+                              its stack, kill it and report a hang
 ``controller-kill``           SIGKILL the controller, start it again 0.5-3 s later
 ``controller-restart``        SIGTERM the controller, start it again at once
 ``agent-restart``             SIGKILL ``taskd run`` (its lifeline takes the workers
-                              down), start a new one for the same node
+                              down), start a new one for the same node: a new
+                              launch of the job, which the controller accepts once
+                              the old launch has been silent for 30 s (its
+                              ``LIVE_GRACE``; until then the new one is refused and
+                              started again every 2 s)
 ``outage``                    SIGSTOP the controller for 1-5 s: connections stay
                               open and nothing answers, as in a network partition
 ============================  =====================================================
@@ -42,6 +46,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -52,7 +57,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 from _common import (
     PYTHON,
     REPO,
@@ -60,7 +64,6 @@ from _common import (
     exit_on_sigterm,
     fmt,
     free_port,
-    job_view,
     markdown_table,
     pid_alive,
     poll_until,
@@ -70,7 +73,9 @@ from _common import (
     write_json,
 )
 
-from taskd_core.rpc import recover_pb2 as pb
+from taskd_core.client.status import query_status
+from taskd_core.errors import ControllerUnavailableError, TaskdError
+from taskd_core.models import Credentials
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +107,7 @@ KINDS = {
     "worker-stop": 15,
     "controller-kill": 15,
     "controller-restart": 10,
-    "agent-restart": 10,
+    "agent-restart": 4,
     "outage": 10,
 }
 WORKER_KINDS = ("worker-kill", "worker-stop")
@@ -143,6 +148,11 @@ class Chaos:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def admin(self) -> Credentials:
+        """The bench reads the job's state with the controller's admin token (the job has its own)."""
+        return Credentials(token=(self.root / "admin.token").read_text().strip())
+
     def start_controller(self) -> None:
         self.incarnations += 1
         self.back_at = time.monotonic()
@@ -162,22 +172,26 @@ class Chaos:
                 "0.1",
                 "--report-timeout",
                 "30",
+                "--admin-token-file",
+                str(self.root / "admin.token"),
             ],
             log=self.root / "controller.log",
             cwd=REPO,
         )
         poll_until(lambda: self._view() is not False, 60, "controller to serve", interval=0.05)
 
-    def _view(self) -> pb.JobView | None | bool:
+    def _view(self) -> dict[str, Any] | None | bool:
         """The job as the controller sees it (None: unknown yet); False: the controller does not answer."""
         try:
-            return job_view(self.address, JOB, events=0, timeout=2.0)
-        except grpc.RpcError:
+            jobs = query_status(self.address, JOB, timeout=2.0, credentials=self.admin)["jobs"]
+        except ControllerUnavailableError:
             return False
+        except TaskdError:  # answered: it does not know the job (yet)
+            return None
+        return dict(jobs[0]) if jobs else None
 
     def start_agent(self) -> None:
         script = self.root / "worker.py"
-        self.back_at = time.monotonic()
         self.agent = self.children.start(
             [
                 PYTHON,
@@ -207,8 +221,29 @@ class Chaos:
             log=self.root / "agent.log",
             cwd=REPO,
         )
-        agent = self.agent.pid
-        self.guards.append(poll_until(lambda: _child_guard(agent), 60, "the agent's lifeline guard"))
+        agent = self.agent
+        guard = poll_until(
+            lambda: _child_guard(agent.pid) or (agent.poll() is not None and -1), 60, "a guard"
+        )
+        if guard > 0:
+            self.guards.append(guard)
+
+    def start_agent_until_accepted(self, deadline: float) -> None:
+        """Start agents until one is not refused at once (a new launch waits out the old one's grace)."""
+        end = time.monotonic() + deadline
+        while True:
+            self.start_agent()
+            assert self.agent is not None
+            accepted = poll_until(
+                lambda: self.subscribed() or self.agent.poll() is not None,
+                deadline,  # type: ignore[union-attr]
+                "the agent to subscribe or end",
+            )
+            if self.agent.poll() is None and accepted:
+                return
+            if time.monotonic() > end:
+                raise TimeoutError(f"no agent was accepted within {deadline:.0f}s")
+            time.sleep(2.0)
 
     # --- what the job looks like -------------------------------------------------------------
 
@@ -224,7 +259,7 @@ class Chaos:
 
     def subscribed(self) -> bool:
         view = self._view()
-        return isinstance(view, pb.JobView) and any(a.subscribed for a in view.agents)
+        return isinstance(view, dict) and any(a["subscribed"] for a in view["agents"])
 
     def healthy(self, hit: set[int]) -> bool:
         """The agent holds its stream and every rank runs in a pid the fault did not hit."""
@@ -257,8 +292,6 @@ class Chaos:
     def _worker_stop(self, rng: random.Random) -> set[int]:
         pid = self._victim(rng)
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(1.0)
-        os.kill(pid, signal.SIGKILL)
         self.back_at = time.monotonic()
         return {pid}
 
@@ -282,7 +315,8 @@ class Chaos:
         hit = set(self.rank_pids().values())
         self.agent.kill()
         self.agent.wait(30)
-        self.start_agent()
+        self.back_at = time.monotonic()
+        self.start_agent_until_accepted(120.0)
         return hit
 
     def _outage(self, rng: random.Random) -> set[int]:
@@ -359,6 +393,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="taskd-chaos-") as tmp, Children(grace=30.0) as children:
         root = Path(tmp)
         (root / "worker.py").write_text(WORKER)
+        (root / "admin.token").write_text(secrets.token_urlsafe(32))
         chaos = Chaos(root, children, steps, step_time)
         chaos.out.mkdir()
         (chaos.out / "hold").touch()
@@ -400,8 +435,8 @@ def run(
             for r in range(NPROC)
             if (chaos.out / f"final-{r}.json").exists()
         }
-        view = job_view(chaos.address, JOB, events=0)
-        finished = view is not None and view.state == "finished"
+        view = chaos._view()
+        finished = isinstance(view, dict) and view["state"] == "finished"
         chaos.controller.terminate()
         chaos.controller.wait(30)
         time.sleep(1.0)

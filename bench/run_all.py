@@ -509,8 +509,8 @@ def chaos_section(data: dict[str, Any] | None) -> Section:
     method = (
         f"`bench/chaos_bench.py`: one `taskd controller` (state file) and one `taskd run --nproc 2` train a"
         f" deterministic job (a hash chain per rank, checkpointed every step) through {data['injected']} random"
-        f" faults, one at a time (seed {data['seed']}): worker SIGKILLs; worker SIGSTOPs ended by SIGKILL 1 s"
-        " later (hang detection belongs to another issue); controller SIGKILLs (back after 0.5–3 s) and"
+        f" faults, one at a time (seed {data['seed']}): worker SIGKILLs; worker SIGSTOPs left for the agent's hang"
+        " detection to find; controller SIGKILLs (back after 0.5–3 s) and"
         " SIGTERM restarts on its state file; SIGKILLs of `taskd run` followed by a new one for the same node;"
         " and 1–5 s outages of the controller (SIGSTOP: connections stay open and nothing answers). A fault is"
         " recovered when the agent holds its signal stream again and every rank runs in a process the fault"
