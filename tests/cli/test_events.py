@@ -87,7 +87,7 @@ def test_bad_requests_exit_2_with_a_clear_message(controller, make_agent, caplog
 
 def test_a_missing_controller_or_state_file_or_job_exits_2(tmp_path, controller_factory, caplog):
     assert main(["events", "j", "--controller", "127.0.0.1:1", "--timeout", "0.5"]) == 2
-    assert "did not answer" in caplog.records[-1].getMessage()
+    assert "unreachable for" in caplog.records[-1].getMessage()
     assert main(["events", "j", "--state", str(tmp_path / "none.db")]) == 2
     assert "no such file" in caplog.records[-1].getMessage()
     (tmp_path / "junk.db").write_text("not a database")

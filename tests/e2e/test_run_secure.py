@@ -91,7 +91,7 @@ def test_plaintext_taskd_run_against_a_tls_controller_fails_clearly(tmp_path, cl
     cluster.runs.append(run)
     assert run.wait() != 0
     out = run.output()
-    assert f"controller at {ctl.address} did not answer" in out and "TASKD_TLS_CA names its CA" in out
+    assert f"controller at {ctl.address} unreachable for" in out and "TASKD_TLS_CA names its CA" in out
     assert "Traceback" not in out
 
 
