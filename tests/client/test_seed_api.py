@@ -12,6 +12,7 @@ import pytest
 # Exactly as the seed document writes them.
 from taskd.python.toolkit.recover_module import recover_manager
 from taskd.python.toolkit.recover_module.pb import recover_pb2 as pb
+from taskd.python.toolkit.recover_module.pb import recover_pb2_grpc
 from taskd.python.toolkit.recover_module.recover_manager import DLRecoverManager
 from taskd_core.client.status import query_status
 from taskd_core.controller.server import EmbeddedController
@@ -68,6 +69,10 @@ def _wait_for_event(controller: EmbeddedController, job: str, kind: str) -> list
             return seen
         stop.wait(0.1)
     raise AssertionError(f"no {kind!r} in the journal of {job}: {seen}")
+
+
+def test_the_seed_pb_is_the_wire_stubs() -> None:
+    assert recover_pb2_grpc.RecoverStub and pb.ClientInfo(jobId="j").jobId == "j"
 
 
 def test_unknown_frame_is_named(controller: EmbeddedController) -> None:

@@ -6,10 +6,10 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 import pytest
-from conftest import TEST_POLICY, RawAgent, wait_until
 
 from taskd_core.controller.server import EmbeddedController
 from taskd_core.models import Code
+from tests.conftest import TEST_POLICY, RawAgent, wait_until
 
 JOB = "gone"
 #: Far longer than any test may take: a wait that ends did not run out.
