@@ -21,6 +21,7 @@ import os
 import socket
 from pathlib import Path
 
+from taskd_core.launcher.forkserver import ForkLauncher
 from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.settings import add_node_options, argtype, node_settings_from_args, parse_count
@@ -119,13 +120,23 @@ def run(args: argparse.Namespace) -> int:
         controller_state=args.controller_state,
     )
     spec = build_spec(args, settings.job_id, settings.agent.dispatch.stop_timeout)
-    with Lifeline() as lifeline:
-        adapter = load_adapter("process", instance=ProcessAdapter(spec, lifeline))
-        logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
-        try:
-            outcome = run_node_agent(adapter, settings, "taskd run")
-        finally:
-            # Workers that exited 0 may leave children behind (the agent is done with
-            # them once the leaders ended): taskd run leaves no process of the job running.
-            adapter.stop(None, spec.stop_timeout)
+    launcher = None
+    if settings.fork_server.enabled:
+        # Started now, so that the server preloads while the agent finds the controller.
+        cwd = None if spec.cwd is None else str(spec.cwd)
+        shared = {**spec.env, "TASKD_JOB_ID": spec.job_id}
+        launcher = ForkLauncher(spec.command, settings.fork_server, cwd, shared)
+    try:
+        with Lifeline() as lifeline:
+            adapter = load_adapter("process", instance=ProcessAdapter(spec, lifeline, launcher))
+            logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
+            try:
+                outcome = run_node_agent(adapter, settings, "taskd run")
+            finally:
+                # Workers that exited 0 may leave children behind (the agent is done with
+                # them once the leaders ended): taskd run leaves no process of the job running.
+                adapter.stop(None, spec.stop_timeout)
+    finally:
+        if launcher is not None:
+            launcher.close()
     return outcome.exit_code

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 
 from taskd_core.errors import ConfigError
+from taskd_core.launcher.forkserver import ForkLauncher
 from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.launcher.spec import LaunchSpec
 from taskd_core.launcher.supervisor import WorkerProcess, stop_processes
@@ -28,11 +29,16 @@ class ProcessAdapter:
         declare its strategies (what ``taskd plugins`` needs); worker control
         hooks then raise :class:`~taskd_core.errors.ConfigError`.
     :param lifeline: kills the workers should the launcher die.
+    :param launcher: forks Python workers from a fork server; None starts every worker by exec.
+        The adapter does not own it: whoever made it closes it.
     """
 
-    def __init__(self, spec: LaunchSpec | None = None, lifeline: Lifeline | None = None) -> None:
+    def __init__(
+        self, spec: LaunchSpec | None = None, lifeline: Lifeline | None = None, launcher: ForkLauncher | None = None
+    ) -> None:
         self.spec = spec
         self._lifeline = lifeline
+        self.launcher = launcher
         self._workers: dict[int, WorkerProcess] = {}
         self._restarts: dict[int, int] = {}
         # Hooks come from the agent's control thread, but monitor may also be
@@ -62,6 +68,7 @@ class ProcessAdapter:
             log_path=spec.log_path(local_rank, count),
             cwd=spec.cwd,
             lifeline=self._lifeline,
+            launcher=self.launcher,
         )
 
     @hookimpl

@@ -17,7 +17,7 @@ the same way and read the reference's environment the same way:
   ClusterD's ``MINDX_SERVER_IP`` with port 8899 unless it names one) and
   :func:`job_id_from_env` (``TASKD_JOB_ID``, else ``MINDX_TASK_ID``);
 - the embedded controller's port rule, :func:`embedded_port`;
-- the flags ``taskd run`` and ``taskdrun`` share (:func:`add_node_options`,
+- the flags ``taskd run`` and ``taskdrun`` share, warm restarts included (:func:`add_node_options`,
   :func:`node_settings_from_args`; ``taskdrun`` prefixes them with ``taskd-``)
   and the environment names msrun reads (:func:`agent_config_from_env`);
 - who the launch is (:func:`launch_identity`, :func:`default_job_id`) and what
@@ -42,6 +42,7 @@ from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff,
 from taskd_core.agent.progress import ProgressConfig
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
+from taskd_core.launcher.forkserver import TORCH_PRELOAD, ForkServerSettings
 from taskd_core.launcher.interrupt import STOP_SIGNALS
 from taskd_core.models import Credentials, JobPolicy
 
@@ -152,6 +153,15 @@ def parse_signal(text: str, what: str = "signal") -> signal.Signals:
         return signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
     except (KeyError, ValueError):
         raise ConfigError(f"{what}: unknown signal {text!r}") from None
+
+
+def parse_modules(text: str) -> tuple[str, ...]:
+    """Module names, comma separated (``''`` for none)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
+    if bad:
+        raise ConfigError(f"not module names: {', '.join(bad)}")
+    return names
 
 
 def parse_controller(text: str) -> str:
@@ -331,6 +341,8 @@ class NodeSettings:
     stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS
     #: let an embedded controller on a non-loopback address serve plaintext.
     insecure: bool = False
+    #: warm restarts: whether and how Python workers are forked from a fork server.
+    fork_server: ForkServerSettings = field(default_factory=ForkServerSettings)
 
     def __post_init__(self) -> None:
         if self.nnodes < 1:
@@ -531,6 +543,18 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "", *, publi
         metavar="SIGNAL",
         help="signal asking workers to save their state (default: SIGUSR1)",
     )
+    warm = parser.add_argument_group("TaskD warm restarts" if prefix else "warm restarts")
+    warm.add_argument(
+        f"{p}no-fork-server", dest=_dest(prefix, "fork-server"), action="store_false",
+        help="start every worker by exec instead of forking Python workers from a fork server that has already "
+        "imported the framework",
+    )
+    warm.add_argument(
+        f"{p}fork-server-preload", type=argtype(parse_modules), default=None, metavar="MODULES",
+        help="modules the fork server imports before the first start, comma separated, '' for none (default: "
+        f"{','.join(TORCH_PRELOAD)}; taskd run: those if the script imports torch, else none; modules not "
+        "installed are skipped, and the server also imports the installed modules the workers imported)",
+    )
     policy = JobPolicy()
     pol = parser.add_argument_group("recovery policy (embedded controller only)")
     pol.add_argument(
@@ -664,6 +688,7 @@ def node_settings_from_args(
         linger=arg("linger"),
         stop_signals=stop_signals,
         insecure=arg("insecure"),
+        fork_server=ForkServerSettings(enabled=arg("fork-server"), preload=arg("fork-server-preload")),
     )
 
 

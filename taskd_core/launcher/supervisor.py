@@ -7,8 +7,10 @@ one escalation with one shared deadline: SIGTERM to every group, wait, SIGKILL
 to the groups that still have live members (even when the leader is already
 gone: its orphaned children still carry the group id), then reap.
 
-Workers are only ever started by fork+exec (``Popen``): the launcher hosts gRPC
-objects, and gRPC does not survive a fork without exec.
+Workers are never forked from the launcher itself (it hosts gRPC, which does
+not survive a fork without exec): they are started by ``exec`` (``Popen``) or
+forked by the fork server, a separate process
+(:mod:`~taskd_core.launcher.forkserver`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from taskd_core.launcher.forkserver import ForkedProcess, ForkLauncher, start_worker
 from taskd_core.launcher.lifeline import Lifeline
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,7 @@ class WorkerProcess:
     :param log_path: file that receives stdout and stderr (parents are created);
         ``None`` lets the worker inherit the launcher's streams.
     :param lifeline: kills the worker's group should the launcher die.
+    :param launcher: forks Python workers from the job's fork server; None starts by exec.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class WorkerProcess:
         log_path: Path | None = None,
         cwd: Path | None = None,
         lifeline: Lifeline | None = None,
+        launcher: ForkLauncher | None = None,
     ) -> None:
         self.name = name
         self.args = tuple(args)
@@ -100,21 +105,22 @@ class WorkerProcess:
         full_env = os.environ.copy()
         full_env.update(env)
         try:
-            self._popen = subprocess.Popen(
+            self._popen: subprocess.Popen[bytes] | ForkedProcess = start_worker(
+                launcher,
                 self.args,
-                env=full_env,
-                cwd=cwd,
+                full_env,
+                cwd=None if cwd is None else str(cwd),
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
                 stderr=subprocess.STDOUT if self._log is not None else None,
-                start_new_session=True,
             )
         except BaseException:
             self._close_log()
             raise
         if lifeline is not None:
             lifeline.adopt(self._popen.pid)
-        logger.info("started %s: pid %s, command %s", name, self._popen.pid, " ".join(self.args))
+        how = "forked" if isinstance(self._popen, ForkedProcess) else "started"
+        logger.info("%s %s: pid %s, command %s", how, name, self._popen.pid, " ".join(self.args))
 
     @property
     def pid(self) -> int:

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from taskd_core.launcher._forkserver_main import SERVER_NAME
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_DDP = REPO / "examples" / "train_ddp.py"
 #: Ceiling of every wait in these tests: generous, for two loaded cores.
@@ -26,8 +28,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def job_processes(job_id: str) -> list[int]:
-    """Pids of live processes whose environment carries ``TASKD_JOB_ID=job_id`` (the workers of that job)."""
+def job_processes(job_id: str, *, fork_servers: bool = True) -> list[int]:
+    """Pids of live processes whose environment carries ``TASKD_JOB_ID=job_id`` (the workers of that job).
+
+    ``/proc/<pid>/environ`` is a process's environment at ``exec``: a worker
+    forked by the fork server shows the server's, which ``taskd run`` starts
+    with the job id for that reason. ``fork_servers=False`` leaves the servers
+    themselves (named ``taskd-forksrv``) out.
+    """
     needle = f"TASKD_JOB_ID={job_id}".encode()
     pids = []
     for entry in os.listdir("/proc"):
@@ -40,7 +48,8 @@ def job_processes(job_id: str) -> list[int]:
                 environ = f.read().split(b"\0")
         except OSError:  # gone, or not ours to read
             continue
-        if needle in environ and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
+        server = stat[stat.find(b"(") + 1 : stat.rfind(b")")] == SERVER_NAME
+        if needle in environ and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z" and (fork_servers or not server):
             pids.append(int(entry))
     return pids
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def process_running(pid: int) -> bool:
@@ -34,3 +38,15 @@ def wait_for_file(path: Path, deadline: float = 30.0) -> str:
             return path.read_text()
         time.sleep(0.02)
     raise AssertionError(f"{path} did not appear within {deadline}s")
+
+
+def wait_until(predicate: Callable[[], T], what: str = "condition", deadline: float = 60.0) -> T:
+    """``predicate()`` once it is truthy; fails the test after ``deadline`` seconds."""
+    end = time.monotonic() + deadline
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {deadline}s waiting for {what}")
+        time.sleep(0.02)

@@ -122,6 +122,7 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.run import config_from_args
 
     from taskd_core.agent.node_agent import Outcome
+    from taskd_core.launcher.forkserver import TORCH_PRELOAD, ForkLauncher
     from taskd_core.launcher.lifeline import Lifeline
     from taskd_core.launcher.node import run_node_agent
     from taskd_core.plugins import load_adapter
@@ -150,6 +151,13 @@ def _launch(args: argparse.Namespace) -> int:
     elastic = None
     outcome = None
     lifeline = Lifeline()
+    launcher = None
+    forks = options.node.fork_server
+    if forks.enabled and isinstance(entrypoint, str):
+        # Started now, so that the server preloads torch while the rendezvous and the agent get going.
+        if forks.preload is None:  # the script may import torch through its own modules: always preload it
+            forks = replace(forks, preload=TORCH_PRELOAD)
+        launcher = ForkLauncher([entrypoint, *entry_args], forks)
     # Installed before the rendezvous: a signal must end taskdrun in every phase, not only once workers run.
     with forward_stop_signals(stop, "taskdrun", STOP_SIGNALS):
         try:
@@ -196,6 +204,7 @@ def _launch(args: argparse.Namespace) -> int:
                 stop_timeout=stop_timeout,
                 stop=stop,
                 lifeline=lifeline,
+                launcher=launcher,
             )
             group_rank, store = elastic.join()
             logger.info(
@@ -224,6 +233,8 @@ def _launch(args: argparse.Namespace) -> int:
                 if outcome is not None and outcome.kind is not Outcome.INTERRUPTED:
                     _close_rendezvous(rdzv)
             lifeline.close()
+            if launcher is not None:
+                launcher.close()
     # A stop signal that came after the agent's end (while the controller waited for the other
     # nodes) still counts.
     return 128 + stop.signum if stop.signum is not None else outcome.exit_code

@@ -48,6 +48,7 @@ from torch.distributed.elastic.utils.api import macros
 
 from taskd_core.errors import ConfigError, LauncherInterrupted
 from taskd_core.launcher.interrupt import StopRequest
+from taskd_core.launcher.forkserver import ForkLauncher
 from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.models import WorkerState, WorkerStatus
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
@@ -80,6 +81,7 @@ class TaskdElasticAgent(LocalElasticAgent):
     :param stop: the launcher's stop request: once it fires, a rendezvous in
         progress is abandoned and no worker starts any more.
     :param lifeline: kills the workers should taskdrun die.
+    :param launcher: forks Python workers from the node's fork server; None starts them by exec.
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         stop_timeout: float = 30.0,
         stop: StopRequest | None = None,
         lifeline: Lifeline | None = None,
+        launcher: ForkLauncher | None = None,
     ) -> None:
         if spec.virtual_local_rank:
             raise ConfigError("taskdrun does not support --virtual-local-rank")
@@ -110,7 +113,7 @@ class TaskdElasticAgent(LocalElasticAgent):
             shutdown_timeout=int(stop_timeout),
         )
         # Names carry a taskd_ prefix: LocalElasticAgent owns the plain private ones.
-        self._taskd_procs = RankProcesses(spec.role, logs_specs, start_method, lifeline)
+        self._taskd_procs = RankProcesses(spec.role, logs_specs, start_method, lifeline, launcher)
         self._taskd_prefix = log_line_prefix_template
         self._taskd_stop_timeout = stop_timeout
         self._taskd_starts = 0

@@ -9,6 +9,11 @@ local rank in a context of its own, through the same public API
 Log files still follow the user's ``LogsSpecs`` (``--log-dir``,
 ``--redirects``, ``--tee``): they are laid out once per start of the whole
 group, and each rank's context is handed its own slice of that layout.
+
+With a :class:`~taskd_core.launcher.forkserver.ForkLauncher`, a binary
+entrypoint (torchrun's ``python -u script.py``) goes through torch's own
+``SubprocessContext`` whose handler forks the worker from the fork server
+instead of ``Popen`` (torch's log files, tee threads and prefixes unchanged).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import signal
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing import (
     LogsDest,
@@ -27,8 +33,11 @@ from torch.distributed.elastic.multiprocessing import (
     ProcessFailure,
     start_processes,
 )
+from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from taskd_core.errors import ConfigError
+from taskd_core.launcher.forkserver import ForkedProcess, ForkLauncher, start_worker
 from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.models import WorkerState
 from taskd_pytorch._signals import keep_signal_handlers
@@ -87,6 +96,40 @@ class _OneRankLogs(LogsSpecs):
         return str(self._root_log_dir)
 
 
+class _ForkedHandler(SubprocessHandler):
+    """torch's handler of one binary worker, started through the fork launcher instead of ``Popen``."""
+
+    def __init__(self, launcher: ForkLauncher, **kwargs: Any) -> None:
+        self._taskd_launcher = launcher  # set first: the base class starts the worker in __init__
+        super().__init__(**kwargs)
+
+    def _popen(self, args: tuple[str, ...], env: dict[str, str]) -> Any:
+        return start_worker(self._taskd_launcher, args, env, stdout=self._stdout, stderr=self._stderr)
+
+
+class _ForkingContext(SubprocessContext):
+    """torch's ``SubprocessContext`` whose workers start through :class:`_ForkedHandler`."""
+
+    def __init__(self, launcher: ForkLauncher, **kwargs: Any) -> None:
+        self._taskd_launcher = launcher
+        super().__init__(**kwargs)
+
+    def _start(self) -> None:
+        self.subprocess_handlers = {
+            rank: _ForkedHandler(
+                self._taskd_launcher,
+                entrypoint=self.entrypoint,
+                args=self.args[rank],
+                env=self.envs[rank],
+                stdout=self.stdouts[rank],
+                stderr=self.stderrs[rank],
+                local_rank_id=rank,
+                numa_options=self._numa_options,
+            )
+            for rank in range(self.nprocs)
+        }
+
+
 class RankProcesses:
     """Start, stop and observe local workers rank by rank.
 
@@ -94,13 +137,20 @@ class RankProcesses:
     :param logs_specs: where worker output goes, as torchrun was told.
     :param start_method: multiprocessing start method for function entrypoints.
     :param lifeline: kills the workers should the launcher die.
+    :param launcher: forks Python workers from the node's fork server; None starts them by exec.
     """
 
     def __init__(
-        self, name: str, logs_specs: LogsSpecs, start_method: str = "spawn", lifeline: Lifeline | None = None
+        self,
+        name: str,
+        logs_specs: LogsSpecs,
+        start_method: str = "spawn",
+        lifeline: Lifeline | None = None,
+        launcher: ForkLauncher | None = None,
     ) -> None:
         self.name = name
         self._lifeline = lifeline
+        self._launcher = launcher
         self._logs_specs = logs_specs
         self._start_method = start_method
         self._launches: dict[int, Launch] = {}
@@ -145,23 +195,30 @@ class RankProcesses:
         launch = self._launches[rank]
         if self._dest is None:
             raise ConfigError("no log layout: start the whole group first")
+        what: dict[str, Any] = {
+            "name": self.name,
+            "entrypoint": launch.entrypoint,
+            "args": {0: launch.args},
+            "envs": {0: dict(launch.env)},
+            "logs_specs": _OneRankLogs(self._dest, rank, self._logs_specs.root_log_dir),
+            "log_line_prefixes": {0: launch.log_prefix},
+        }
         with keep_signal_handlers():
-            context = start_processes(
-                name=self.name,
-                entrypoint=launch.entrypoint,
-                args={0: launch.args},
-                envs={0: dict(launch.env)},
-                logs_specs=_OneRankLogs(self._dest, rank, self._logs_specs.root_log_dir),
-                log_line_prefixes={0: launch.log_prefix},
-                start_method=self._start_method,
-            )
+            if self._launcher is not None and isinstance(launch.entrypoint, str):
+                context: PContext = _ForkingContext(self._launcher, **what)
+                context.start()
+            else:
+                context = start_processes(**what, start_method=self._start_method)
         pid = context.pids()[0]
         if self._lifeline is not None:
             self._lifeline.adopt(pid)
         self._contexts[rank] = context
         self._pids[rank] = pid
         self._ended.pop(rank, None)
-        logger.info("started %s local rank %s as pid %s", self.name, rank, pid)
+        forked = isinstance(context, _ForkingContext) and isinstance(
+            context.subprocess_handlers[0].proc, ForkedProcess
+        )
+        logger.info("%s %s local rank %s as pid %s", "forked" if forked else "started", self.name, rank, pid)
         return pid
 
     # --- stopping ------------------------------------------------------------------

@@ -1,0 +1,467 @@
+"""The fork server's own process: preload the framework once, then fork each worker from it.
+
+Run by :mod:`taskd_core.launcher.forkserver` as a fresh ``exec`` of the job's
+interpreter, with the job's interpreter flags, as a *file* (not ``-m``), so
+that nothing of TaskD (gRPC, pluggy, the agent) is ever imported here: this
+module uses the standard library only. Its agent talks to it over one
+``AF_UNIX``/``SOCK_SEQPACKET`` socket (one JSON message per packet, file
+descriptors as ``SCM_RIGHTS``):
+
+* server → agent, once: ``ready`` (what was preloaded) or ``refused`` (a
+  device context exists after preloading: forking it would be broken);
+* agent → server: ``spawn`` (argv, environment, cwd; stdin/stdout/stderr as
+  passed descriptors); server → agent: ``spawned`` (pid) or ``failed``;
+* server → agent: ``exited`` (pid, Popen-style return code: ``-N`` when
+  killed by signal N) as soon as a child is reaped; ``learned`` (modules the
+  workers imported that the server imported too, for a replacement server).
+
+A forked child becomes what ``python [flags] script.py ARGS`` / ``python
+[flags] -m module ARGS`` would have been: its own session and process group,
+the passed stdio, environment, cwd, ``sys.argv``/``sys.orig_argv``,
+``sys.path[0]``, a fresh ``__main__``, the signal dispositions and mask of a
+fresh interpreter, new seeds for torch's and numpy's global generators
+(``random`` reseeds itself at fork), Python's exit semantics (``sys.exit(n)``,
+traceback + 1, ``atexit`` handlers, waiting for non-daemon threads).
+
+Lifetime: the server exits when its control socket reaches EOF (the agent
+closed it or died, SIGKILL included), SIGKILLing every child's process group
+first. Each child gets ``PR_SET_PDEATHSIG = SIGKILL``, so a SIGKILLed server
+takes its children along; the agent sees those deaths and recovers them.
+The server does not use ``PR_SET_PDEATHSIG`` itself: it fires when the
+*thread* that forked the server exits, and the agent may start a replacement
+from a short-lived thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import importlib
+import io
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: Largest message either side sends (argv + environment of one worker).
+MAX_MESSAGE = 1 << 22
+#: Descriptors a ``spawn`` message carries: stdin, stdout, stderr.
+STDIO_FDS = 3
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+#: The server's name in ``ps``/``top`` (``/proc/<pid>/comm``); each child takes the interpreter's back.
+SERVER_NAME = b"taskd-forksrv"
+#: Seconds after a child's start at which it reports the modules it imported (then its reporter ends).
+LEARN_AFTER = (1.0, 5.0, 30.0)
+#: A child's references to the server's standard streams (see :func:`_become_worker`).
+_RETIRED_STDIO: list[object] = []
+
+
+# --- the wire, shared with the agent side ------------------------------------------------------------
+
+
+def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """Send one message (one packet); ``fds`` travel with it as ``SCM_RIGHTS``."""
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.send(data)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """The next message and its descriptors; None at EOF (the peer closed or died)."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, STDIO_FDS)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("fork server message truncated")
+    message: dict[str, Any] = json.loads(data)
+    return message, fds
+
+
+# --- what runs in the server ------------------------------------------------------------------------
+
+
+def return_code(status: int) -> int:
+    """A ``waitpid`` status as ``Popen.returncode`` reports it."""
+    return os.waitstatus_to_exitcode(status)
+
+
+def device_in_use() -> str | None:
+    """The accelerator whose context this process holds (forking it would be broken), or None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if torch.cuda.is_initialized():
+        return "CUDA"
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_initialized():
+        return "NPU"
+    return None
+
+
+def preload(modules: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Import ``modules``; the ones now imported and, by name, why the others could not be."""
+    failed = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:  # noqa: BLE001 - a module may even sys.exit() at import
+                failed[name] = f"{type(exc).__name__}: {exc}"
+    return [m for m in modules if m not in failed], failed
+
+
+@dataclass(frozen=True)
+class FreshState:
+    """What the interpreter looked like before the server changed anything: what every child gets back."""
+
+    dispositions: dict[signal.Signals, Any]
+    mask: frozenset[int]
+    #: directories of installed modules (stdlib, site-packages): the only ones the server may learn.
+    installed: tuple[str, ...]
+    #: ``-u`` or ``PYTHONUNBUFFERED``, as the interpreter applied it to this server's own streams.
+    unbuffered: bool
+
+    @classmethod
+    def now(cls) -> FreshState:
+        handlers = {s: signal.getsignal(s) for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
+        import site
+        import sysconfig
+
+        paths = sysconfig.get_paths()
+        dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+        dirs.update(site.getsitepackages())
+        return cls(
+            # None: a handler not installed from Python, which a fresh interpreter has too.
+            {s: h for s, h in handlers.items() if h is not None},
+            frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+            tuple(sorted(os.path.join(d, "") for d in dirs)),
+            sys.__stdout__ is not None and sys.__stdout__.write_through,
+        )
+
+
+@dataclass(frozen=True)
+class ChildJob:
+    """What a forked child runs, handed from the server loop up to :func:`main` in the child."""
+
+    request: dict[str, Any]
+    stdio: tuple[int, int, int]
+    learn_fd: int | None
+    fresh: FreshState
+    server_pid: int
+    #: the server's descriptors the child must not keep.
+    server_fds: tuple[int, ...]
+
+
+class Server:
+    """The loop: fork on request, reap children, learn modules, exit with the control socket."""
+
+    def __init__(self, control: socket.socket, fresh: FreshState, learn: bool) -> None:
+        self.control = control
+        self.fresh = fresh
+        self.learn = learn
+        self.children: dict[int, int] = {}  # pidfd -> pid
+        self.learning: dict[int, bytearray] = {}  # read end of a child's module report -> pending bytes
+        self.poller = select.poll()
+        self.poller.register(control.fileno(), select.POLLIN)
+
+    def serve(self) -> ChildJob | None:
+        """Serve until EOF (None, in the server) or until this process is a freshly forked child (its job)."""
+        while True:
+            for fd, _ in self.poller.poll():
+                if fd == self.control.fileno():
+                    received = recv_message(self.control)
+                    if received is None:
+                        self.kill_children()
+                        return None
+                    job = self.spawn(*received)
+                    if job is not None:
+                        return job
+                elif fd in self.children:
+                    self.reap(fd)
+                elif fd in self.learning:
+                    self.read_learned(fd)
+
+    def spawn(self, request: dict[str, Any], fds: list[int]) -> ChildJob | None:
+        if request.get("op") != "spawn" or len(fds) != STDIO_FDS:
+            for fd in fds:
+                os.close(fd)
+            send_message(self.control, {"op": "failed", "id": request.get("id"), "reason": "bad request"})
+            return None
+        cwd = request["cwd"]
+        if not os.path.isdir(cwd):
+            for fd in fds:
+                os.close(fd)
+            send_message(self.control, {"op": "failed", "id": request["id"], "reason": f"no directory {cwd}"})
+            return None
+        learn_r, learn_w = os.pipe() if self.learn else (None, None)
+        # Output buffered here must not be written again by the child.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            for fd in (*fds, *(x for x in (learn_r, learn_w) if x is not None)):
+                os.close(fd)
+            send_message(self.control, {"op": "failed", "id": request["id"], "reason": str(exc)})
+            return None
+        if pid == 0:
+            own = (self.control.fileno(), *self.children, *self.learning, *([learn_r] if learn_r else []))
+            return ChildJob(request, (fds[0], fds[1], fds[2]), learn_w, self.fresh, os.getppid(), own)
+        for fd in fds:
+            os.close(fd)
+        pidfd = os.pidfd_open(pid)
+        self.children[pidfd] = pid
+        self.poller.register(pidfd, select.POLLIN)
+        if learn_r is not None and learn_w is not None:
+            os.close(learn_w)
+            self.learning[learn_r] = bytearray()
+            self.poller.register(learn_r, select.POLLIN)
+        send_message(self.control, {"op": "spawned", "id": request["id"], "pid": pid})
+        return None
+
+    def reap(self, pidfd: int) -> None:
+        pid = self.children.pop(pidfd)
+        self.poller.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        send_message(self.control, {"op": "exited", "pid": pid, "code": return_code(status)})
+
+    def read_learned(self, fd: int) -> None:
+        chunk = os.read(fd, 1 << 16)
+        pending = self.learning[fd]
+        pending += chunk
+        *lines, rest = bytes(pending).split(b"\n")
+        self.learning[fd] = bytearray(rest)
+        if not chunk:
+            self.poller.unregister(fd)
+            os.close(fd)
+            del self.learning[fd]
+        names = sorted({n.decode() for n in lines if n} - sys.modules.keys())
+        if not names:
+            return
+        done, _ = preload(names)
+        unsafe = device_in_use()
+        if unsafe:
+            # Forking now would hand children a broken device context: stop serving; the agent execs.
+            send_message(self.control, {"op": "refused", "reason": f"{unsafe} initialised by {', '.join(done)}"})
+            self.kill_children()
+            raise SystemExit(1)
+        gc.freeze()
+        if done:
+            send_message(self.control, {"op": "learned", "modules": done})
+
+    def kill_children(self) -> None:
+        for pid in self.children.values():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass  # gone, or its group is gone: nothing left to stop
+
+
+# --- what runs in a forked child --------------------------------------------------------------------
+
+
+def _set_name(name: bytes) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
+def _die_with_parent(server_pid: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != server_pid:  # the server died before prctl took effect
+        os._exit(128 + signal.SIGKILL)
+
+
+def _stdio(fd: int, write: bool, errors: str, line_buffering: bool, unbuffered: bool) -> io.TextIOWrapper:
+    """A standard stream as the interpreter builds it at startup (``unbuffered``: ``-u``/``PYTHONUNBUFFERED``)."""
+    unbuffered = unbuffered and write
+    raw = io.FileIO(fd, "wb" if write else "rb", closefd=False)
+    buffer: io.RawIOBase | io.BufferedIOBase
+    if unbuffered:
+        buffer = raw
+    else:
+        buffer = io.BufferedWriter(raw) if write else io.BufferedReader(raw)
+    encoding = sys.__stdout__.encoding if sys.__stdout__ is not None else "utf-8"
+    return io.TextIOWrapper(
+        buffer,
+        encoding=encoding,
+        errors=errors,
+        line_buffering=line_buffering and not unbuffered,
+        write_through=unbuffered,
+    )
+
+
+def _become_worker(job: ChildJob) -> None:
+    """Everything of the process that a fresh interpreter would have had differently."""
+    os.setsid()
+    _die_with_parent(job.server_pid)
+    _set_name(job.request["comm"].encode())
+    for fd in job.server_fds:
+        os.close(fd)
+    for target, fd in enumerate(job.stdio):
+        if fd != target:
+            os.dup2(fd, target)
+    for fd in set(job.stdio) - {0, 1, 2}:
+        os.close(fd)
+    for sig, handler in job.fresh.dispositions.items():
+        signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, job.fresh.mask)
+    request = job.request
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    out_errors = (sys.__stdout__.errors if sys.__stdout__ is not None else None) or "strict"
+    # The server's streams close fds 0-2 when collected: they must outlive the worker's use of them.
+    _RETIRED_STDIO.extend((sys.__stdin__, sys.__stdout__, sys.__stderr__, sys.stdin, sys.stdout, sys.stderr))
+    unbuffered = job.fresh.unbuffered
+    streams = {
+        "stdin": _stdio(0, False, out_errors, False, unbuffered),
+        "stdout": _stdio(1, True, out_errors, os.isatty(1), unbuffered),
+        "stderr": _stdio(2, True, "backslashreplace", True, unbuffered),
+    }
+    for name, stream in streams.items():
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    sys.argv = list(request["argv"])
+    sys.orig_argv = list(request["orig_argv"])
+    if request["path0"] is not None:
+        sys.path.insert(0, request["path0"])
+    _reseed()
+    if job.learn_fd is not None:
+        threading.Thread(
+            target=_report_modules, args=(job.learn_fd, job.fresh.installed), name="taskd-learn", daemon=True
+        ).start()
+
+
+def _reseed() -> None:
+    """Fresh seeds for the global generators a fresh process would have seeded from the OS."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def _report_modules(fd: int, installed: Sequence[str]) -> None:
+    """Tell the server, a few times early in the worker's life, which installed modules it imported."""
+    sent: set[str] = set()
+    started = time.monotonic()
+    try:
+        for at in LEARN_AFTER:
+            time.sleep(max(0.0, started + at - time.monotonic()))
+            new = []
+            for name, module in list(sys.modules.items()):
+                path = getattr(module, "__file__", None)
+                if name not in sent and isinstance(path, str) and path.startswith(tuple(installed)):
+                    new.append(name)
+            sent.update(new)
+            if new:
+                os.write(fd, "".join(f"{n}\n" for n in new).encode())
+    except OSError:
+        pass  # the server is gone: nothing to learn for
+    finally:
+        os.close(fd)
+
+
+def _run_main(request: dict[str, Any]) -> None:
+    """Run the script or module as ``__main__``, the way the interpreter's own startup does."""
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    if request["module"] is not None:
+        import runpy
+
+        runpy._run_module_as_main(request["module"], alter_argv=True)  # type: ignore[attr-defined]
+        return
+    from importlib.machinery import SourceFileLoader
+
+    path = request["file"]
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))
+    main.__dict__["__builtins__"] = sys.modules["builtins"]
+    with io.open_code(path) as f:
+        source = f.read()
+    exec(compile(source, path, "exec", dont_inherit=True), main.__dict__)  # noqa: S102 - the job's script, as python runs it
+
+
+def _trim(exc: BaseException) -> types.TracebackType | None:
+    """Drop this module's frames from the exception's traceback (a fresh interpreter has none of them)."""
+    tb = exc.__traceback__
+    here = _trim.__code__.co_filename
+    while tb is not None and tb.tb_frame.f_code.co_filename == here:
+        tb = tb.tb_next
+    exc.with_traceback(tb)
+    return tb
+
+
+def run_child(job: ChildJob) -> int:
+    """The worker's whole life; ends the process the way the interpreter would."""
+    _become_worker(job)
+    try:
+        _run_main(job.request)
+    except SystemExit:
+        raise  # the interpreter's own handling: exit code, message, then atexit
+    except KeyboardInterrupt as exc:
+        sys.excepthook(type(exc), exc, _trim(exc))
+        # Python ends an uncaught KeyboardInterrupt by dying of SIGINT, after its cleanup.
+        threading._shutdown()  # type: ignore[attr-defined]
+        import atexit
+
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 128 + signal.SIGINT
+    except BaseException as exc:  # noqa: BLE001 - exactly what the interpreter does with an uncaught one
+        sys.excepthook(type(exc), exc, _trim(exc))
+        return 1
+    return 0
+
+
+# --- entry --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="TaskD fork server (started by the node agent)")
+    p.add_argument("--fd", type=int, required=True, help="the control socket inherited from the agent")
+    p.add_argument("--preload", default="", help="modules to import before serving, comma separated")
+    p.add_argument("--learn", action="store_true", help="also import the installed modules workers import")
+    args = p.parse_args(argv)
+    fresh = FreshState.now()
+    _set_name(SERVER_NAME)
+    # This file's directory is sys.path[0]: it must not shadow anything; each child sets its own.
+    del sys.path[0]
+    control = socket.socket(fileno=args.fd)
+    done, failed = preload([m for m in args.preload.split(",") if m])
+    unsafe = device_in_use()
+    if unsafe:
+        send_message(control, {"op": "refused", "reason": f"{unsafe} was initialised while preloading"})
+        return 1
+    warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning)
+    gc.freeze()  # objects from the preload are shared copy-on-write; the collector must not touch them
+    send_message(control, {"op": "ready", "pid": os.getpid(), "preloaded": done, "failed": failed})
+    job = Server(control, fresh, args.learn).serve()
+    if job is None:
+        return 0
+    return run_child(job)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
