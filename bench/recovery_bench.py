@@ -2,7 +2,10 @@
 
 The job is ``examples/train_ddp.py`` (gloo, CPU) with a checkpoint every
 ``--ckpt-every`` steps, on 2 and 4 workers of one node and on 2 nodes × 2
-workers (two launcher processes on loopback). The bench watches the job's
+workers (two launcher processes on loopback), in two forms (``--jobs``):
+``ddp``, the example's written-out update, and ``sgd``, the same math through
+``DistributedDataParallel`` + ``torch.optim.SGD``, whose first step pays the
+lazy ``torch._dynamo`` import. The bench watches the job's
 progress log and SIGKILLs rank ``--kill-rank`` (default: the last rank) the
 moment that rank logs step ``--kill-step``, taking ``time.time()`` right before
 ``os.kill``. Launchers, ``--repeats`` trials each:
@@ -10,7 +13,9 @@ moment that rank logs step ``--kill-step``, taking ``time.time()`` right before
 * ``torchrun``: as shipped, ``--max-restarts`` restarts;
 * ``torchrun-noshare``: the same with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
   (SPEC §9: as shipped, restarted workers often meet a stale rendezvous store);
-* ``taskdrun``: the PyTorch adapter with its embedded controller;
+* ``taskdrun``: the PyTorch adapter with its embedded controller, workers
+  forked from the node's fork server (the default);
+* ``taskdrun-nofork``: the same with ``--taskd-no-fork-server`` (every start execs);
 * ``taskd-run`` (only when asked for): ``taskd run`` with the plain process adapter.
 
 Per trial, from timestamps the workers and launchers write themselves (the
@@ -27,7 +32,10 @@ JSON lines of ``--progress``; the launchers' logs; the controller's journal):
   − step resumed from).
 
 A trial counts as recovered when every rank completes a step in a new process
-within ``--recovery-deadline`` seconds. A separate micro-run (``--phases``)
+within ``--recovery-deadline`` seconds. Each trial also gives the fault-free
+step time (median interval between rank 0's steps before the kill).
+``--server-idle`` measures the fork server itself once: its RSS/PSS and its CPU
+over a window while the job trains (after the workers' module reports). A separate micro-run (``--phases``)
 times each phase of a restarted worker: interpreter start, ``import torch``,
 ``init_process_group``, checkpoint load, first step, with 1, 2 and 4 processes
 starting at once, plus ``python -X importtime`` of torch.
@@ -40,6 +48,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -61,6 +70,7 @@ from _common import (
     REPO,
     Children,
     JournalEvent,
+    cpu_seconds,
     exit_on_sigterm,
     fmt,
     fmt_range,
@@ -76,6 +86,7 @@ from _common import (
     write_json,
 )
 
+from taskd_core.launcher._forkserver_main import LEARN_AFTER
 from taskd_core.models import JobPolicy
 
 logger = logging.getLogger(__name__)
@@ -96,7 +107,10 @@ FIGURES = (
     ("all_resumed", "kill → every rank resumed (past init_process_group + ckpt load)"),
     ("all_stepped", "kill → every rank completed a new step"),
     ("steps_lost", "steps lost"),
+    ("step_time", "fault-free step time (rank 0, before the kill)"),
 )
+#: The jobs: extra arguments of ``examples/train_ddp.py``.
+JOBS = {"ddp": (), "sgd": ("--optimizer", "sgd")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +185,11 @@ def _taskdrun(topo: Topology, node: int, ports: Ports, job_id: str, restarts: in
     return [str(BIN / "taskdrun"), *_torchrun_args(topo, node, ports, job_id, restarts), *taskd, str(EXAMPLE)]
 
 
+def _taskdrun_nofork(topo: Topology, node: int, ports: Ports, job_id: str, restarts: int) -> list[str]:
+    command = _taskdrun(topo, node, ports, job_id, restarts)
+    return [*command[:-1], "--taskd-no-fork-server", command[-1]]
+
+
 def _taskd_run(topo: Topology, node: int, ports: Ports, job_id: str, restarts: int) -> list[str]:
     return [
         str(BIN / "taskd"),
@@ -208,7 +227,10 @@ LAUNCHERS = {
             _torchrun,
             env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         ),
-        Launcher("taskdrun", "taskdrun (embedded controller)", "taskdrun", _taskdrun, controller=True),
+        Launcher("taskdrun", "taskdrun (fork server)", "taskdrun", _taskdrun, controller=True),
+        Launcher(
+            "taskdrun-nofork", "taskdrun --taskd-no-fork-server", "taskdrun", _taskdrun_nofork, controller=True
+        ),
         Launcher(
             "taskd-run",
             "taskd run (process adapter, embedded controller)",
@@ -220,7 +242,7 @@ LAUNCHERS = {
 }
 #: The TaskD launcher the ratios are computed for, and the torchrun runs they are computed against.
 TASKD = "taskdrun"
-PEERS = ("torchrun", "torchrun-noshare")
+PEERS = ("torchrun", "torchrun-noshare", "taskdrun-nofork")
 
 
 # --- one trial ---------------------------------------------------------------------------------------
@@ -289,10 +311,10 @@ def _wait(
 
 
 def run_trial(
-    launcher: Launcher, topo: Topology, cfg: TrialConfig, workdir: Path, trial: int
+    launcher: Launcher, topo: Topology, job: str, cfg: TrialConfig, workdir: Path, trial: int
 ) -> dict[str, Any]:
     """One job, one kill; the trial's figures in seconds after the kill (None where unknown)."""
-    job_id = f"{launcher.name}-{topo.name}-{trial}"
+    job_id = f"{launcher.name}-{topo.name}-{job}-{trial}"
     tdir = workdir / job_id
     tdir.mkdir(parents=True)
     progress = tdir / "progress.jsonl"
@@ -308,6 +330,7 @@ def run_trial(
         str(cfg.step_time),
         "--progress",
         str(progress),
+        *JOBS[job],
     ]
     victim = cfg.kill_rank if cfg.kill_rank >= 0 else topo.world - 1
     logs = [tdir / f"node{n}.log" for n in range(topo.nnodes)]
@@ -395,6 +418,8 @@ def _figures(
 
     resumed = [e["step"] for e in new if e["event"] == "resumed"]
     before = [e["step"] for e in log.events if e["event"] == "step" and e["pid"] in old_pids]
+    rank0 = [e["time"] for e in log.events if e["event"] == "step" and e["pid"] in old_pids and e["rank"] == 0]
+    intervals = [b - a for a, b in itertools.pairwise(rank0)]
     return {
         "fault_known": _after(faults, t_kill),
         "first_fork": _after([log.forked.get(e["pid"]) for e in new if e["event"] == "start"], t_kill),
@@ -404,7 +429,56 @@ def _figures(
         "all_stepped": all_ranks("step"),
         "steps_lost": float(max(before) - min(resumed)) if before and resumed else None,
         "restarts_seen": len({e["pid"] for e in new if e["event"] == "start"}),
+        "step_time": summarize(intervals[1:]).median if len(intervals) > 1 else None,
     }
+
+
+# --- the fork server itself ---------------------------------------------------------------------------
+
+
+def _memory_kib(pid: int) -> dict[str, int]:
+    """``VmRSS`` and ``Pss`` (the share of pages it holds with its children counted pro rata) of ``pid``."""
+    out = {}
+    for name, key in ((f"/proc/{pid}/status", "VmRSS:"), (f"/proc/{pid}/smaps_rollup", "Pss:")):
+        with open(name, encoding="ascii") as f:
+            out[key.rstrip(":").lower()] = next(int(line.split()[1]) for line in f if line.startswith(key))
+    return out
+
+
+def measure_fork_server(cfg: TrialConfig, workdir: Path, window: float) -> dict[str, Any]:
+    """RSS/PSS and idle CPU of a 1x2 taskdrun job's fork server while the job trains (no kill)."""
+    tdir = workdir / "fork-server"
+    tdir.mkdir()
+    progress = tdir / "progress.jsonl"
+    ports = Ports(free_port(), free_port())
+    script = ["--ckpt-dir", str(tdir / "ckpt"), "--steps", "1000000", "--step-time", "0.2", "--progress", str(progress)]
+    log = ProgressLog(progress)
+    with Children() as children:
+        proc = children.start(
+            [*_taskdrun(Topology(1, 2), 0, ports, "fork-server", 0), *script], log=tdir / "node0.log", cwd=REPO
+        )
+        state = _wait(log, [proc], lambda: log.step(1, 3) is not None, cfg.startup_deadline)
+        children.adopt(e["pid"] for e in log.events)
+        if state != "ok":
+            raise RuntimeError(f"fork server measurement: job {state} before step 3")
+        worker = log.step(1, 3)["pid"]  # type: ignore[index]
+        with open(f"/proc/{worker}/stat", encoding="ascii") as f:
+            server = int(f.read().rsplit(")", 1)[1].split()[1])
+        time.sleep(LEARN_AFTER[-1] + 1.0)  # past the workers' last module report: the server is idle from now
+        cpu0, t0 = cpu_seconds(server), time.monotonic()
+        time.sleep(window)
+        cpu1, t1 = cpu_seconds(server), time.monotonic()
+        memory = _memory_kib(server)
+    return {"window": t1 - t0, "cpu_percent": 100.0 * (cpu1 - cpu0) / (t1 - t0), **memory}
+
+
+def fork_server_report(server: dict[str, Any]) -> str:
+    return (
+        f"Fork server (1x2 taskdrun job, preloaded torch, after the workers' module reports): RSS"
+        f" {server['vmrss'] / 1024:.0f} MiB, PSS {server['pss'] / 1024:.0f} MiB (pages shared with its forked"
+        f" workers counted pro rata); CPU {server['cpu_percent']:.3f} % of a core over {server['window']:.0f} s"
+        f" (one tick, 10 ms, is {100 * 0.01 / server['window']:.3f} %)."
+    )
 
 
 # --- phases of a restarted worker ---------------------------------------------------------------------
@@ -603,8 +677,16 @@ def main() -> int:
     p.add_argument("--topologies", default="1x2,1x4,2x2", help="NODESxWORKERS list (default: %(default)s)")
     p.add_argument(
         "--launchers",
-        default="torchrun,torchrun-noshare,taskdrun",
+        default="torchrun,torchrun-noshare,taskdrun-nofork,taskdrun",
         help=f"comma separated, from {', '.join(LAUNCHERS)} (default: %(default)s)",
+    )
+    p.add_argument("--jobs", default=",".join(JOBS), help=f"from {', '.join(JOBS)} (default: %(default)s)")
+    p.add_argument(
+        "--server-idle",
+        type=float,
+        default=20.0,
+        help="seconds of the fork server's idle CPU window, measured once on a 1x2 taskdrun job; 0: skip"
+        " (default: %(default)s)",
     )
     p.add_argument(
         "--ckpt-every", type=int, default=10, help="checkpoint every K steps (default: %(default)s)"
@@ -663,6 +745,9 @@ def main() -> int:
         topologies = [Topology(*(int(x) for x in t.split("x"))) for t in args.topologies.split(",")]
     except (TypeError, ValueError):
         p.error(f"--topologies {args.topologies!r}: expected e.g. 1x2,2x2")
+    jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
+    if not jobs or any(j not in JOBS for j in jobs):
+        p.error(f"--jobs {args.jobs!r}: choose from {', '.join(JOBS)}")
     if args.kill_step < args.ckpt_every:
         p.error("--kill-step must be at least --ckpt-every, so that a checkpoint exists when the rank dies")
     cfg = TrialConfig(
@@ -681,13 +766,19 @@ def main() -> int:
         raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
         # Interleave launchers within each repeat, so slow drifts of the machine's load hit all of them alike.
         for topo in topologies:
-            raw[topo.name] = {n: [] for n in launchers}
-            for trial in range(args.repeats):
-                for name in launchers:
-                    raw[topo.name][name].append(run_trial(LAUNCHERS[name], topo, cfg, workdir, trial))
+            for job in jobs:
+                key = f"{topo.name} {job}"
+                raw[key] = {n: [] for n in launchers}
+                for trial in range(args.repeats):
+                    for name in launchers:
+                        raw[key][name].append(run_trial(LAUNCHERS[name], topo, job, cfg, workdir, trial))
+        server = measure_fork_server(cfg, workdir, args.server_idle) if args.server_idle > 0 else None
         phases = measure_phases((1, 2, 4), args.phase_repeats, workdir) if args.phases else None
     results = {topo: {n: summarize_trials(trials) for n, trials in by.items()} for topo, by in raw.items()}
     print(report(results, launchers))
+    if server is not None:
+        print()
+        print(fork_server_report(server))
     if phases is not None:
         print()
         print(phases_report(phases))
@@ -703,6 +794,7 @@ def main() -> int:
             "results": results,
             "trials": raw,
             "phases": phases,
+            "fork_server": server,
         },
     )
     return 0

@@ -21,6 +21,11 @@ What makes it recoverable:
   timeout; ``--timer S`` also arms torch elastic's file timer around every
   step, as a torchrun script would.
 
+The update is written out by default (``--optimizer manual``): one
+all_reduce, then SGD with momentum. ``--optimizer sgd`` runs the same math the
+canonical way, ``DistributedDataParallel`` + ``torch.optim.SGD``, whose first
+step imports ``torch._dynamo`` (seconds, on every cold restart).
+
 It logs one JSON line per event (``start``, ``resumed``, ``step``, ``dump``,
 ``done``) to ``--progress`` so tests and benchmarks can see where training
 resumed and when every rank stepped. Fault injection for tests:
@@ -81,6 +86,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--step-jitter", type=float, default=1.0, help="step time varies between 1x and Jx --step-time")
     p.add_argument("--slow-from", type=int, default=None, help="from this step on, steps take --slow-step-time")
     p.add_argument("--slow-step-time", type=float, default=0.0)
+    p.add_argument(
+        "--optimizer", choices=("manual", "sgd"), default="manual",
+        help="the update: written out (manual) or DistributedDataParallel + torch.optim.SGD (sgd)",
+    )
     return p.parse_args()
 
 
@@ -222,6 +231,13 @@ def main() -> int:
         progress.log("resumed", done)
     loss_fn = nn.MSELoss()
     watchdog = step_timer(args.timer)
+    optimizer = None
+    if args.optimizer == "sgd":
+        ddp = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+        if done:  # a zero buffer would equal SGD's first step, which takes the gradient as its buffer
+            for p, v in zip(model.parameters(), velocity, strict=True):
+                optimizer.state[p]["momentum_buffer"] = v
     try:
         for step in range(done, args.steps):
             if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
@@ -237,8 +253,13 @@ def main() -> int:
                     break
                 model.zero_grad()
                 x, y = batch(step, rank)
-                loss_fn(model(x), y).backward()
-                sgd_step(model, velocity, world_size)
+                if optimizer is None:
+                    loss_fn(model(x), y).backward()
+                    sgd_step(model, velocity, world_size)
+                else:
+                    loss_fn(ddp(x), y).backward()  # DDP averages the gradients over the ranks
+                    optimizer.step()
+                    velocity = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
             done = step + 1
             if not args.no_heartbeat:
                 worker.heartbeat()

@@ -35,7 +35,7 @@ import subprocess
 import threading
 import time
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -60,6 +60,8 @@ _STARTUP_ENV = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_TH
 _SPAWN_TIMEOUT = 30.0
 #: Seconds to wait for the exit status of a forked worker whose death the pidfd already showed.
 _REAP_GRACE = 5.0
+#: New servers started in a row for servers that died before they were ready.
+_RESPAWNS = 2
 #: Seconds a closed server gets to kill its children and exit before it is SIGKILLed.
 _CLOSE_GRACE = 5.0
 
@@ -241,9 +243,16 @@ class ForkServer:
     """
 
     def __init__(
-        self, job: PythonCommand, settings: ForkServerSettings, preload: Sequence[str], env: Mapping[str, str]
+        self,
+        job: PythonCommand,
+        settings: ForkServerSettings,
+        preload: Sequence[str],
+        env: Mapping[str, str],
+        on_dead: Callable[[ForkServer], None] | None = None,
     ) -> None:
         self.job = job
+        self._on_dead = on_dead
+        self.was_ready = False
         self.env = {**os.environ, **env}
         self._cond = threading.Condition()
         self._state = "starting"  # starting -> ready | refused; any -> dead
@@ -310,15 +319,19 @@ class ForkServer:
         except (OSError, ValueError) as exc:
             logger.warning("fork server %s: lost the control socket: %s", self.pid, exc)
         with self._cond:
-            if self._state != "refused":
+            died = self._state != "refused"
+            if died:
                 self._state = "dead"
             self._cond.notify_all()
+        if died and self._on_dead is not None:
+            self._on_dead(self)
 
     def _on_message(self, message: dict[str, Any], started: float) -> None:
         op = message.get("op")
         with self._cond:
             if op == "ready":
                 self._state = "ready"
+                self.was_ready = True
                 self.preloaded = list(message["preloaded"])
                 logger.info(
                     "fork server %s ready after %.2fs: preloaded %s%s", self.pid, time.monotonic() - started,
@@ -401,7 +414,8 @@ class ForkServer:
             logger.warning("fork server %s did not exit within %.1fs; killing it", self.pid, _CLOSE_GRACE)
             self.process.kill()
             self.process.wait(_CLOSE_GRACE)
-        self._reader.join(_CLOSE_GRACE)
+        if threading.current_thread() is not self._reader:  # a replacement may be started from the reader
+            self._reader.join(_CLOSE_GRACE)
         self.sock.close()
 
 
@@ -437,7 +451,10 @@ class ForkLauncher:
         self.env = dict(env or {})
         self.server: ForkServer | None = None
         self._learned: list[str] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._closed = False
+        #: replacements left for servers that die before they were ever ready (a broken interpreter, say).
+        self._respawns = _RESPAWNS
         self._started_once = False
         self._job = PythonCommand.parse(command, cwd or os.getcwd(), os.environ.get("PATH"))
         if self._job is None:
@@ -457,18 +474,23 @@ class ForkLauncher:
             first = TORCH_PRELOAD if self._job.imports_torch(self.cwd or os.getcwd()) else ()
         preload = [*first, *(m for m in self._learned if m not in first)]
         try:
-            self.server = ForkServer(self._job, self.settings, preload, self.env)
+            self.server = ForkServer(self._job, self.settings, preload, self.env, self._on_dead)
         except ForkServerError as exc:
             logger.error("%s; workers start by exec", exc)
             self.server = None
 
-    def _replaced_dead(self, server: ForkServer) -> bool:
-        """If ``server`` died, start a new one (it preloads in the background); whether it had died."""
-        if not server.dead:
-            return False
-        logger.warning("fork server %s died (exit %s); starting a new one", server.pid, server.process.poll())
-        self._replace()
-        return True
+    def _on_dead(self, server: ForkServer) -> None:
+        """The server died: start a new one right away, so that it preloads while the recovery goes on."""
+        with self._lock:
+            if self._closed or self.server is not server:
+                return  # closed on purpose, or already replaced
+            self._respawns = _RESPAWNS if server.was_ready else self._respawns - 1
+            if self._respawns < 0:
+                logger.error("fork server %s died before it was ever ready, again; workers start by exec", server.pid)
+                self.server = None
+                return
+            logger.warning("fork server %s died (exit %s); starting a new one", server.pid, server.process.poll())
+            self._replace()
 
     def start(
         self,
@@ -500,7 +522,7 @@ class ForkLauncher:
         stderr: int | IO[Any] | None,
     ) -> ForkedProcess | None:
         server = self.server
-        if server is None or self._replaced_dead(server) or not server.usable:
+        if server is None or not server.usable:
             return None
         command = PythonCommand.parse(args, cwd, env.get("PATH"))
         if command is None:
@@ -522,7 +544,6 @@ class ForkLauncher:
             return server.spawn(command, args, env, cwd, stdio)
         except ForkServerError as exc:
             logger.warning("cannot fork %s (%s); starting it by exec", " ".join(args[:2]), exc)
-            self._replaced_dead(server)
             return None
         finally:
             if devnull >= 0:
@@ -531,6 +552,7 @@ class ForkLauncher:
     def close(self) -> None:
         """Stop the server (and with it any forked worker still running)."""
         with self._lock:
+            self._closed = True
             if self.server is not None:
                 self.server.close()
                 self.server = None

@@ -174,16 +174,26 @@ def test_killed_fork_server_takes_its_workers_and_is_replaced(
     os.kill(first.pid, signal.SIGKILL)
 
     assert worker.wait(WAIT) == -signal.SIGKILL  # PR_SET_PDEATHSIG: the worker died with its server
-    wait_until(lambda: first.dead, "the agent to see the server die")
-    fallback = launcher.start(argv, dict(os.environ))
-    assert isinstance(fallback, subprocess.Popen)  # exec while the new server starts
-    fallback.kill()
-    fallback.wait(WAIT)
-    second = launcher.server
-    assert second is not None and second is not first
+    # A new server is started the moment the old one is seen dead, and serves once it has preloaded.
+    second = wait_until(lambda: launcher.server is not first and launcher.server, "a new fork server")
     assert second.wait_ready(WAIT)
     again = launcher.start(argv, dict(os.environ))
     assert isinstance(again, ForkedProcess) and again.server is second
+
+
+def test_workers_start_by_exec_while_the_server_still_preloads(
+    tmp_path: Path, launchers: Callable[..., ForkLauncher], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "slow.py").write_text("import time; time.sleep(120)")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    script = tmp_path / "w.py"
+    script.write_text("import sys; sys.exit(6)")
+    argv = [sys.executable, str(script)]
+    launcher = launchers(argv, ForkServerSettings(preload=("slow",), learn=False, ready_timeout=0.0))
+
+    worker = launcher.start(argv, dict(os.environ))
+
+    assert isinstance(worker, subprocess.Popen) and worker.wait(WAIT) == 6
 
 
 def test_closing_the_launcher_kills_forked_workers_and_their_groups(

@@ -78,3 +78,63 @@ def test_torch_file_timer_overrun_is_a_hang_with_its_stack(launch, tmp_path: Pat
     assert final["sha256"] == fault_free["sha256"]
     node1 = next(launch.root.glob("timer1.*.log")).read_text(errors="replace")
     assert "hung: timer 'step'" in node1 and "spin_forever (train_ddp.py:" in node1
+
+
+def parent(pid: int) -> tuple[int, str]:
+    """Parent pid of ``pid`` and the parent's name (``taskd-forksrv`` for a fork server)."""
+    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return ppid, Path(f"/proc/{ppid}/comm").read_text().strip()
+
+
+#: Victim that stands for "the fork server that forked rank 0" (its node's ranks die with it).
+SERVER_OF_RANK_0 = -1
+
+
+def test_a_sigkilled_fork_server_is_recovered_by_exec_then_replaced(
+    launch, tmp_path: Path, fault_free: dict[str, object]
+) -> None:
+    """Workers are forked by each node's fork server; SIGKILLing one takes its node's ranks along, the recovery
+    starts them by exec, and the next restart is forked by the server started in its place."""
+    # No hang detection: the job is paused (SIGSTOP) once below, which it would rightly take for a hang.
+    nodes, progress, result = run_job(
+        launch, tmp_path / "forkserver", max_cycles=6, taskd=("--taskd-no-hang-detection",)
+    )
+
+    def servers_ready() -> int:
+        return sum(log.read_text(errors="replace").count("ready after") for log in tmp_path.glob("forkserver*.log"))
+
+    victims = (3, SERVER_OF_RANK_0, 0)
+    parents: list[dict[int, tuple[int, str]]] = []
+    for restart in range(len(victims) + 1):
+        wait_for(
+            lambda: len(pids_of_round(progress, restart)) == 4
+            and any(e["event"] == "step" and e["restart"] == restart and int(e["step"]) >= 6 * restart + 5
+                    for e in events(progress)),
+            120, f"round {restart} to train",
+        )
+        pids = pids_of_round(progress, restart)
+        if restart == 2:
+            # The killed server's replacement must be ready before the next restart, which it then forks; the
+            # job is paused meanwhile so that it cannot end first on a loaded machine.
+            for pid in pids.values():
+                kill(pid, signal.SIGSTOP)
+            wait_for(lambda: servers_ready() == 3, 300, "a new fork server to preload")
+            for pid in pids.values():
+                kill(pid, signal.SIGCONT)
+        parents.append({rank: parent(pid) for rank, pid in pids.items()})
+        if restart < len(victims):
+            victim = victims[restart]
+            kill(parents[-1][0][0] if victim == SERVER_OF_RANK_0 else pids[victim], signal.SIGKILL)
+
+    final = finish(nodes, result)
+
+    assert final["sha256"] == fault_free["sha256"]
+    forked = [all(name == "taskd-forksrv" for _, name in round_.values()) for round_ in parents]
+    assert forked == [True, True, False, True]
+    # After the server died, its node's two ranks were started by exec: their parent is taskdrun itself.
+    launchers = {node.pid for node in nodes}
+    assert sorted(ppid in launchers for ppid, _ in parents[2].values()) == [False, False, True, True]
+    servers = {ppid for round_ in parents for ppid, name in round_.values() if name == "taskd-forksrv"}
+    assert len(servers) == 3
+    assert not [pid for pid in servers if pid_alive(pid)]
+    assert not [pid for r in range(len(parents)) for pid in pids_of_round(progress, r).values() if pid_alive(pid)]
