@@ -215,6 +215,7 @@ class Server:
         # Output buffered here must not be written again by the child.
         sys.stdout.flush()
         sys.stderr.flush()
+        server_pid = os.getpid()  # taken before the fork: the child's getppid() may already be another
         try:
             pid = os.fork()
         except OSError as exc:
@@ -224,7 +225,7 @@ class Server:
             return None
         if pid == 0:
             own = (self.control.fileno(), *self.children, *self.learning, *([learn_r] if learn_r else []))
-            return ChildJob(request, (fds[0], fds[1], fds[2]), learn_w, self.fresh, os.getppid(), own)
+            return ChildJob(request, (fds[0], fds[1], fds[2]), learn_w, self.fresh, server_pid, own)
         for fd in fds:
             os.close(fd)
         pidfd = os.pidfd_open(pid)
