@@ -553,9 +553,10 @@ class ForkLauncher:
         """Stop the server (and with it any forked worker still running)."""
         with self._lock:
             self._closed = True
-            if self.server is not None:
-                self.server.close()
-                self.server = None
+            server, self.server = self.server, None
+        # Outside the lock: the server's reader thread takes it when it sees the server end.
+        if server is not None:
+            server.close()
 
 
 def _exec(
