@@ -141,7 +141,9 @@ class FreshState:
 
     @classmethod
     def now(cls) -> FreshState:
-        handlers = {s: signal.getsignal(s) for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)}
+        handlers = {
+            s: signal.getsignal(s) for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)
+        }
         import site
         import sysconfig
 
@@ -262,7 +264,9 @@ class Server:
         unsafe = device_in_use()
         if unsafe:
             # Forking now would hand children a broken device context: stop serving; the agent execs.
-            send_message(self.control, {"op": "refused", "reason": f"{unsafe} initialised by {', '.join(done)}"})
+            send_message(
+                self.control, {"op": "refused", "reason": f"{unsafe} initialised by {', '.join(done)}"}
+            )
             self.kill_children()
             raise SystemExit(1)
         gc.freeze()
@@ -291,7 +295,7 @@ def _die_with_parent(server_pid: int) -> None:
 
 
 def _stdio(fd: int, write: bool, errors: str, line_buffering: bool, unbuffered: bool) -> io.TextIOWrapper:
-    """A standard stream as the interpreter builds it at startup (``unbuffered``: ``-u``/``PYTHONUNBUFFERED``)."""
+    """A standard stream as the interpreter builds it at startup (unbuffered: -u or PYTHONUNBUFFERED)."""
     unbuffered = unbuffered and write
     raw = io.FileIO(fd, "wb" if write else "rb", closefd=False)
     buffer: io.RawIOBase | io.BufferedIOBase
@@ -455,7 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unsafe:
         send_message(control, {"op": "refused", "reason": f"{unsafe} was initialised while preloading"})
         return 1
-    warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning)
+    warnings.filterwarnings(
+        "ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning
+    )
     gc.freeze()  # objects from the preload are shared copy-on-write; the collector must not touch them
     send_message(control, {"op": "ready", "pid": os.getpid(), "preloaded": done, "failed": failed})
     job = Server(control, fresh, args.learn).serve()

@@ -170,7 +170,7 @@ def _startup_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 class ForkedProcess:
-    """A worker forked by the fork server, with ``Popen``'s interface (``pid``, ``poll``, ``wait``, ``returncode``).
+    """A worker forked by the fork server, with ``Popen``'s interface (pid, poll, wait, returncode).
 
     The exit status comes from the server, which reaps the worker; if the
     server died first, the worker died with it (``PR_SET_PDEATHSIG``) and its
@@ -197,7 +197,9 @@ class ForkedProcess:
         if self.returncode is None:
             code = self.server.exit_code(self.pid, _REAP_GRACE if self._ended() else 0.0)
             if code is None and self.server.dead and self._ended():
-                logger.warning("forked worker %s ended with the fork server; its exit status is lost", self.pid)
+                logger.warning(
+                    "forked worker %s ended with the fork server; its exit status is lost", self.pid
+                )
                 code = -signal.SIGKILL
             if code is not None:
                 self._set(code)
@@ -283,9 +285,16 @@ class ForkServer:
         finally:
             theirs.close()
         self.sock = ours
-        self._reader = threading.Thread(target=self._read, name=f"taskd-forkserver-{self.process.pid}", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, name=f"taskd-forkserver-{self.process.pid}", daemon=True
+        )
         self._reader.start()
-        logger.info("fork server pid %s starting: %s, preloading %s", self.process.pid, job.interpreter, ",".join(preload) or "nothing")
+        logger.info(
+            "fork server pid %s starting: %s, preloading %s",
+            self.process.pid,
+            job.interpreter,
+            ",".join(preload) or "nothing",
+        )
 
     @property
     def pid(self) -> int:
@@ -334,39 +343,58 @@ class ForkServer:
                 self.was_ready = True
                 self.preloaded = list(message["preloaded"])
                 logger.info(
-                    "fork server %s ready after %.2fs: preloaded %s%s", self.pid, time.monotonic() - started,
+                    "fork server %s ready after %.2fs: preloaded %s%s",
+                    self.pid,
+                    time.monotonic() - started,
                     ",".join(self.preloaded) or "nothing",
                     f"; not importable: {message['failed']}" if message["failed"] else "",
                 )
             elif op == "refused":
                 self._state = "refused"
                 self.reason = str(message["reason"])
-                logger.error("fork server %s refuses to serve: %s; workers start by exec", self.pid, self.reason)
+                logger.error(
+                    "fork server %s refuses to serve: %s; workers start by exec", self.pid, self.reason
+                )
             elif op in ("spawned", "failed"):
                 self._replies[int(message["id"])] = message
             elif op == "exited":
                 self._exits[int(message["pid"])] = int(message["code"])
             elif op == "learned":
                 self.learned += message["modules"]
-                logger.info("fork server %s imported %s modules the workers use", self.pid, len(message["modules"]))
+                logger.info(
+                    "fork server %s imported %s modules the workers use", self.pid, len(message["modules"])
+                )
             self._cond.notify_all()
 
-    def spawn(self, command: PythonCommand, argv: Sequence[str], env: Mapping[str, str], cwd: str, stdio: Sequence[int]) -> ForkedProcess:
+    def spawn(
+        self,
+        command: PythonCommand,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str,
+        stdio: Sequence[int],
+    ) -> ForkedProcess:
         """Fork a worker running ``command``; :class:`ForkServerError` when the server cannot."""
         if command.interpreter != self.job.interpreter or command.flags != self.job.flags:
             raise ForkServerError(f"{' '.join(argv[:2])} is not this server's interpreter and flags")
         differ = sorted(k for k in _startup_env(env).items() ^ _startup_env(self.env).items())
         if differ:
-            raise ForkServerError(f"the worker's startup environment differs from the server's ({differ[0][0]})")
+            raise ForkServerError(
+                f"the worker's startup environment differs from the server's ({differ[0][0]})"
+            )
         with self._cond:
             if self._state != "ready":
                 raise ForkServerError(f"fork server is {self._state}")
             self._next_id += 1
             request_id = self._next_id
         request = {
-            "op": "spawn", "id": request_id, "env": dict(env), "cwd": cwd,
+            "op": "spawn",
+            "id": request_id,
+            "env": dict(env),
+            "cwd": cwd,
             # What exec would name the process: the basename of the file it ran.
-            "comm": os.path.basename(command.interpreter), **command.request(argv, cwd),
+            "comm": os.path.basename(command.interpreter),
+            **command.request(argv, cwd),
         }
         try:
             with self._send_lock:
@@ -377,7 +405,9 @@ class ForkServer:
             self._cond.wait_for(lambda: request_id in self._replies or self._state == "dead", _SPAWN_TIMEOUT)
             reply = self._replies.pop(request_id, None)
         if reply is None:
-            raise ForkServerError("the fork server did not answer" if not self.dead else "the fork server died")
+            raise ForkServerError(
+                "the fork server did not answer" if not self.dead else "the fork server died"
+            )
         if reply["op"] != "spawned":
             raise ForkServerError(f"the fork server could not fork: {reply.get('reason')}")
         return ForkedProcess(self, int(reply["pid"]), argv)
@@ -486,10 +516,14 @@ class ForkLauncher:
                 return  # closed on purpose, or already replaced
             self._respawns = _RESPAWNS if server.was_ready else self._respawns - 1
             if self._respawns < 0:
-                logger.error("fork server %s died before it was ever ready, again; workers start by exec", server.pid)
+                logger.error(
+                    "fork server %s died before it was ever ready, again; workers start by exec", server.pid
+                )
                 self.server = None
                 return
-            logger.warning("fork server %s died (exit %s); starting a new one", server.pid, server.process.poll())
+            logger.warning(
+                "fork server %s died (exit %s); starting a new one", server.pid, server.process.poll()
+            )
             self._replace()
 
     def start(
@@ -501,7 +535,7 @@ class ForkLauncher:
         stdout: int | IO[Any] | None = None,
         stderr: int | IO[Any] | None = None,
     ) -> subprocess.Popen[bytes] | ForkedProcess:
-        """Start one worker in its own session (``Popen(args, env=env, cwd=cwd, ..., start_new_session=True)``).
+        """Start one worker in its own session, as ``Popen(..., start_new_session=True)`` would.
 
         ``env`` is the worker's whole environment; the streams take what
         ``Popen`` takes (None inherits the launcher's, ``subprocess.DEVNULL``,
@@ -530,7 +564,9 @@ class ForkLauncher:
         # Only the first start waits for the preload: later, a slow server must not delay a recovery.
         if not server.wait_ready(0.0 if self._started_once else self.settings.ready_timeout):
             if server.usable:
-                logger.warning("fork server %s is not ready; starting %s by exec", server.pid, " ".join(args[:2]))
+                logger.warning(
+                    "fork server %s is not ready; starting %s by exec", server.pid, " ".join(args[:2])
+                )
             return None
         self._started_once = True
         devnull = os.open(os.devnull, os.O_RDWR) if subprocess.DEVNULL in (stdin, stdout, stderr) else -1
@@ -539,7 +575,11 @@ class ForkLauncher:
             stdio = [
                 devnull if stdin == subprocess.DEVNULL else _fd(stdin, 0),
                 out,
-                out if stderr == subprocess.STDOUT else devnull if stderr == subprocess.DEVNULL else _fd(stderr, 2),
+                out
+                if stderr == subprocess.STDOUT
+                else devnull
+                if stderr == subprocess.DEVNULL
+                else _fd(stderr, 2),
             ]
             return server.spawn(command, args, env, cwd, stdio)
         except ForkServerError as exc:
@@ -581,7 +621,7 @@ def start_worker(
     stdout: int | IO[Any] | None = None,
     stderr: int | IO[Any] | None = None,
 ) -> subprocess.Popen[bytes] | ForkedProcess:
-    """Start a worker in its own session: through ``launcher``, or by ``exec`` without one (fork server off)."""
+    """Start a worker in its own session: through ``launcher``, or by ``exec`` without one."""
     if launcher is not None:
         return launcher.start(args, env, cwd, stdin, stdout, stderr)
     return _exec(args, env, cwd, stdin, stdout, stderr)

@@ -546,8 +546,8 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "", *, publi
     warm = parser.add_argument_group("TaskD warm restarts" if prefix else "warm restarts")
     warm.add_argument(
         f"{p}no-fork-server", dest=_dest(prefix, "fork-server"), action="store_false",
-        help="start every worker by exec instead of forking Python workers from a fork server that has already "
-        "imported the framework",
+        help="start every worker by exec instead of forking Python workers from a fork server that has "
+        "already imported the framework",
     )
     warm.add_argument(
         f"{p}fork-server-preload", type=argtype(parse_modules), default=None, metavar="MODULES",

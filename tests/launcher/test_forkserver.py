@@ -111,7 +111,9 @@ def test_forked_script_sees_and_ends_exactly_as_an_execd_one(
     assert forked[0] == {"ok": 0, "exit3": 3, "raise": 1, "sigterm": -signal.SIGTERM, "message": 1}[how]
 
 
-def test_forked_module_is_run_as_python_m_runs_it(tmp_path: Path, launchers: Callable[..., ForkLauncher]) -> None:
+def test_forked_module_is_run_as_python_m_runs_it(
+    tmp_path: Path, launchers: Callable[..., ForkLauncher]
+) -> None:
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "fidelity.py").write_text(FIDELITY)
@@ -137,7 +139,9 @@ def test_forked_module_is_run_as_python_m_runs_it(tmp_path: Path, launchers: Cal
         ["/no/such/python", "x.py"],
     ],
 )
-def test_commands_only_the_interpreter_can_run_faithfully_are_not_forked(tmp_path: Path, argv: list[str]) -> None:
+def test_commands_only_the_interpreter_can_run_faithfully_are_not_forked(
+    tmp_path: Path, argv: list[str]
+) -> None:
     (tmp_path / "x.py").write_text("")
     assert PythonCommand.parse(argv, str(tmp_path), os.environ.get("PATH")) is None
 
@@ -209,7 +213,9 @@ def test_closing_the_launcher_kills_forked_workers_and_their_groups(
     argv = [sys.executable, str(script)]
     launcher = launchers(argv)
     worker = launcher.start(argv, dict(os.environ))
-    grandchild = int(wait_until(lambda: (tmp_path / "child.pid").exists() and (tmp_path / "child.pid").read_text()))
+    grandchild = int(
+        wait_until(lambda: (tmp_path / "child.pid").exists() and (tmp_path / "child.pid").read_text())
+    )
 
     launcher.close()
 
@@ -220,10 +226,14 @@ def test_closing_the_launcher_kills_forked_workers_and_their_groups(
 def test_launcher_sigkilled_leaves_no_worker_or_server(tmp_path: Path) -> None:
     """``taskd run`` SIGKILLed: its fork server and every forked worker end without it."""
     script = tmp_path / "w.py"
-    script.write_text(f"import os, time; open({str(tmp_path)!r} + f'/w{{os.getpid()}}', 'w'); time.sleep(120)")
+    script.write_text(
+        f"import os, time; open({str(tmp_path)!r} + f'/w{{os.getpid()}}', 'w'); time.sleep(120)"
+    )
     run = subprocess.Popen(
         [Path(sys.executable).with_name("taskd"), "run", "--nproc", "2", "--", sys.executable, str(script)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         pids = wait_until(lambda: len(list(tmp_path.glob("w[0-9]*"))) == 2 and list(tmp_path.glob("w[0-9]*")))
@@ -232,7 +242,10 @@ def test_launcher_sigkilled_leaves_no_worker_or_server(tmp_path: Path) -> None:
         assert run.pid not in servers  # forked by the server, not started by the launcher
         os.kill(run.pid, signal.SIGKILL)
         run.wait(WAIT)
-        wait_until(lambda: not any(process_running(pid) for pid in [*workers, *servers]), what="workers and server to end")
+        wait_until(
+            lambda: not any(process_running(pid) for pid in [*workers, *servers]),
+            what="workers and server to end",
+        )
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
@@ -269,7 +282,9 @@ def test_server_learns_the_installed_modules_workers_import(
     assert isinstance(worker, ForkedProcess) and server is not None
 
     wait_until(lambda: "xml.dom.minidom" in server.learned, what="the server to import what the worker did")
-    assert "w" not in server.learned and "__main__" not in server.learned  # the job's own code is never preloaded
+    assert (
+        "w" not in server.learned and "__main__" not in server.learned
+    )  # the job's own code is never preloaded
 
 
 def _ppid(pid: int) -> int:
@@ -289,7 +304,8 @@ def test_forked_workers_do_not_share_unseeded_random_streams(
         "print(json.dumps([torch.rand(1).item(), float(numpy.random.rand()), random.random()]))\n"
     )
     launcher = launchers(
-        [sys.executable, str(script)], ForkServerSettings(preload=("torch", "numpy.random"), learn=False, ready_timeout=300)
+        [sys.executable, str(script)],
+        ForkServerSettings(preload=("torch", "numpy.random"), learn=False, ready_timeout=300),
     )
     draws: dict[str, list[list[float]]] = {"free": [], "seeded": []}
     for mode, runs in draws.items():

@@ -47,8 +47,8 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.utils.api import macros
 
 from taskd_core.errors import ConfigError, LauncherInterrupted
-from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.launcher.forkserver import ForkLauncher
+from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.models import WorkerState, WorkerStatus
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
