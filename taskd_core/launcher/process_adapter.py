@@ -34,7 +34,10 @@ class ProcessAdapter:
     """
 
     def __init__(
-        self, spec: LaunchSpec | None = None, lifeline: Lifeline | None = None, launcher: ForkLauncher | None = None
+        self,
+        spec: LaunchSpec | None = None,
+        lifeline: Lifeline | None = None,
+        launcher: ForkLauncher | None = None,
     ) -> None:
         self.spec = spec
         self._lifeline = lifeline
