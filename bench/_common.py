@@ -346,11 +346,17 @@ class JournalEvent:
     detail: dict[str, Any]
 
 
-def job_view(address: str, job_id: str, events: int = 100, timeout: float = 5.0) -> pb.JobView | None:
-    """The controller's view of ``job_id`` with its newest ``events`` journal entries (None: unknown job)."""
+def job_view(
+    address: str, job_id: str, events: int = 100, timeout: float = 5.0, token: str | None = None
+) -> pb.JobView | None:
+    """The controller's view of ``job_id`` with its newest ``events`` journal entries (None: unknown job).
+
+    :param token: the job's token (``TASKD_JOB_TOKEN`` of its launchers), which a job registered with one needs.
+    """
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     with grpc.insecure_channel(address) as channel:
         reply = recover_pb2_grpc.RecoverStub(channel).QueryStatus(
-            pb.StatusQuery(jobId=job_id, events=events), timeout=timeout
+            pb.StatusQuery(jobId=job_id, events=events), timeout=timeout, metadata=metadata
         )
     jobs = [j for j in reply.jobs if j.jobId == job_id]
     return jobs[0] if jobs else None

@@ -16,6 +16,9 @@ moment that rank logs step ``--kill-step``, taking ``time.time()`` right before
 * ``taskdrun``: the PyTorch adapter with its embedded controller, workers
   forked from the node's fork server (the default);
 * ``taskdrun-nofork``: the same with ``--taskd-no-fork-server`` (every start execs);
+* ``taskdrun-live``: taskdrun (fork server) on ``examples/train_live.py``, the same
+  job through :mod:`taskd_pytorch.live`: the healthy ranks keep running and the
+  replacement receives the state from a live replica (``recover-live``);
 * ``taskd-run`` (only when asked for): ``taskd run`` with the plain process adapter.
 
 Per trial, from timestamps the workers and launchers write themselves (the
@@ -32,7 +35,8 @@ JSON lines of ``--progress``; the launchers' logs; the controller's journal):
   − step resumed from).
 
 A trial counts as recovered when every rank completes a step in a new process
-within ``--recovery-deadline`` seconds. Each trial also gives the fault-free
+within ``--recovery-deadline`` seconds (live recovery: when every rank completes
+a step after the replacement joined, in the processes it has then). Each trial also gives the fault-free
 step time (median interval between rank 0's steps before the kill).
 ``--server-idle`` measures the fork server itself once: its RSS/PSS and its CPU
 over a window while the job trains (after the workers' module reports). A separate micro-run (``--phases``)
@@ -53,6 +57,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -92,6 +97,7 @@ from taskd_core.models import JobPolicy
 logger = logging.getLogger(__name__)
 
 EXAMPLE = REPO / "examples" / "train_ddp.py"
+EXAMPLE_LIVE = REPO / "examples" / "train_live.py"
 BIN = Path(PYTHON).parent
 #: torchrun logs a dead worker as ``E1130 01:41:22.657000 4098 .../api.py:1002] failed (exitcode: -9) ...``.
 _TORCHRUN_FAULT = re.compile(r"^[EWI](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) +\d+ \S+\] failed \(exitcode")
@@ -107,6 +113,7 @@ FIGURES = (
     ("all_resumed", "kill → every rank resumed (past init_process_group + ckpt load)"),
     ("all_stepped", "kill → every rank completed a new step"),
     ("steps_lost", "steps lost"),
+    ("restarts_seen", "processes started after the kill"),
     ("step_time", "fault-free step time (rank 0, before the kill)"),
 )
 #: The jobs: extra arguments of ``examples/train_ddp.py``.
@@ -155,6 +162,8 @@ class Launcher:
     env: dict[str, str] = field(default_factory=dict)
     #: whether the launcher hosts a TaskD controller (at ``Ports.controller``) whose journal can be read.
     controller: bool = False
+    #: the job recovers live: healthy ranks keep their processes, only the victim is replaced.
+    live: bool = False
 
 
 def _torchrun_args(topo: Topology, node: int, ports: Ports, job_id: str, restarts: int) -> list[str]:
@@ -180,14 +189,21 @@ def _torchrun(topo: Topology, node: int, ports: Ports, job_id: str, restarts: in
 
 
 def _taskdrun(topo: Topology, node: int, ports: Ports, job_id: str, restarts: int) -> list[str]:
-    # Only so that the bench knows where to read the journal; the job id is --rdzv-id already.
+    # Only so that the bench knows where to read the journal. On several nodes the job id is
+    # --rdzv-id already; --standalone makes up a run id of its own, so one node names the job.
     taskd = ["--taskd-controller-port", str(ports.controller)]
+    if topo.nnodes == 1:
+        taskd += ["--taskd-job-id", job_id]
     return [str(BIN / "taskdrun"), *_torchrun_args(topo, node, ports, job_id, restarts), *taskd, str(EXAMPLE)]
 
 
 def _taskdrun_nofork(topo: Topology, node: int, ports: Ports, job_id: str, restarts: int) -> list[str]:
     command = _taskdrun(topo, node, ports, job_id, restarts)
     return [*command[:-1], "--taskd-no-fork-server", command[-1]]
+
+
+def _taskdrun_live(topo: Topology, node: int, ports: Ports, job_id: str, restarts: int) -> list[str]:
+    return [*_taskdrun(topo, node, ports, job_id, restarts)[:-1], str(EXAMPLE_LIVE)]
 
 
 def _taskd_run(topo: Topology, node: int, ports: Ports, job_id: str, restarts: int) -> list[str]:
@@ -230,6 +246,14 @@ LAUNCHERS = {
         Launcher("taskdrun", "taskdrun (fork server)", "taskdrun", _taskdrun, controller=True),
         Launcher(
             "taskdrun-nofork", "taskdrun --taskd-no-fork-server", "taskdrun", _taskdrun_nofork, controller=True
+        ),
+        Launcher(
+            "taskdrun-live",
+            "taskdrun, examples/train_live.py (live recovery)",
+            "taskdrun",
+            _taskdrun_live,
+            controller=True,
+            live=True,
         ),
         Launcher(
             "taskd-run",
@@ -319,6 +343,8 @@ def run_trial(
     tdir.mkdir(parents=True)
     progress = tdir / "progress.jsonl"
     ports = Ports(free_port(), free_port())
+    # The launchers' job token, so the bench may read the controller's journal (torchrun ignores it).
+    token = secrets.token_hex(16)
     script = [
         "--ckpt-dir",
         str(tdir / "ckpt"),
@@ -341,7 +367,7 @@ def run_trial(
             children.start(
                 [*launcher.command(topo, n, ports, job_id, cfg.max_restarts), *script],
                 log=logs[n],
-                env=launcher.env,
+                env={**launcher.env, "TASKD_JOB_TOKEN": token},
                 cwd=REPO,
             )
             for n in range(topo.nnodes)
@@ -360,8 +386,7 @@ def run_trial(
         result["kill_lag"] = t_kill - target["time"]
 
         def every_rank_stepped() -> bool:
-            ranks = {e["rank"] for e in log.events if e["event"] == "step" and e["pid"] not in old_pids}
-            return len(ranks) == topo.world
+            return len(_stepped_after(log.events, old_pids, launcher.live)) == topo.world
 
         state = _wait(log, procs, every_rank_stepped, cfg.recovery_deadline)
         result["outcome"] = {
@@ -375,7 +400,7 @@ def run_trial(
             try:
                 events = [
                     e
-                    for e in journal(job_view(f"127.0.0.1:{ports.controller}", job_id, events=200))
+                    for e in journal(job_view(f"127.0.0.1:{ports.controller}", job_id, events=200, token=token))
                     if e.time >= t_kill
                 ]
             except Exception as exc:  # noqa: BLE001 - the controller died with its launcher: N/A
@@ -387,7 +412,7 @@ def run_trial(
         faults = [
             t for t in _torchrun_fault_times(logs, datetime.fromtimestamp(t_kill).year) if t >= t_kill - 0.01
         ]
-    result.update(_figures(log, old_pids, t_kill, faults, topo.world))
+    result.update(_figures(log, old_pids, t_kill, faults, topo.world, launcher.live))
     result["restart_ordered"] = _after([e.time for e in events if e.kind == "strategy chosen"], t_kill)
     logger.info(
         "%s: %s, every rank stepped %s s after the kill",
@@ -404,29 +429,51 @@ def _after(times: Sequence[float | None], t_kill: float) -> float | None:
     return min(present) - t_kill if present else None
 
 
+def _stepped_after(events: Sequence[dict[str, Any]], old_pids: set[int], live: bool) -> dict[int, float]:
+    """Each rank's first step of the recovered job: in a new process, or (live) after the replacement joined."""
+    if live:
+        joined = [e["time"] for e in events if e["event"] == "resumed" and e["pid"] not in old_pids]
+        if not joined:
+            return {}
+        steps = [e for e in events if e["event"] == "step" and e["time"] >= min(joined)]
+    else:
+        steps = [e for e in events if e["event"] == "step" and e["pid"] not in old_pids]
+    first: dict[int, float] = {}
+    for e in steps:
+        first.setdefault(e["rank"], e["time"])
+    return first
+
+
 def _figures(
-    log: ProgressLog, old_pids: set[int], t_kill: float, faults: list[float], world: int
+    log: ProgressLog, old_pids: set[int], t_kill: float, faults: list[float], world: int, live: bool = False
 ) -> dict[str, Any]:
     new = [e for e in log.events if e["pid"] not in old_pids]
+    # Live recovery starts only the victims again; the others keep their processes.
+    started = len({e["rank"] for e in new if e["event"] == "start"}) if live else world
 
     def all_ranks(kind: str) -> float | None:
         first: dict[int, float] = {}
         for e in new:
             if e["event"] == kind:
                 first.setdefault(e["rank"], e["time"])
-        return max(first.values()) - t_kill if len(first) == world else None
+        return max(first.values()) - t_kill if first and len(first) == started else None
 
+    stepped = _stepped_after(log.events, old_pids, live)
     resumed = [e["step"] for e in new if e["event"] == "resumed"]
-    before = [e["step"] for e in log.events if e["event"] == "step" and e["pid"] in old_pids]
+    before = [
+        e["step"]
+        for e in log.events
+        if e["event"] == "step" and e["pid"] in old_pids and (not live or e["time"] < t_kill)
+    ]
     rank0 = [e["time"] for e in log.events if e["event"] == "step" and e["pid"] in old_pids and e["rank"] == 0]
-    intervals = [b - a for a, b in itertools.pairwise(rank0)]
+    intervals = [b - a for a, b in itertools.pairwise(t for t in rank0 if t < t_kill)]
     return {
         "fault_known": _after(faults, t_kill),
         "first_fork": _after([log.forked.get(e["pid"]) for e in new if e["event"] == "start"], t_kill),
         "first_start": _after([e["time"] for e in new if e["event"] == "start"], t_kill),
         "all_started": all_ranks("start"),
         "all_resumed": all_ranks("resumed"),
-        "all_stepped": all_ranks("step"),
+        "all_stepped": max(stepped.values()) - t_kill if len(stepped) == world else None,
         "steps_lost": float(max(before) - min(resumed)) if before and resumed else None,
         "restarts_seen": len({e["pid"] for e in new if e["event"] == "start"}),
         "step_time": summarize(intervals[1:]).median if len(intervals) > 1 else None,
@@ -677,7 +724,7 @@ def main() -> int:
     p.add_argument("--topologies", default="1x2,1x4,2x2", help="NODESxWORKERS list (default: %(default)s)")
     p.add_argument(
         "--launchers",
-        default="torchrun,torchrun-noshare,taskdrun-nofork,taskdrun",
+        default="torchrun,torchrun-noshare,taskdrun-nofork,taskdrun,taskdrun-live",
         help=f"comma separated, from {', '.join(LAUNCHERS)} (default: %(default)s)",
     )
     p.add_argument("--jobs", default=",".join(JOBS), help=f"from {', '.join(JOBS)} (default: %(default)s)")

@@ -25,6 +25,8 @@ from types import FrameType
 import torch
 from torch import nn
 from train_ddp import (
+    LEARNING_RATE,
+    MOMENTUM,
     Progress,
     batch,
     inject_fault,
@@ -71,6 +73,12 @@ def main() -> int:
         progress.log("resumed", done)
     loss_fn = nn.MSELoss()
     watchdog = step_timer(args.timer)
+    optimizer = None
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+        for p, v in zip(model.parameters(), velocity, strict=True):
+            optimizer.state[p]["momentum_buffer"] = v  # the very tensors the session hands on
+    ddp, ddp_round = None, -1
     first_life = restart == 0 and session.round == 0
     for live_step in session.steps(args.steps):
         with live_step:
@@ -86,8 +94,14 @@ def main() -> int:
                     time.sleep(pause)
                 model.zero_grad()
                 x, y = batch(step, rank)
-                loss_fn(model(x), y).backward()
-                sgd_step(model, velocity, world_size, session.all_reduce)
+                if optimizer is None:
+                    loss_fn(model(x), y).backward()
+                    sgd_step(model, velocity, world_size, session.all_reduce)
+                else:
+                    if ddp_round != session.round:  # a DDP wrapper belongs to one process group
+                        ddp, ddp_round = nn.parallel.DistributedDataParallel(model), session.round
+                    loss_fn(ddp(x), y).backward()  # DDP averages the gradients over the ranks
+                    optimizer.step()
             done = step + 1
             progress.log("step", done)
             if rank == 0 and (done % args.ckpt_every == 0 or done == args.steps):
