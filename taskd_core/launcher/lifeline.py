@@ -13,16 +13,13 @@ Why not ``PR_SET_PDEATHSIG`` in each exec'd worker: setting it needs code
 between fork and exec (``preexec_fn``, unsafe beside gRPC's threads) or an
 extra interpreter start per worker; it fires when the *thread* that started
 the worker ends, not the launcher; and it reaches the worker but not its
-children. :func:`die_with_parent` is still the tool for a process TaskD forks
-without exec (a fork server and its children): it has no exec to survive.
+children. A process TaskD forks without exec (a fork server's worker) sets
+PR_SET_PDEATHSIG itself (``_forkserver_main``): it has no exec to survive.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -33,28 +30,6 @@ from typing import IO, Self
 logger = logging.getLogger(__name__)
 
 _GUARD = Path(__file__).with_name("_lifeline_guard.py")
-#: ``<linux/prctl.h>``: deliver a signal to this process when its parent thread ends.
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
-    """Make the calling process receive ``sig`` when ``parent_pid`` (its parent) ends.
-
-    For processes forked without exec: call it first thing in the child.
-    The "parent" is the thread that forked, so fork from a thread that lives
-    as long as the child should. If the parent is already gone, ``sig``
-    arrives at once.
-
-    :raises OSError: ``prctl`` failed (not Linux).
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os.kill(os.getpid(), sig)
-
-
 class Lifeline:
     """The launcher's end of the guard process; thread-safe. Use as a context manager.
 

@@ -1,4 +1,4 @@
-"""The lifeline guard and die_with_parent, with real processes."""
+"""The lifeline guard, with real processes."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-
-import pytest
 
 from taskd_core.launcher.lifeline import Lifeline
 
@@ -72,31 +70,3 @@ def test_the_guard_kills_adopted_groups_when_the_launcher_is_sigkilled() -> None
         for pid in (kept, freed):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-_FORKED = """
-import os, sys, time
-from taskd_core.launcher.lifeline import die_with_parent
-parent = os.getpid()
-child = os.fork()
-if child == 0:
-    die_with_parent(parent)
-    time.sleep(120)
-    os._exit(0)
-print(child, flush=True)
-time.sleep(120)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux-only")
-def test_a_forked_child_dies_with_its_parent() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _FORKED], stdout=subprocess.PIPE, text=True)
-    assert parent.stdout is not None
-    child = int(parent.stdout.readline())
-    try:
-        parent.kill()
-        parent.wait()
-        assert wait_dead(child)
-    finally:
-        if alive(child):
-            os.kill(child, signal.SIGKILL)
