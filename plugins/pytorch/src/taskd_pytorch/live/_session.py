@@ -138,6 +138,12 @@ class LiveSession:
     def close(self) -> None:
         """Leave the process group (at the end of training)."""
         worker.done()
+        self._leave()
+
+    def _leave(self) -> None:
+        # Whatever still refers to the failed collective (a traceback in a cycle) goes
+        # first, so that the group's connections really close.
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -179,6 +185,10 @@ class LiveSession:
                 f"rank {self.rank} lost a peer ({failure}) but runs without a TaskD agent "
                 f"({LIVE_DIR_ENV} is not set); start the job with taskdrun for live recovery"
             )
+        # At once, not when the next round comes: peers blocked on this rank (a ring
+        # all-reduce waits on its neighbour, not on the dead rank) fail only when its
+        # connections close, and would otherwise wait, silent, until the round is announced.
+        self._leave()
         deadline = time.monotonic() + self._rejoin_timeout
         while True:
             new = self._new_round()
@@ -192,9 +202,6 @@ class LiveSession:
                     f"of losing a peer ({failure})"
                 )
             time.sleep(_ROUND_POLL)
-        # Whatever still refers to the failed collective (a traceback in a cycle) goes first.
-        gc.collect()
-        self.close()
         self._join(new, fresh=False)
 
     def _join(self, round_no: int, *, fresh: bool) -> None:
