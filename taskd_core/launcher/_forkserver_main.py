@@ -51,7 +51,7 @@ import types
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 #: Largest message either side sends (argv + environment of one worker).
 MAX_MESSAGE = 1 << 22
@@ -467,7 +467,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = Server(control, fresh, args.learn).serve()
     if job is None:
         return 0
-    return run_child(job)
+    end_child(job)
+
+
+def end_child(job: ChildJob) -> NoReturn:
+    """Run the worker, then end as the interpreter would up to its final teardown, which is skipped.
+
+    Threads are joined, ``atexit`` handlers run and stdio is flushed; the
+    teardown of every remaining object is not done: a forked worker's gloo
+    process group hung there (its device joins a transport thread that never
+    ends), as forked ``multiprocessing`` children also skip it.
+    """
+    try:
+        code = run_child(job)
+    except SystemExit as exc:
+        code = _exit_status(exc)
+    threading._shutdown()  # type: ignore[attr-defined]
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _exit_status(exc: SystemExit) -> int:
+    """What the interpreter makes of an uncaught ``SystemExit``: None 0, an int itself, else shown and 1."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
