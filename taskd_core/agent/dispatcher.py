@@ -67,6 +67,9 @@ class ActionDispatcher:
     :param on_stopping: told which workers are about to be stopped on
         purpose, so the agent does not report their deaths as faults.
     :param lock: serialises hook calls with the agent's own monitoring.
+    :param send: sends one report and returns the controller's code; the agent
+        passes its report thread, so an action's report never overtakes a fault
+        report queued before it.
     """
 
     def __init__(
@@ -77,9 +80,11 @@ class ActionDispatcher:
         *,
         on_stopping: Callable[[Iterable[WorkerStatus]], None] | None = None,
         lock: threading.RLock | None = None,
+        send: Callable[[Report], int] | None = None,
     ) -> None:
         self.adapter = adapter
         self.reporter = reporter
+        self._send = send or (lambda report: report())
         self.config = config or DispatchConfig()
         self._on_stopping = on_stopping or (lambda statuses: None)
         self._lock = lock or threading.RLock()
@@ -93,6 +98,8 @@ class ActionDispatcher:
         self.refused = threading.Event()
         #: why the controller gave the job up (its killMaster's extraParams).
         self.give_up_reason = ""
+        #: local rank -> the cycle whose strategy last started it (absent: the first start, 0).
+        self._started_in: dict[int, int] = {}
 
     def handle(self, signal: Signal) -> None:
         """Carry out ``signal``'s actions under the lock, then send their reports without it.
@@ -125,7 +132,14 @@ class ActionDispatcher:
                 else:
                     logger.debug("action %r needs no work of its own on this node", action)
         for report in reports:
-            self._taken(report())
+            self._taken(self._send(report))
+
+    def started_cycles(self) -> dict[int, int]:
+        """Local rank -> the cycle that last started it (0: the first start); call under the lock."""
+        return dict(self._started_in)
+
+    def _started(self, local_ranks: Iterable[int], cycle: int) -> None:
+        self._started_in.update(dict.fromkeys(local_ranks, cycle))
 
     # --- rank bookkeeping -------------------------------------------------------
 
@@ -190,12 +204,14 @@ class ActionDispatcher:
             if strategy is Strategy.RECOVER:
                 self.stop(None)
                 self.adapter.restart_all()
+                self._started(self.adapter.monitor(), signal.cycle)
                 code, msg = Code.OK, "restarted every local worker"
             elif strategy is Strategy.RECOVER_IN_PLACE:
                 local = self._local_faulty(signal, self.adapter.monitor())
                 if local:
                     self.stop(local)
                     self.adapter.restart_list(local)
+                    self._started(local, signal.cycle)
                 code, msg = Code.OK, f"restarted local ranks {local}"
             elif strategy is Strategy.RECOVER_LIVE:
                 code, msg = self._recover_live(signal)
@@ -226,6 +242,7 @@ class ActionDispatcher:
         if local:
             self.stop(local)
             self.adapter.restart_list(local)
+            self._started(local, signal.cycle)
         if not self.adapter.await_round(signal.cycle, self.config.live_timeout):
             return (
                 Code.RECOVERABLE_RETRY_ERROR,

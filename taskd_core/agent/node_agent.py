@@ -21,7 +21,7 @@ import logging
 import signal as signals
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -88,6 +88,8 @@ class NodeAgent:
         #: global ranks whose fault report the restart backoff holds back, and until when.
         self._held: set[int] = set()
         self._report_at = 0.0
+        #: the latest cycle that started one of the held ranks (see ``startedCycle`` in the proto).
+        self._held_started = 0
         if not config.controller:
             raise ConfigError(f"the agent of job {config.job_id} needs a controller address")
         self.client = DLRecoverManager.for_job(
@@ -110,6 +112,7 @@ class NodeAgent:
             config.dispatch,
             on_stopping=self._settle,
             lock=self._lock,
+            send=self._in_order,
         )
 
     # --- control from other threads --------------------------------------------------
@@ -233,6 +236,7 @@ class NodeAgent:
                 return self._end_failed(self._unreported)
             with self._lock:
                 statuses = self.adapter.monitor()
+                started = self.dispatcher.started_cycles()
                 changes = self._ledger.update(statuses)
                 resync = self.dispatcher.refused.is_set()
                 self.dispatcher.refused.clear()
@@ -258,11 +262,17 @@ class NodeAgent:
                     self._stop_all()
                     return AgentOutcome(Outcome.FAILED, 1, f"ranks {[s.global_rank for s in failed]} failed")
                 self._hold(failed, 0.0 if resync else self._crashloop.failed(failed, now), now)
+                self._held_started = max(
+                    [self._held_started, *(started.get(s.local_rank, 0) for s in failed)]
+                )
             reported = bool(self._held) and now >= self._report_at
             if reported:
                 ranks = sorted(self._held)
                 self._held.clear()
-                self._send_fault(ranks, {r: int(FaultType.NORMAL.value) for r in ranks})
+                self._send_fault(
+                    ranks, {r: int(FaultType.NORMAL.value) for r in ranks}, started_cycle=self._held_started
+                )
+                self._held_started = 0
             if recovery and changes:
                 # Queued behind the fault report: the journal keeps the order, the recovery never
                 # waits for it.
@@ -280,6 +290,7 @@ class NodeAgent:
                         sorted(h.global_rank for h in stopped),
                         {h.global_rank: int(FaultType.HANG.value) for h in stopped},
                         detail="\n".join(h.evidence() for h in stopped),
+                        started_cycle=max(started.get(h.local_rank, 0) for h in stopped),
                     )
                 continue
             # After dump or exit the workers may end with 0, but the job is
@@ -312,12 +323,24 @@ class NodeAgent:
         self._report_at = max(self._report_at, now + delay) if self._held else now + delay
         self._held.update(s.global_rank for s in failed)
 
-    def _send_fault(self, ranks: list[int], faults: Mapping[int, int], detail: str = "") -> None:
+    def _send_fault(
+        self, ranks: list[int], faults: Mapping[int, int], *, started_cycle: int, detail: str = ""
+    ) -> None:
         """Report faults from the report thread; one the controller does not take ends the job (see below)."""
         report = self._fault_reports.submit(
-            functools.partial(self.client.report_process_fault, faults, detail=detail)
+            functools.partial(
+                self.client.report_process_fault, faults, detail=detail, started_cycle=started_cycle
+            )
         )
         report.add_done_callback(functools.partial(self._fault_report_done, ranks=ranks))
+
+    def _in_order(self, report: Callable[[], int]) -> int:
+        """Send an action's report behind the fault reports queued before it."""
+        try:
+            queued = self._fault_reports.submit(report)
+        except RuntimeError:  # the agent is ending and its report thread is gone
+            return report()
+        return queued.result()
 
     def _fault_report_done(self, report: Future[int], ranks: list[int]) -> None:
         """A fault report the controller did not take ends the job here, loudly, instead of a silent hang."""

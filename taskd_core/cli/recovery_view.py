@@ -137,7 +137,8 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
         elif e.kind == "fault":
             for rank, kind in dict(d.get("ranks", {})).items():
                 fault_marks.append((int(rank), t, str(kind)))
-            pending_fault = t if pending_fault is None else pending_fault
+            if "covered" not in d:
+                pending_fault = t if pending_fault is None else pending_fault
         elif e.kind == "cycle started":
             marks = _CycleMarks(e.cycle, pending_fault if pending_fault is not None else t, started=t)
             marks.ranks = {int(r) for r in dict(d.get("faults", {}))}

@@ -524,6 +524,7 @@ class DLRecoverManager:
         fault_codes: Mapping[int, object] | None = None,
         *,
         detail: str = "",
+        started_cycle: int | None = None,
     ) -> int:
         """Processes of the job failed: ``{global_rank: fault_type}``; 409 (logged) for bad arguments.
 
@@ -531,6 +532,9 @@ class DLRecoverManager:
             codes, say); the controller keeps them in its journal with the fault.
         :param detail: TaskD extension: evidence the controller journals with the
             fault (a hung rank's stack), at most 64 KiB.
+        :param started_cycle: TaskD extension: the recovery cycle that started the
+            failed workers (0: the first start), so the controller can tell the end of
+            an incarnation its cycle in flight already replaced from a new fault.
         """
         faults = self._faults("ReportProcessFault", fault_ranks)
         try:
@@ -541,7 +545,12 @@ class DLRecoverManager:
         if faults is None:
             return int(Code.INVALID_PARAM)
         req = pb.ProcessFaultRequest(
-            jobId=self.job_id, faultRanks=faults, agentId=self.agent_id, detail=detail, faultCodes=codes
+            jobId=self.job_id,
+            faultRanks=faults,
+            agentId=self.agent_id,
+            detail=detail,
+            faultCodes=codes,
+            startedCycle=started_cycle,
         )
         return self._report("ReportProcessFault", self._stub.ReportProcessFault, req)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -128,6 +128,8 @@ class FaultReported:
     detail: str = ""
     #: the seed API's fault codes, ``(rank, code)``, for the journal.
     codes: tuple[tuple[int, str], ...] = ()
+    #: the cycle whose strategy started the failed workers (0: the first start); None: unknown.
+    started_cycle: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,7 +445,36 @@ class JobMachine:
         return self._fault_accepted(event, fx)
 
     def _on_fault_pending(self, event: FaultReported, fx: _Effects) -> Reply:
-        return self._fault_accepted(event, fx, pending=True)
+        covered = self._restarted_by_cycle(event)
+        if not covered:
+            return self._fault_accepted(event, fx, pending=True)
+        # The peers of a dead rank fail their collective a moment later; when the report of
+        # that arrives after the strategy went out, the cycle in flight has already replaced
+        # them, and a second cycle would only restart the fresh workers again.
+        self._journal(
+            fx,
+            "fault",
+            agent=event.agent,
+            pending=False,
+            covered=self.snap.cycle,
+            ranks={str(f.rank): f.fault_type.value for f in covered},
+        )
+        rest = tuple(f for f in event.faults if f not in covered)
+        if rest:
+            return self._fault_accepted(replace(event, faults=rest), fx, pending=True)
+        cycle = self.snap.cycle
+        return Reply(Code.OK, f"jobId={self.job_id}, receive ReportProcessFault (covered by cycle {cycle})")
+
+    def _restarted_by_cycle(self, event: FaultReported) -> tuple[FaultRank, ...]:
+        """The reported ranks the strategy in flight restarts, when they died as workers older than it."""
+        if event.started_cycle is None or event.started_cycle >= self.snap.cycle:
+            return ()
+        strategy = Strategy(self.snap.strategy)
+        if strategy is Strategy.RECOVER:
+            return event.faults
+        if strategy in (Strategy.RECOVER_IN_PLACE, Strategy.RECOVER_LIVE):
+            return tuple(f for f in event.faults if f.rank in self.snap.faults)
+        return ()
 
     def _on_flush_end(self, event: DeadlinePassed, fx: _Effects) -> Reply:
         if event.step == self.snap.step:

@@ -163,9 +163,11 @@ class ControllerMetrics:
 
     def _on_fault(self, job: str, detail: Any, now: float) -> None:
         ranks: dict[str, str] = detail.get("ranks", {})
-        for rank, kind in ranks.items():
+        for kind in ranks.values():
             self._child(self.faults, _FAULT_NAMES.get(kind, kind)).inc()
-            self._faulty.setdefault(job, set()).add(int(rank))
+        if "covered" in detail:  # the cycle in flight already replaced these workers
+            return
+        self._faulty.setdefault(job, set()).update(int(rank) for rank in ranks)
         self._fault_at.setdefault(job, now)
 
     def _on_cycle_started(self, job: str, detail: Any, now: float) -> None:

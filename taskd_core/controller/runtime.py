@@ -402,12 +402,13 @@ class Controller:
         caller: Caller = _ANONYMOUS,
         detail: str = "",
         codes: tuple[tuple[int, str], ...] = (),
+        started_cycle: int | None = None,
     ) -> Reply:
         job = self._registered(job_id, caller, "ReportProcessFault")
         self._check_fault_count(job, faults)
         # A fault is never dropped for want of a reporter: ambiguous ones stay anonymous.
         agent = self._attribute(job, agent_id) if agent_id or len(job.agents) == 1 else ""
-        return self._apply(job, FaultReported(agent, faults, detail, codes))
+        return self._apply(job, FaultReported(agent, faults, detail, codes, started_cycle))
 
     def health(self, job_id: str, agent_id: str, progress: str, caller: Caller = _ANONYMOUS) -> None:
         """A HealthCheck of a known agent: it is alive, and uses these hang timeouts; others are ignored.

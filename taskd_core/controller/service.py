@@ -283,8 +283,13 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
                 raise ProtocolError(
                     f"faultCodes has {len(codes)} entries for {len(faults)} faulty ranks", field="faultCodes"
                 )
+            started = request.startedCycle if request.HasField("startedCycle") else None
+            if started is not None and started < 0:
+                raise ProtocolError(
+                    f"startedCycle is {started}; a cycle number is 0 or more", field="startedCycle"
+                )
             return self._ctl.process_fault(
-                request.jobId, _agent(request.agentId), faults, caller, request.detail, codes
+                request.jobId, _agent(request.agentId), faults, caller, request.detail, codes, started
             )
 
         return _answer(call)

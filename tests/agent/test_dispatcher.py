@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import pytest
 
@@ -65,3 +65,34 @@ def test_the_lock_is_free_while_a_report_waits(adapter: ProcessAdapter) -> None:
         reporter.release.set()
         handler.join(timeout=60)
     assert reporter.stops == [0]
+
+
+class Reporter(SlowReporter):
+    """A controller that answers every report at once."""
+
+    def report_stop_complete(self, code: int, msg: str, fault_ranks: Mapping[int, int]) -> int:
+        return 0
+
+
+def change_strategy(strategy: str, cycle: int, extra: str = "") -> Signal:
+    return Signal(
+        signal_type=SignalType.CHANGE_STRATEGY.value, job_id="default", actions=(Action.CHANGE_STRATEGY.value,),
+        fault_ranks=(FaultRank(1, FaultType.NORMAL),), change_strategy=strategy, extra_params=extra, cycle=cycle,
+    )
+
+
+def test_each_rank_remembers_the_cycle_that_last_started_it(adapter: ProcessAdapter) -> None:
+    """The agent sends it with a fault, so the controller can tell a replaced incarnation's end from a new fault."""
+    sent: list[str] = []
+
+    def send(report: Callable[[], int]) -> int:
+        sent.append("report")
+        return report()
+
+    dispatcher = ActionDispatcher(load_adapter("process", instance=adapter), Reporter(), send=send)
+    assert dispatcher.started_cycles() == {}
+    dispatcher.handle(change_strategy("recover", 3))
+    assert dispatcher.started_cycles() == {0: 3, 1: 3}
+    dispatcher.handle(change_strategy("recover", 4, extra="recover-in-place"))
+    assert dispatcher.started_cycles() == {0: 3, 1: 4}
+    assert sent == ["report", "report"]

@@ -250,6 +250,37 @@ def test_faults_during_wait_status_start_the_next_cycle_after_success():
     assert kinds(r) == ["stopTrain"] and r.signals[0].cycle == 2 and m.snap.faults == {7: FaultType.NORMAL}
 
 
+def covered_fault(m: JobMachine, *ranks: int, started: int | None):
+    faults = tuple(FaultRank(r, FaultType.NORMAL) for r in ranks)
+    return m.handle(FaultReported("a", faults, started_cycle=started), NOW)
+
+
+def test_a_late_fault_of_workers_the_cycle_restarts_anyway_does_not_start_another():
+    m = machine()
+    to_decision(m)  # cycle 1 decided recover: every worker restarts
+    r = covered_fault(m, 1, 2, started=0)
+    assert r.reply.code == Code.OK and "covered by cycle 1" in r.reply.info
+    assert m.snap.pending == {} and r.journal[0].detail["covered"] == 1
+    r = m.handle(StatusReported("a", 0, "recover"), NOW)
+    assert m.state is State.IDLE and r.signals == ()
+
+
+@pytest.mark.parametrize("started", [1, None])
+def test_a_fault_of_workers_this_cycle_started_or_of_unknown_start_waits_for_the_next_cycle(started):
+    m = machine()
+    to_decision(m)
+    covered_fault(m, 1, started=started)
+    assert m.snap.pending == {1: FaultType.NORMAL}
+
+
+def test_recover_in_place_covers_only_the_ranks_it_restarts():
+    m = machine()
+    to_decision(m, strategies=("recover-in-place", "recover"), faults=((3, "1"),))
+    assert m.snap.strategy == "recover-in-place"
+    r = covered_fault(m, 3, 1, started=0)
+    assert r.journal[0].detail["ranks"] == {"3": "1"} and m.snap.pending == {1: FaultType.NORMAL}
+
+
 def test_faults_during_the_stop_wait_join_the_cycle():
     m = machine()
     fault(m, (1, "1"))

@@ -200,6 +200,16 @@ def test_bad_fault_codes_answer_409(controller, make_agent, codes):
     assert agent.job().state == "idle"
 
 
+def test_a_negative_started_cycle_answers_409(controller, make_agent):
+    agent = make_agent(controller.address, JOB).join()
+    request = pb.ProcessFaultRequest(
+        jobId=JOB, faultRanks=[pb.FaultRank(rankId="1", faultType="1")], startedCycle=-1
+    )
+    reply = agent.stub.ReportProcessFault(request)
+    assert reply.code == Code.INVALID_PARAM and "startedCycle" in reply.info
+    assert agent.job().state == "idle"
+
+
 def test_bad_rank_ids_in_register_answer_409(controller, make_agent):
     agent = make_agent(controller.address, JOB)
     agent.stub.Init(agent.info)

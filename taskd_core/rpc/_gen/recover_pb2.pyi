@@ -109,7 +109,7 @@ class RecoverStatusRequest(_message.Message):
     def __init__(self, jobId: _Optional[str] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., strategy: _Optional[str] = ..., isolateRankIds: _Optional[_Iterable[str]] = ..., agentId: _Optional[str] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class ProcessFaultRequest(_message.Message):
-    __slots__ = ("jobId", "faultRanks", "agentId", "detail", "faultCodes")
+    __slots__ = ("jobId", "faultRanks", "agentId", "detail", "faultCodes", "startedCycle")
     class FaultCodesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,12 +122,14 @@ class ProcessFaultRequest(_message.Message):
     AGENTID_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     FAULTCODES_FIELD_NUMBER: _ClassVar[int]
+    STARTEDCYCLE_FIELD_NUMBER: _ClassVar[int]
     jobId: str
     faultRanks: _containers.RepeatedCompositeFieldContainer[FaultRank]
     agentId: str
     detail: str
     faultCodes: _containers.ScalarMap[str, str]
-    def __init__(self, jobId: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., agentId: _Optional[str] = ..., detail: _Optional[str] = ..., faultCodes: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    startedCycle: int
+    def __init__(self, jobId: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., agentId: _Optional[str] = ..., detail: _Optional[str] = ..., faultCodes: _Optional[_Mapping[str, str]] = ..., startedCycle: _Optional[int] = ...) -> None: ...
 
 class AgentExitRequest(_message.Message):
     __slots__ = ("jobId", "agentId", "role", "status")
