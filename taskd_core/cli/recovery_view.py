@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from taskd_core.controller.machine import State
 from taskd_core.models import JournalEvent
 
 PHASES = ("detect", "stop", "strategy", "restart", "resumed")
@@ -144,7 +145,7 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
             marks.ranks = {int(r) for r in dict(d.get("faults", {}))}
             cycles.append(marks)
             pending_fault = None
-        elif e.kind == "transition" and cycles and d.get("target") == "wait-strategies":
+        elif e.kind == "transition" and cycles and d.get("target") == State.WAIT_STRATEGIES.value:
             cycles[-1].stopped = t
         elif e.kind == "strategy chosen" and cycles:
             if cycles[-1].decided is None:

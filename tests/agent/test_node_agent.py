@@ -27,6 +27,7 @@ from taskd_core.models import JobPolicy, Strategy
 from taskd_core.plugins import load_adapter
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc as pb_grpc
+from tests.e2e.harness import free_port
 
 WORKER = """
 import os, pathlib, signal, sys, time
@@ -371,11 +372,3 @@ def test_restart_backoff_delays() -> None:
     assert RestartBackoff(initial=0.0).delay(9) == 0.0
     with pytest.raises(ConfigError, match="restart backoff cap: must be"):
         RestartBackoff(cap=-1.0)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,15 +30,10 @@ from taskd_core.errors import (
 from taskd_core.models import Code, JobPolicy, Signal, SignalType, Strategy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc as pb_grpc
+from tests.e2e.harness import free_port
 
 FAST = JobPolicy(flush_seconds=0.0, report_timeout=30.0, max_cycles=3)
 QUICK = Backoff(initial=0.02, cap=0.2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
