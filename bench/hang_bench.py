@@ -26,6 +26,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -73,6 +74,7 @@ PEERS = [
     ["NVIDIA in-process wrapper", "30 s heartbeat / 60 s soft", "missing heartbeats"],
     ["torchft Lighthouse", "5 s", "heartbeat of a whole replica group"],
 ]
+_STACK_TIME = re.compile(r"stack taken in ([0-9.]+)s")
 _TIMEOUT = re.compile(r"no progress for ([0-9.]+)s \(timeout ([0-9.]+)s, (learned|configured)\)")
 #: The job token every bench job runs with, so the bench may read the job's status.
 TOKEN = "hang-bench-token"
@@ -91,16 +93,52 @@ def taskd_run(
     return children.start(args, log=work / "taskd.log", cwd=REPO, env={"TASKD_JOB_TOKEN": TOKEN})
 
 
-def faults(work: Path, job: str) -> list[tuple[float, dict[str, Any]]]:
-    """(controller time, detail) of every fault the job's journal holds, oldest first."""
+def journal(work: Path, job: str) -> list[tuple[float, str, dict[str, Any]]]:
+    """(controller time, kind, detail) of every event the job's journal holds, oldest first."""
     db = sqlite3.connect(work / "controller.db")
     try:
-        rows = db.execute(
-            "SELECT time, detail FROM events WHERE job_id = ? AND kind = 'fault' ORDER BY seq", (job,)
-        ).fetchall()
+        rows = db.execute("SELECT time, kind, detail FROM events WHERE job_id = ? ORDER BY seq", (job,)).fetchall()
     finally:
         db.close()
-    return [(t, json.loads(d)) for t, d in rows]
+    return [(t, kind, json.loads(d)) for t, kind, d in rows]
+
+
+def faults(work: Path, job: str) -> list[tuple[float, dict[str, Any]]]:
+    """(controller time, detail) of every fault the job's journal holds, oldest first."""
+    return [(t, detail) for t, kind, detail in journal(work, job) if kind == "fault"]
+
+
+def phases(work: Path, job: str, stepping: float) -> dict[str, float]:
+    """When each step of the first recovery happened, in seconds after its first fault report.
+
+    ``faults``: the last fault report before the cycle's stopTrain (the hang's, then
+    the peers' deaths; ``fault reports`` counts them); ``stopped``, ``strategies``,
+    ``restarted``: the last agent's answer to stopTrain, globalFault, changeStrategy;
+    ``stepping``: every rank stepped again; ``cycles``: recovery cycles in the run.
+    """
+    entries = journal(work, job)
+    found = [(t, detail) for t, kind, detail in entries if kind == "fault"]
+    first, evidence = found[0][0], str(found[0][1].get("evidence", ""))
+    out: dict[str, float] = {"fault reports": 0, "cycles": 0}
+    answers = {"stop": "stopped", "strategies": "strategies", "status": "restarted"}
+    for t, kind, detail in entries:
+        if kind == "cycle started":
+            out["cycles"] += 1
+            out.setdefault("cycle started", t - first)
+        elif out["cycles"] > 1:
+            continue
+        elif kind == "fault":
+            out["fault reports"] += 1
+            out["faults"] = t - first
+        elif kind == "report" and detail.get("step") in answers:
+            out[answers[detail["step"]]] = t - first
+        elif kind == "strategy chosen":
+            out.setdefault("strategy chosen", t - first)
+    out["stepping"] = stepping - first
+    stack = _STACK_TIME.search(evidence)
+    if stack is not None:
+        out["stack taken in"] = float(stack.group(1))
+    return out
 
 
 def events(path: Path) -> list[dict[str, Any]]:
@@ -179,7 +217,8 @@ def bench_torch(kind: str, root: Path, trial: int) -> dict[str, float]:
         raise RuntimeError(f"ddp {kind}: taskd run exited {code}; see {work / 'taskd.log'}")
     arrived = faults(work, job)[0][0]
     stepping = max(first_steps(events(progress), 1).values())
-    return {"detect": arrived - t0, "recover": stepping - arrived, "again": stepping - t0}
+    return {"detect": arrived - t0, "recover": stepping - arrived, "again": stepping - t0,
+            "phases": phases(work, job, stepping)}
 
 
 def bench_torch_interleaved(trials: int, root: Path) -> dict[str, list[dict[str, float]]]:
@@ -251,6 +290,13 @@ def report(data: dict[str, Any]) -> str:
         parts += ["`examples/train_ddp.py`, 1 node x 2 ranks, rank 1 hangs or dies at step 20 (medians, seconds):",
                   markdown_table(["fault", "trials", "→ fault reported", "fault → every rank stepping",
                                   "→ every rank stepping"], rows)]
+        columns = list(dict.fromkeys(k for r in data["torch"].values() for x in r for k in x["phases"]))
+        phase_rows = [
+            [kind, *(_p([x["phases"][c] for x in r if c in x["phases"]], 50) for c in columns)]
+            for kind, r in data["torch"].items()
+        ]
+        parts += ["The recovery's phases, seconds after the first fault report (medians; `faults`: the last"
+                  " report before the cycle began):", markdown_table(["fault", *columns], phase_rows)]
     h = data["healthy"]
     if h:
         parts.append(
@@ -302,13 +348,18 @@ def main() -> int:
     p.add_argument("--torch-trials", type=int, default=3, help="DDP runs per fault kind (0: skip)")
     p.add_argument("--healthy-steps", type=int, default=1000, help="steps of the healthy run (0: skip)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--keep", type=Path, default=None, help="run in this (new) folder and keep the jobs' logs")
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args()
     setup_logging(args.log_level)
-    with tempfile.TemporaryDirectory(prefix="hang-bench-") as tmp:
-        root = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hang-bench-")))
+        else:
+            root = args.keep
+            root.mkdir(parents=True)
         data: dict[str, Any] = {
-            "signals": {kind: bench_signal(kind, args.trials, root) for kind in SIGNALS},
+            "signals": {kind: bench_signal(kind, args.trials, root) for kind in SIGNALS} if args.trials else {},
             "torch": bench_torch_interleaved(args.torch_trials, root),
             "healthy": bench_healthy(args.healthy_steps, root) if args.healthy_steps else None,
         }
