@@ -97,7 +97,8 @@ def journal(work: Path, job: str) -> list[tuple[float, str, dict[str, Any]]]:
     """(controller time, kind, detail) of every event the job's journal holds, oldest first."""
     db = sqlite3.connect(work / "controller.db")
     try:
-        rows = db.execute("SELECT time, kind, detail FROM events WHERE job_id = ? ORDER BY seq", (job,)).fetchall()
+        query = "SELECT time, kind, detail FROM events WHERE job_id = ? ORDER BY seq"
+        rows = db.execute(query, (job,)).fetchall()
     finally:
         db.close()
     return [(t, kind, json.loads(d)) for t, kind, d in rows]
@@ -359,7 +360,7 @@ def main() -> int:
             root = args.keep
             root.mkdir(parents=True)
         data: dict[str, Any] = {
-            "signals": {kind: bench_signal(kind, args.trials, root) for kind in SIGNALS} if args.trials else {},
+            "signals": {kind: bench_signal(kind, args.trials, root) for kind in SIGNALS if args.trials},
             "torch": bench_torch_interleaved(args.torch_trials, root),
             "healthy": bench_healthy(args.healthy_steps, root) if args.healthy_steps else None,
         }

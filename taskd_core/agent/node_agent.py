@@ -281,17 +281,10 @@ class NodeAgent:
                 continue
             hangs = self._progress.take_hangs() if self._progress is not None else []
             if hangs:
-                stopped = self._stop_hung(hangs, statuses)
+                stopped = self._stop_hung(hangs, statuses, started if recovery else None)
                 if stopped and not recovery:
                     self._stop_all()
                     return AgentOutcome(Outcome.FAILED, 1, stopped[0].reason)
-                if stopped:
-                    self._send_fault(
-                        sorted(h.global_rank for h in stopped),
-                        {h.global_rank: int(FaultType.HANG.value) for h in stopped},
-                        detail="\n".join(h.evidence() for h in stopped),
-                        started_cycle=max(started.get(h.local_rank, 0) for h in stopped),
-                    )
                 continue
             # After dump or exit the workers may end with 0, but the job is
             # being given up: wait for killMaster instead of claiming success.
@@ -369,9 +362,15 @@ class NodeAgent:
             changes = self._ledger.update(self.adapter.monitor())
         self.client.report_worker_events(changes)
 
-    def _stop_hung(self, hangs: list[Hang], statuses: Mapping[int, WorkerStatus]) -> list[Hang]:
-        """Kill the hung workers that still run (their stacks are taken); the hangs to report.
+    def _stop_hung(
+        self, hangs: list[Hang], statuses: Mapping[int, WorkerStatus], started: Mapping[int, int] | None
+    ) -> list[Hang]:
+        """Report the hung workers that still run (their stacks are taken), then kill them; those hangs.
 
+        ``started``: the cycle that started each local rank, or None when there
+        is no recovery to report to. The report goes first, so its RPC and the
+        controller's flush window run while the rank is killed; the lock keeps
+        the controller's stopTrain from reaching the rank before this kill.
         Killed at once, not through the ladder's polite stop: a stopped or stuck
         process ignores SIGTERM, and its peers' collectives fail only once it is gone.
         """
@@ -383,12 +382,19 @@ class NodeAgent:
             return []
         with self._lock:
             self._settle(live[(h.local_rank, h.pid)] for h in stopped)
+            if started is not None:
+                self._send_fault(
+                    sorted(h.global_rank for h in stopped),
+                    {h.global_rank: int(FaultType.HANG.value) for h in stopped},
+                    detail="\n".join(h.evidence() for h in stopped),
+                    started_cycle=max(started.get(h.local_rank, 0) for h in stopped),
+                )
             try:
                 self.adapter.stop([h.local_rank for h in stopped], 0.0)
             except TaskdError:
                 logger.exception("stopping hung workers failed")
         for hang in stopped:
-            logger.warning("%s: stopped; reporting a hang", hang.reason)
+            logger.warning("%s: reported as a hang and stopped", hang.reason)
         return stopped
 
     def _final_report(self, code: int, msg: str) -> None:

@@ -101,8 +101,9 @@ class ProgressConfig:
     window: int = 200
     #: how often /proc and the deadlines are checked.
     poll: float = 0.2
-    #: bound on taking one worker's stack.
-    stack_timeout: float = 10.0
+    #: bound on taking one worker's stack (py-spy, then the faulthandler dump, share it): the
+    #: hung rank is killed, and the job recovers, only after its stack is taken.
+    stack_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -148,6 +149,8 @@ class Hang:
     timeout: float
     learned: bool
     stack: str
+    #: seconds taking the stack took.
+    stack_seconds: float = 0.0
 
     @property
     def reason(self) -> str:
@@ -159,7 +162,7 @@ class Hang:
 
     def evidence(self) -> str:
         """The reason and the stack, cut to fit one journal entry."""
-        text = f"{self.reason}\n{self.stack}"
+        text = f"{self.reason}\nstack taken in {self.stack_seconds:.2f}s\n{self.stack}"
         return text if len(text) <= MAX_STACK else text[: MAX_STACK - 20] + "\n... (cut)\n"
 
 
@@ -271,7 +274,12 @@ def py_spy() -> str | None:
 
 
 def capture_stack(pid: int, socket_path: str | None, timeout: float) -> str:
-    """Every thread's Python stack of ``pid``: py-spy, else the worker's faulthandler dump."""
+    """Every thread's Python stack of ``pid``: py-spy, else the worker's faulthandler dump.
+
+    Both share ``timeout``: a py-spy slowed down by a busy machine leaves the
+    rest of it to the dump, which the worker writes itself in microseconds.
+    """
+    deadline = time.monotonic() + timeout
     spy = py_spy()
     if spy is not None:
         try:
@@ -281,7 +289,8 @@ def capture_stack(pid: int, socket_path: str | None, timeout: float) -> str:
                 [spy, "dump", "--pid", str(pid), "--nonblocking"],
                 capture_output=True,
                 text=True,
-                timeout=timeout,
+                # The dump gets a share of the time in any case.
+                timeout=timeout * 0.75,
                 check=False,
             )
             if done.returncode == 0 and done.stdout.strip():
@@ -292,7 +301,7 @@ def capture_stack(pid: int, socket_path: str | None, timeout: float) -> str:
         except (OSError, subprocess.TimeoutExpired) as exc:
             logger.warning("py-spy could not read pid %s: %s", pid, exc)
     if socket_path is not None:
-        dumped = _faulthandler_dump(pid, stack_file(socket_path, pid), timeout)
+        dumped = _faulthandler_dump(pid, stack_file(socket_path, pid), deadline - time.monotonic())
         if dumped:
             return "(faulthandler dump)\n" + dumped
     return "(no stack: py-spy is not installed and the worker arranged no faulthandler dump)\n"
@@ -309,7 +318,7 @@ def _faulthandler_dump(pid: int, path: Path, timeout: float) -> str:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:
         return ""
-    deadline = time.monotonic() + min(timeout, 2.0)
+    deadline = time.monotonic() + timeout
     size = before
     while time.monotonic() < deadline:
         time.sleep(0.05)
@@ -653,6 +662,7 @@ class ProgressWatcher:
             waited,
             expiry.timeout,
         )
+        started = time.monotonic()
         stack = capture_stack(pid, self.socket_path, self.config.stack_timeout)
         hang = Hang(
             pid=pid,
@@ -664,6 +674,7 @@ class ProgressWatcher:
             timeout=expiry.timeout,
             learned=expiry.learned,
             stack=stack,
+            stack_seconds=time.monotonic() - started,
         )
         write_to_worker_output(pid, f"\n=== taskd: {hang.reason}; its stack:\n{stack}\n")
         logger.warning("%s; stack:\n%s", hang.reason, stack)
