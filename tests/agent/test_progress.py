@@ -143,6 +143,25 @@ def test_faulthandler_dump_without_py_spy(watched: Watched, monkeypatch: pytest.
     assert hang.stack.startswith("(faulthandler dump)") and "spin_without_heartbeat" in hang.stack
 
 
+def test_a_stuck_py_spy_leaves_the_rest_of_the_budget_to_the_faulthandler_dump(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """py-spy is cut off at its share of the stack budget; the hang is still declared, with the dump's stack."""
+    stuck = tmp_path / "py-spy"
+    stuck.write_text("#!/bin/sh\nexec sleep 600\n")
+    stuck.chmod(0o755)
+    monkeypatch.setattr(progress_mod, "py_spy", lambda: str(stuck))
+    w = Watched(ProgressConfig(floor=1.0, ceiling=30.0, min_samples=5, window=50, stack_timeout=4.0))
+    w.watcher.start()
+    try:
+        w.spawn("spin")
+        hang = w.wait_hang()
+    finally:
+        w.close()
+    assert hang.stack.startswith("(faulthandler dump)") and "spin_without_heartbeat" in hang.stack
+    assert "stack taken in " in hang.evidence()
+
+
 def test_py_spy_is_installed_for_the_tests() -> None:
     assert progress_mod.py_spy() is not None
 
