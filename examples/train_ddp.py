@@ -16,10 +16,11 @@ What makes it recoverable:
   ends with exactly the parameters of a run without.
 * **The dump signal (SIGUSR1) saves and exits 0**, which is what TaskD's
   ``dump`` strategy asks of a worker.
-* **It tells the node agent it makes progress**: one heartbeat per step
-  (:mod:`taskd_core.worker`), from which the agent learns the job's hang
-  timeout; ``--timer S`` also arms torch elastic's file timer around every
-  step, as a torchrun script would.
+* **It tells the node agent it makes progress**: where it resumed and one
+  heartbeat with the step count per step (:mod:`taskd_core.worker`), from
+  which the agent learns the job's hang timeout and the controller counts the
+  steps a fault cost; ``--timer S`` also arms torch elastic's file timer
+  around every step, as a torchrun script would.
 
 The update is written out by default (``--optimizer manual``): one
 all_reduce, then SGD with momentum. ``--optimizer sgd`` runs the same math the
@@ -227,6 +228,7 @@ def main() -> int:
     done = load_checkpoint(ckpt, model, velocity)
     # Nobody may overwrite the checkpoint until every rank has read it.
     dist.barrier()
+    worker.resumed(done)  # where training resumes: the steps a fault cost are counted from it
     if done:
         progress.log("resumed", done)
     loss_fn = nn.MSELoss()
@@ -262,7 +264,7 @@ def main() -> int:
                     velocity = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
             done = step + 1
             if not args.no_heartbeat:
-                worker.heartbeat()
+                worker.step(done)  # a heartbeat that also says how far training got
             progress.log("step", done)
             if rank == 0 and (done % args.ckpt_every == 0 or done == args.steps):
                 save_checkpoint(ckpt, done, model, velocity)

@@ -193,8 +193,10 @@ class WorkerEventKind(str, enum.Enum):
 
     STARTED = "started"
     EXITED = "exited"
-    #: training resumed at ``WorkerEvent.step`` (reported by progress-aware adapters).
+    #: training resumed with ``WorkerEvent.step`` steps done (``taskd_core.worker.resumed``).
     RESUMED = "resumed"
+    #: the first step after resuming is done; ``WorkerEvent.step`` is the steps done by then.
+    STEPPING = "stepping"
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,16 +5,27 @@ hung when it stops (:mod:`taskd_core.agent.progress`)::
 
     from taskd_core import worker
 
-    for step in range(steps):
+    start = load_checkpoint()                 # steps already done (0 on a fresh start)
+    worker.resumed(start)                     # training continues from there
+    for step in range(start, steps):
         with worker.section("step"):          # timeout learned from the job's own step times
             train_step()
-        worker.heartbeat()
+        worker.step(step + 1)                 # steps done so far; also a heartbeat
     with worker.section("checkpoint", timeout=120):
         save()
     worker.done()                             # no more beats to expect (also sent at exit)
 
-Every call is at most one non-blocking datagram (beats closer than 0.1 s
-apart are not sent) on a Unix socket whose path the launcher passes in
+``heartbeat()`` says "still making progress" without a step number. With
+``resumed`` and ``step`` the agent also journals where each worker resumed
+and the last step it reached before it died (``worker resumed`` /
+``worker exited`` events, docs/events.md): the controller counts the steps a
+fault cost (``taskd_steps_lost_total``) and the time from a worker's death to
+its rank resuming (``taskd_kill_to_resumed_seconds``), and ``taskd timeline``
+draws the ``resumed`` and ``stepping`` phases of a recovery.
+
+Every call is at most one non-blocking datagram (beats and steps closer than
+0.1 s apart are not sent; the next one carries the latest step, so the agent's
+last known step lags the worker's by at most that) on a Unix socket whose path the launcher passes in
 ``TASKD_PROGRESS_SOCKET``; without it (the script runs
 outside TaskD) every call does nothing, and a lost agent never blocks or
 fails training. The module imports nothing heavy and never gRPC: it is
@@ -33,6 +44,7 @@ import faulthandler
 import functools
 import logging
 import math
+import operator
 import os
 import signal
 import socket
@@ -54,6 +66,8 @@ MAX_NAME = 64
 #: Beats closer together than this are not sent: the agent needs no finer grain, and a
 #: job of 10 ms steps would otherwise send it 100 datagrams a second per rank.
 MIN_BEAT_GAP = 0.1
+#: Largest step count (the journal's ``step`` is a signed 64-bit integer).
+MAX_STEP = 2**63 - 1
 
 
 def stack_file(socket_path: str | Path, pid: int) -> Path:
@@ -70,6 +84,17 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_step(number: int) -> int:
+    """A step count that fits the wire: an integer in 0..2**63-1 (numpy integers do)."""
+    try:
+        value = operator.index(number)
+    except TypeError:
+        value = -1
+    if isinstance(number, bool) or not 0 <= value <= MAX_STEP:
+        raise ConfigError(f"a step count must be an integer in 0..{MAX_STEP}, not {number!r}")
+    return value
+
+
 class ProgressReporter:
     """Sends one process's progress to the agent listening at ``address`` (None: reports nothing)."""
 
@@ -78,6 +103,10 @@ class ProgressReporter:
         self._sock: socket.socket | None = None
         self._stack_out: IO[str] | None = None
         self._last_beat = -MIN_BEAT_GAP
+        #: the latest step given to :meth:`step`, until a datagram carried it.
+        self._step: int | None = None
+        #: the first step after :meth:`resumed` goes out at once: it dates the ``stepping`` phase.
+        self._step_due = False
         if address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -107,9 +136,23 @@ class ProgressReporter:
     def heartbeat(self) -> None:
         """This process made progress (call it once per step, or more often)."""
         now = time.monotonic()
-        if now - self._last_beat >= MIN_BEAT_GAP:
-            self._last_beat = now
-            self._send("beat", now)
+        if self._step_due or now - self._last_beat >= MIN_BEAT_GAP:
+            self._last_beat, self._step_due = now, False
+            step, self._step = self._step, None
+            self._send("beat" if step is None else f"step {step}", now)
+
+    def step(self, number: int) -> None:
+        """``number`` steps are done (committed): a heartbeat that also says how far training got."""
+        self._step = check_step(number)
+        self.heartbeat()
+
+    def resumed(self, number: int) -> None:
+        """Training (re)starts here with ``number`` steps done, as loaded from a checkpoint (0: none).
+
+        Call it once per process, when the state is loaded and before the first step.
+        """
+        self._send(f"resumed {check_step(number)}")
+        self._step_due = True
 
     def enter(self, name: str, timeout: float | None = None) -> None:
         """Begin section ``name``; it must end within ``timeout`` seconds (None: a learned timeout)."""
@@ -126,6 +169,9 @@ class ProgressReporter:
 
     def done(self) -> None:
         """This process will make no more progress reports (training is over): stop expecting them."""
+        if self._step is not None:  # the last step the beat gap held back
+            step, self._step = self._step, None
+            self._send(f"step {step}")
         self._send("done")
 
     @contextlib.contextmanager
@@ -165,6 +211,16 @@ def reporter() -> ProgressReporter:
 def heartbeat() -> None:
     """This worker made progress (see :meth:`ProgressReporter.heartbeat`)."""
     reporter().heartbeat()
+
+
+def step(number: int) -> None:
+    """``number`` steps done; also a heartbeat (see :meth:`ProgressReporter.step`)."""
+    reporter().step(number)
+
+
+def resumed(number: int) -> None:
+    """Training resumes with ``number`` steps done (see :meth:`ProgressReporter.resumed`)."""
+    reporter().resumed(number)
 
 
 def done() -> None:

@@ -6,6 +6,7 @@ into :class:`~taskd_core.models.WorkerEvent` values, which the agent reports
 to the controller's journal (timelines and metrics are drawn from it).
 A worker stopped on purpose ends when its stop was asked for: the agent only
 looks again once the restart is done, which would put the end after the new start.
+An ended worker's event carries the last step it reported (:mod:`taskd_core.agent.steps`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ class _Incarnation:
 class WorkerLedger:
     """The known incarnation of each local worker; not thread-safe (the agent holds its lock)."""
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.time,
+        last_step: Callable[[int], int | None] = lambda pid: None,
+    ) -> None:
         self._clock = clock
+        self._last_step = last_step
         self._known: dict[int, _Incarnation] = {}
         #: pid -> when the agent asked it to stop.
         self._stopping: dict[int, float] = {}
@@ -59,4 +65,12 @@ class WorkerLedger:
     def _exit(self, local: int, known: _Incarnation, code: int | None, now: float) -> WorkerEvent:
         known.ended = True
         at = min(now, self._stopping.pop(known.pid, now))
-        return WorkerEvent(WorkerEventKind.EXITED, known.global_rank, local, known.pid, at, exit_code=code)
+        return WorkerEvent(
+            WorkerEventKind.EXITED,
+            known.global_rank,
+            local,
+            known.pid,
+            at,
+            exit_code=code,
+            step=self._last_step(known.pid),
+        )

@@ -33,7 +33,7 @@ from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.agent.progress import Hang, ProgressWatcher
 from taskd_core.client.manager import DLRecoverManager
 from taskd_core.errors import ConfigError, RecoveryDisabledError, TaskdError
-from taskd_core.models import Code, FaultType, Signal, WorkerState, WorkerStatus
+from taskd_core.models import Code, FaultType, Signal, WorkerEvent, WorkerState, WorkerStatus
 from taskd_core.plugins.registry import Adapter
 
 logger = logging.getLogger(__name__)
@@ -78,10 +78,12 @@ class NodeAgent:
         self._controller_lost: str | None = None
         #: (local rank, pid) of workers whose end is not a fault: stopped on purpose or already reported.
         self._settled: set[tuple[int, int | None]] = set()
-        self._ledger = WorkerLedger()
         self._progress = (
-            ProgressWatcher(config.progress, self._watch.wake) if config.progress.enabled else None
+            ProgressWatcher(config.progress, self._watch.wake, on_events=self._watch.wake)
+            if config.progress.enabled
+            else None
         )
+        self._ledger = WorkerLedger(last_step=self._progress.last_step) if self._progress else WorkerLedger()
         #: why the agent must end the job itself: a fault report the controller did not take.
         self._unreported: str | None = None
         self._crashloop = CrashLoop(config.restart_backoff)
@@ -237,7 +239,7 @@ class NodeAgent:
             with self._lock:
                 statuses = self.adapter.monitor()
                 started = self.dispatcher.started_cycles()
-                changes = self._ledger.update(statuses)
+                changes = self._worker_events(statuses)
                 resync = self.dispatcher.refused.is_set()
                 self.dispatcher.refused.clear()
             now = time.monotonic()
@@ -359,8 +361,16 @@ class NodeAgent:
 
     def _report_changes(self) -> None:
         with self._lock:
-            changes = self._ledger.update(self.adapter.monitor())
+            changes = self._worker_events(self.adapter.monitor())
         self.client.report_worker_events(changes)
+
+    def _worker_events(self, statuses: Mapping[int, WorkerStatus]) -> list[WorkerEvent]:
+        """Worker events since the last look: reported steps, then starts and ends."""
+        seen = self._ledger.update(statuses)
+        # Taken after the ledger, whose look at an ended worker's last step reads every datagram
+        # it sent: its `resumed` goes before its `exited`. New workers have reported nothing yet.
+        reported = self._progress.take_worker_events() if self._progress is not None else []
+        return [*reported, *seen]
 
     def _stop_hung(
         self, hangs: list[Hang], statuses: Mapping[int, WorkerStatus], started: Mapping[int, int] | None

@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import os
+import select
 import shutil
 import signal
 import socket
@@ -51,7 +52,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from taskd_core.agent.steps import STEP_OPS, StepTracker, WorkerId
 from taskd_core.errors import ConfigError
+from taskd_core.models import WorkerEvent
 from taskd_core.worker import SOCKET_ENV, STACK_SIGNAL, stack_file
 
 logger = logging.getLogger(__name__)
@@ -69,6 +72,10 @@ _CPU_WINDOW = 2.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 #: Hops up the parent chain from a reporting pid to the worker the adapter knows (``bash -c python ...``).
 _MAX_ANCESTRY = 8
+#: Step datagrams kept from processes not tracked yet, and for how long (seconds): a worker
+#: that resumes within milliseconds of its start is ahead of the agent's next look.
+_EARLY_STEPS = 256
+_EARLY_FOR = 30.0
 
 
 class HangSignal(str, enum.Enum):
@@ -352,16 +359,29 @@ class ProgressWatcher:
     :param on_hang: called (from the watcher's thread) after a hang was
         declared and its stack taken; the agent then collects it with
         :meth:`take_hangs`.
+    :param on_events: called while workers' step events wait to be collected
+        with :meth:`take_worker_events`.
     """
 
-    def __init__(self, config: ProgressConfig, on_hang: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        config: ProgressConfig,
+        on_hang: Callable[[], None],
+        on_events: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config = config
         self._on_hang = on_hang
+        self._on_events = on_events
         self._lock = threading.Lock()
         self._workers: dict[int, _Worker] = {}
         self._owner: dict[int, int] = {}
         self._hangs: list[Hang] = []
         self._learned: dict[str, LearnedTimeout] = {}
+        self._steps = StepTracker()
+        #: (pid, op, step, sent) of step datagrams from pids not tracked yet.
+        self._early: collections.deque[tuple[int, str, str, float]] = collections.deque(maxlen=_EARLY_STEPS)
+        #: one reader of the socket at a time, so datagrams are handled in the order sent.
+        self._reading = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._dir: Path | None = None
@@ -441,6 +461,26 @@ class ProgressWatcher:
                         known.forget()
                     self._workers[pid] = _Worker(local_rank, global_rank)
             self._owner = {p: o for p, o in self._owner.items() if o in self._workers}
+            self._steps.keep(self._workers)
+            early, self._early = list(self._early), collections.deque(maxlen=_EARLY_STEPS)
+            horizon = time.monotonic() - _EARLY_FOR
+            for pid, op, step, sent in early:
+                if self._worker_of(pid) is not None:
+                    self._record_step(pid, op, step, sent)
+                elif sent > horizon:
+                    self._early.append((pid, op, step, sent))
+
+    def last_step(self, pid: int) -> int | None:
+        """The last step tracked worker ``pid`` reported, counting datagrams sent up to now."""
+        if self._sock is not None:
+            self._drain_socket(time.monotonic())
+        with self._lock:
+            return self._steps.last_step(pid)
+
+    def take_worker_events(self) -> list[WorkerEvent]:
+        """Workers' ``resumed`` and ``stepping`` events since the last call (see :mod:`.steps`)."""
+        with self._lock:
+            return self._steps.take_events()
 
     def take_hangs(self) -> list[Hang]:
         """Hangs declared since the last call."""
@@ -472,12 +512,18 @@ class ProgressWatcher:
     # --- the watcher's thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        # Messages wait in the socket between scans: they carry their own time
-        # (CLOCK_MONOTONIC is one clock for every process), so a fast job's
-        # beats cost one wake-up per scan, not one per beat.
-        wait = 0.0
-        while not self._stop.wait(wait):
+        # The socket is read as soon as datagrams arrive, not once per scan: Linux queues
+        # at most net.unix.max_dgram_qlen (default 10) datagrams per socket and a
+        # non-blocking sender's next ones are lost, whatever SO_RCVBUF says. Messages
+        # carry their own time (CLOCK_MONOTONIC is one clock for every process).
+        assert self._sock is not None
+        next_scan = 0.0
+        while not self._stop.is_set():
             now = time.monotonic()
+            if now < next_scan:
+                select.select([self._sock], [], [], next_scan - now)
+                self._drain_socket(time.monotonic())
+                continue
             self._drain_socket(now)
             self._drain_fifo(now)
             try:
@@ -486,16 +532,21 @@ class ProgressWatcher:
                 logger.exception("progress scan failed")
             with self._lock:
                 idle = not self._workers
-            wait = 1.0 if idle else self.config.poll
+            next_scan = now + (1.0 if idle else self.config.poll)
 
     def _drain_socket(self, now: float) -> None:
         assert self._sock is not None
-        for _ in range(100_000):
-            try:
-                data = self._sock.recv(512)
-            except OSError:  # BlockingIOError: drained
-                return
-            self._on_message(data.decode(errors="replace").split(), now)
+        with self._reading:
+            for _ in range(100_000):
+                try:
+                    data = self._sock.recv(512)
+                except OSError:  # BlockingIOError: drained
+                    break
+                self._on_message(data.decode(errors="replace").split(), now)
+        with self._lock:
+            pending = self._steps.pending
+        if pending:
+            self._on_events()
 
     def _on_message(self, message: list[str], now: float) -> None:
         """``PID MONOTONIC-TIME OP [ARGS]`` from :class:`~taskd_core.worker.ProgressReporter`."""
@@ -512,8 +563,12 @@ class ProgressWatcher:
         with self._lock:
             worker = self._worker_of(pid)
             if worker is None:
+                if op in STEP_OPS and len(parts) == 3:
+                    self._early.append((pid, op, parts[2], now))
                 return
-            if op == "beat":
+            if op in STEP_OPS and len(parts) == 3:
+                self._record_step(pid, op, parts[2], now)
+            if op in ("beat", "step"):
                 if worker.last_beat is not None and not worker.sections:
                     self._learn(HEARTBEAT).add(now - worker.last_beat)
                 worker.last_beat = now
@@ -571,6 +626,12 @@ class ProgressWatcher:
                     break
                 candidate = parent_of(candidate)
         return self._workers.get(owner) if owner is not None else None
+
+    def _record_step(self, pid: int, op: str, step: str, sent: float) -> None:
+        """Hand a step datagram of tracked ``pid`` to the step tracker (called with the lock held)."""
+        owner = self._owner[pid]
+        worker = self._workers[owner]
+        self._steps.record(WorkerId(owner, worker.local_rank, worker.global_rank), op, step, sent)
 
     def _learn(self, name: str) -> LearnedTimeout:
         learned = self._learned.get(name)

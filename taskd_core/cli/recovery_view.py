@@ -12,22 +12,26 @@ detect   the faulty worker ended → the controller journalled the fault
 stop     → every agent stopped the faulty ranks (``stopTrain`` answered)
 strategy → the controller chose a strategy (``globalFault`` answered)
 restart  → every agent reported the strategy's result
-resumed  → the last faulty rank runs again (or resumed, where reported)
+resumed  → the last faulty rank runs again (or resumed, where its worker reports that)
+stepping → that rank completed its first step after resuming (where reported)
 ======== ===========================================================
 
-The time lost by a fault is its worker's end to its rank resuming training, where an adapter
-reports that (``worker resumed``), else to its rank's next process start.
+The time lost by a fault is its worker's end to its rank resuming training, where the
+worker reports that (``worker resumed``, :func:`taskd_core.worker.resumed`), else to its
+rank's next process start; the steps it lost are the last step its worker reached minus
+the step its rank resumed from, where both are reported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from taskd_core.controller.machine import State
 from taskd_core.models import JournalEvent
 
-PHASES = ("detect", "stop", "strategy", "restart", "resumed")
+PHASES = ("detect", "stop", "strategy", "restart", "resumed", "stepping")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,10 @@ class Fault:
     exit_code: int | None = None
     #: how ``lost`` ends: "resumed" (training resumed, where reported) or "restarted" (a new process).
     back: str = "restarted"
+    #: steps redone: the faulty worker's last step minus the step its rank resumed from (where reported).
+    steps_lost: int | None = None
+    #: seconds from the worker's end to its rank's first step after resuming (where reported).
+    stepping: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +122,10 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
     open_runs: dict[int, tuple[int, float]] = {}
     runs: list[Incarnation] = []
     fault_marks: list[tuple[int, float, str]] = []
-    exits: dict[int, list[tuple[float, int | None]]] = {}
+    exits: dict[int, list[_Exit]] = {}
     starts: dict[int, list[float]] = {}
-    resumes: dict[int, list[float]] = {}
+    resumes: dict[int, list[_Mark]] = {}
+    steppings: dict[int, list[_Mark]] = {}
     signals: list[SignalMark] = []
     cycles: list[_CycleMarks] = []
     pending_fault: float | None = None
@@ -132,9 +141,10 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
             rank, at = int(d["rank"]), float(d["at"]) - origin
             code = d.get("exit_code")
             _close(open_runs, runs, rank, at, code)
-            exits.setdefault(rank, []).append((at, None if code is None else int(code)))
-        elif e.kind == "worker resumed":
-            resumes.setdefault(int(d["rank"]), []).append(float(d["at"]) - origin)
+            exits.setdefault(rank, []).append(_Exit(at, None if code is None else int(code), _step(d)))
+        elif e.kind in ("worker resumed", "worker stepping"):
+            reported = resumes if e.kind == "worker resumed" else steppings
+            reported.setdefault(int(d["rank"]), []).append(_Mark(float(d["at"]) - origin, _step(d)))
         elif e.kind == "fault":
             for rank, kind in dict(d.get("ranks", {})).items():
                 fault_marks.append((int(rank), t, str(kind)))
@@ -163,7 +173,18 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
             signals.append(SignalMark(t, str(d.get("type", "")), str(d.get("strategy", ""))))
     end = max([e.time - origin for e in events] + [s for _, s in open_runs.values()] + [0.0])
     runs.extend(Incarnation(rank, pid, start) for rank, (pid, start) in open_runs.items())
-    faults = tuple(_fault(rank, t, kind, exits, starts, resumes) for rank, t, kind in fault_marks)
+    faults = tuple(
+        _fault(
+            rank,
+            t,
+            kind,
+            exits.get(rank, []),
+            starts.get(rank, []),
+            resumes.get(rank, []),
+            steppings.get(rank, []),
+        )
+        for rank, t, kind in fault_marks
+    )
     ranks = sorted({r.rank for r in runs} | {f.rank for f in faults})
     phases = tuple(p for c in cycles for p in _phases(c, faults))
     return JobTimeline(
@@ -190,32 +211,68 @@ def _close(
         runs.append(Incarnation(rank, pid, start, max(start, at), code))
 
 
+@dataclass(frozen=True, slots=True)
+class _Exit:
+    time: float
+    code: int | None
+    step: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Mark:
+    time: float
+    step: int | None
+
+
+def _step(detail: Mapping[str, Any]) -> int | None:
+    return None if detail.get("step") is None else int(detail["step"])
+
+
 def _first_after(times: Iterable[float], after: float) -> float | None:
     later = [t for t in times if t >= after]
     return min(later) if later else None
+
+
+def _first_mark_after(marks: Sequence[_Mark], after: float) -> _Mark | None:
+    later = [m for m in marks if m.time >= after]
+    return min(later, key=lambda m: m.time) if later else None
 
 
 def _fault(
     rank: int,
     journalled: float,
     kind: str,
-    exits: dict[int, list[tuple[float, int | None]]],
-    starts: dict[int, list[float]],
-    resumes: dict[int, list[float]],
+    exits: Sequence[_Exit],
+    starts: Sequence[float],
+    resumes: Sequence[_Mark],
+    steppings: Sequence[_Mark],
 ) -> Fault:
     # The worker's end precedes the report; take the latest end before it (agents' clocks may
     # lead by a little).
-    ended = [(t, code) for t, code in exits.get(rank, []) if t <= journalled + 1.0]
-    at, code = max(ended, key=lambda e: e[0]) if ended else (journalled, None)
-    resumed = _first_after(resumes.get(rank, []), at)
-    back = resumed if resumed is not None else _first_after(starts.get(rank, []), at)
-    how = "resumed" if resumed is not None else "restarted"
-    return Fault(rank, at, kind, None if back is None else back - at, code, how)
+    ended = [e for e in exits if e.time <= journalled + 1.0]
+    end = max(ended, key=lambda e: e.time) if ended else _Exit(journalled, None, None)
+    resumed = _first_mark_after(resumes, end.time)
+    back = resumed.time if resumed is not None else _first_after(starts, end.time)
+    stepping = _first_mark_after(steppings, resumed.time) if resumed is not None else None
+    lost_steps = None
+    if resumed is not None and resumed.step is not None and end.step is not None:
+        lost_steps = max(0, end.step - resumed.step)
+    return Fault(
+        rank,
+        end.time,
+        kind,
+        None if back is None else back - end.time,
+        end.code,
+        "resumed" if resumed is not None else "restarted",
+        lost_steps,
+        None if stepping is None else stepping.time - end.time,
+    )
 
 
 def _phases(c: _CycleMarks, faults: Sequence[Fault]) -> list[Phase]:
     mine = [f for f in faults if f.rank in c.ranks and f.time <= c.started]
     back = [f.time + f.lost for f in mine if f.lost is not None]
+    stepping = [f.time + f.stepping for f in mine if f.stepping is not None]
     # Each phase runs from its mark to the next one; a missing mark drops the phases around it.
     marks: list[float | None] = [
         min((f.time for f in mine), default=c.fault_at),
@@ -224,6 +281,7 @@ def _phases(c: _CycleMarks, faults: Sequence[Fault]) -> list[Phase]:
         c.decided,
         c.ended,
         max(back) if back and c.ended is not None else None,
+        max(stepping) if stepping and c.ended is not None else None,
     ]
     phases: list[Phase] = []
     for name, start, stop in zip(PHASES, marks, marks[1:], strict=False):

@@ -1,9 +1,10 @@
 """``taskd timeline JOB --out FILE``: a picture of a job's recoveries (PNG or SVG, by extension).
 
 Top panel: the controller's recovery phases (detect → stop → strategy →
-restart → resumed, see :mod:`taskd_core.cli.recovery_view`) and signals,
+restart → resumed → stepping, see :mod:`taskd_core.cli.recovery_view`) and signals,
 zoomed on the recoveries. Below: one lane per rank with each worker process
-(pid, start, end, exit code), fault marks and the time each fault lost.
+(pid, start, end, exit code), fault marks and the time (and steps, where
+workers report them) each fault lost.
 The journal comes from a running controller or its state file, as for
 ``taskd events``. Drawn with matplotlib (``pip install 'taskd-core[timeline]'``).
 """
@@ -23,7 +24,9 @@ from taskd_core.errors import ConfigError, TaskdError
 logger = logging.getLogger(__name__)
 
 FORMATS = {".png": "png", ".svg": "svg"}
-_PHASE_COLORS = dict(zip(PHASES, ("#e6550d", "#fdae6b", "#9e9ac8", "#6baed6", "#74c476"), strict=True))
+_PHASE_COLORS = dict(
+    zip(PHASES, ("#e6550d", "#fdae6b", "#9e9ac8", "#6baed6", "#74c476", "#238b45"), strict=True)
+)
 _RUN_COLORS = ("#4c72b0", "#55a868")
 #: Lanes up to this many get pid and exit code labels; more would overlap.
 _LABELLED_LANES = 16
@@ -158,6 +161,8 @@ def _draw_lanes(ax: Any, view: JobTimeline) -> None:
     for fault in view.faults:
         ax.plot(fault.time, y[fault.rank], marker="X", color="#d62728", markersize=9, zorder=5)
         lost = "never back" if fault.lost is None else f"{fault.back} after {fault.lost:.2f} s"
+        if fault.steps_lost is not None:
+            lost += f", {fault.steps_lost} step{'s' * (fault.steps_lost != 1)} lost"
         code = "" if fault.exit_code is None else f"exit {fault.exit_code}, "
         ax.text(
             fault.time,

@@ -119,7 +119,10 @@ class ControllerMetrics:
             "taskd_worker_exits", "Worker processes ended, by outcome (ok, failed)", ["outcome"], registry=r
         )
         self.steps_lost = Counter(
-            "taskd_steps_lost", "Training steps redone after faults (where agents report steps)", registry=r
+            "taskd_steps_lost",
+            "Training steps redone after faults: per recovery cycle, the most any rank lost "
+            "(last step reached before it stopped - step resumed from; where workers report steps)",
+            registry=r,
         )
         self.journal_written = Counter(
             "taskd_journal_entries_written", "Journal entries written since start", registry=r
@@ -133,6 +136,8 @@ class ControllerMetrics:
         self._failed_at: dict[str, dict[int, float]] = {}
         self._resume_from: dict[str, dict[int, float]] = {}
         self._last_step: dict[str, dict[int, int]] = {}
+        #: steps lost counted so far in the job's current cycle (ranks of one job redo the same steps).
+        self._cycle_lost: dict[str, int] = {}
         #: labelled children by (metric, label values); few: labels have few values.
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
@@ -173,6 +178,7 @@ class ControllerMetrics:
     def _on_cycle_started(self, job: str, detail: Any, now: float) -> None:
         self.cycles_started.inc()
         self._cycle_at[job] = now
+        self._cycle_lost[job] = 0
 
     def _on_decision(self, job: str, detail: Any, now: float) -> None:
         strategy = str(detail.get("strategy", ""))
@@ -231,7 +237,10 @@ class ControllerMetrics:
             self.kill_to_resumed.observe(max(0.0, float(detail["at"]) - exited))
         last = self._last_step.get(job, {}).pop(rank, None)
         if last is not None and "step" in detail:
-            self.steps_lost.inc(max(0, last - int(detail["step"])))
+            lost, counted = last - int(detail["step"]), self._cycle_lost.get(job, 0)
+            if lost > counted:
+                self.steps_lost.inc(lost - counted)
+                self._cycle_lost[job] = lost
 
     def _on_finished(self, job: str, detail: Any, now: float) -> None:
         self._forget(job)
@@ -242,6 +251,7 @@ class ControllerMetrics:
         self._failed_at.pop(job, None)
         self._resume_from.pop(job, None)
         self._last_step.pop(job, None)
+        self._cycle_lost.pop(job, None)
 
 
 _Handler = Callable[[ControllerMetrics, str, Any, float], None]

@@ -156,6 +156,10 @@ def worker_event_to_pb(event: WorkerEvent) -> pb.WorkerEvent:
     )
 
 
+#: Worker events that are about a step, and must say which.
+_STEP_KINDS = frozenset({WorkerEventKind.RESUMED, WorkerEventKind.STEPPING})
+
+
 def worker_event_from_pb(msg: pb.WorkerEvent) -> WorkerEvent:
     """A reported worker event, checked; :class:`ProtocolError` names the bad field."""
     try:
@@ -169,6 +173,10 @@ def worker_event_from_pb(msg: pb.WorkerEvent) -> WorkerEvent:
         raise ProtocolError(f"pid and localRank must not be negative (pid {msg.pid})", field="pid")
     if not math.isfinite(msg.time) or msg.time < 0:
         raise ProtocolError(f"time must be Unix seconds, got {msg.time}", field="time")
+    if msg.HasField("step") and msg.step < 0:
+        raise ProtocolError(f"step must not be negative, got {msg.step}", field="step")
+    if kind in _STEP_KINDS and not msg.HasField("step"):
+        raise ProtocolError(f"a {kind.value!r} event needs its step", field="step")
     return WorkerEvent(
         kind=kind,
         rank=msg.rank,

@@ -53,3 +53,13 @@ def test_a_worker_stopped_on_purpose_ends_when_its_stop_was_asked_for():
         WorkerEvent(EXITED, 10, 0, 7, 105.0),
         WorkerEvent(STARTED, 10, 0, 12, 109.0),
     ]
+
+
+def test_an_ended_worker_carries_the_last_step_it_reported():
+    steps = {7: 57}
+    ledger = WorkerLedger(Clock(), last_step=steps.get)
+    ledger.update({0: running(0, 7), 1: running(1, 8)})
+    assert ledger.update({0: exited(0, 7, -9), 1: exited(1, 8, 0)}) == [
+        WorkerEvent(EXITED, 10, 0, 7, 100.0, exit_code=-9, step=57),
+        WorkerEvent(EXITED, 11, 1, 8, 100.0, exit_code=0),  # it never reported a step
+    ]

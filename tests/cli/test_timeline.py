@@ -14,13 +14,15 @@ T0 = 1_000.0
 
 
 def journal() -> list[JournalEvent]:
-    """A recorded recovery of 2 ranks: rank 1 killed at +2.0, restarted by `recover`, resumed at +3.0."""
+    """A recorded recovery of 2 ranks: rank 1 killed at +2.0 after 23 steps, restarted by `recover`,
+    resumed from step 20 at +3.0, its first step done at +3.4."""
     rows: list[tuple[float, int, str, dict[str, object]]] = [
         (0.00, 0, "job initialised", {"role": "taskd agent"}),
         (0.01, 0, "worker started", {"rank": 0, "local_rank": 0, "pid": 10, "at": T0 + 0.01}),
         (0.01, 0, "worker started", {"rank": 1, "local_rank": 1, "pid": 11, "at": T0 + 0.01}),
         (2.01, 0, "fault", {"agent": "node-0", "pending": False, "ranks": {"1": "1"}}),
-        (2.02, 0, "worker exited", {"rank": 1, "local_rank": 1, "pid": 11, "at": T0 + 2.0, "exit_code": -9}),
+        (2.02, 0, "worker exited", {"rank": 1, "local_rank": 1, "pid": 11, "at": T0 + 2.0, "exit_code": -9,
+                                    "step": 23}),
         (2.11, 1, "cycle started", {"faults": {"1": "1"}, "members": ["node-0"], "uuid": "u"}),
         (2.11, 1, "signal", {"type": "stopTrain", "strategy": ""}),
         (2.15, 1, "transition", {"source": "wait-stop", "target": "wait-strategies"}),
@@ -32,6 +34,7 @@ def journal() -> list[JournalEvent]:
         (2.61, 1, "worker started", {"rank": 0, "local_rank": 0, "pid": 20, "at": T0 + 2.5}),
         (2.61, 1, "worker started", {"rank": 1, "local_rank": 1, "pid": 21, "at": T0 + 2.5}),
         (3.01, 1, "worker resumed", {"rank": 1, "local_rank": 1, "pid": 21, "at": T0 + 3.0, "step": 20}),
+        (3.41, 1, "worker stepping", {"rank": 1, "local_rank": 1, "pid": 21, "at": T0 + 3.4, "step": 21}),
         (9.00, 1, "job finished", {"agents": ["node-0"]}),
     ]
     return [JournalEvent(i + 1, T0 + t, "j", c, kind, d) for i, (t, c, kind, d) in enumerate(rows)]
@@ -46,9 +49,12 @@ def test_the_view_has_incarnations_faults_phases_and_time_lost():
     (fault,) = view.faults
     assert (fault.rank, fault.exit_code) == (1, -9)
     assert fault.time == pytest.approx(2.0) and fault.lost == pytest.approx(1.0)  # resumed, not just restarted
+    assert (fault.back, fault.steps_lost, fault.stepping) == ("resumed", 3, pytest.approx(1.4))
     assert [p.name for p in view.phases] == list(PHASES)
     bounds = [t for p in view.phases for t in (p.start, p.end)]
-    assert bounds == pytest.approx([2.0, 2.01, 2.01, 2.15, 2.15, 2.20, 2.20, 2.60, 2.60, 3.0])
+    assert bounds == pytest.approx(
+        [2.0, 2.01, 2.01, 2.15, 2.15, 2.20, 2.20, 2.60, 2.60, 3.0, 3.0, 3.4]
+    )
     (cycle,) = view.cycles
     assert (cycle.strategy, cycle.outcome) == ("recover", "recovered")
     assert [s.signal_type for s in view.signals] == ["stopTrain", "globalFault", "changeStrategy"]
@@ -98,4 +104,4 @@ def test_a_picture_of_the_recorded_recovery(tmp_path: Path):
     draw(build("j", journal()), out)
     text = out.read_text()
     assert "rank 0" in text and "rank 1" in text and "pid 21" in text
-    assert "fault (exit -9, resumed after 1.00 s)" in text and "cycle 1: recover, recovered in 0.59 s" in text
+    assert "fault (exit -9, resumed after 1.00 s, 3 steps lost)" in text and "cycle 1: recover, recovered in 0.59 s" in text

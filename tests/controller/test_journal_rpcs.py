@@ -61,6 +61,9 @@ def test_worker_events_are_journalled_and_paged_after_a_cursor(controller, make_
         (worker_event(rank=10**9), "rank"),
         (worker_event(pid=-5), "pid"),
         (worker_event(time=float("nan")), "time"),
+        (worker_event(kind="exited", step=-1), "step"),
+        (worker_event(kind="resumed"), "step"),
+        (worker_event(kind="stepping"), "step"),
     ],
 )
 def test_a_malformed_worker_event_is_refused_and_nothing_is_journalled(controller, make_agent, event, field):

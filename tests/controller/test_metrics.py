@@ -106,18 +106,32 @@ def test_worker_events_feed_kill_to_restart_resumed_and_steps_lost():
         metrics.journalled("j", [JournalEntry(kind, 1, detail)], now=100.0)
 
     journal("worker started", rank=3, pid=10, at=1.0)
+    journal("worker resumed", rank=3, pid=10, at=1.5, step=0)  # a first start loses nothing
     journal("fault", ranks={"3": "1"}, pending=False)
+    journal("cycle started", faults={"3": "1"})
     journal("worker exited", rank=3, pid=10, at=10.0, exit_code=-9, step=57)
-    journal("worker exited", rank=4, pid=11, at=10.5, exit_code=-15)
+    journal("worker exited", rank=4, pid=11, at=10.5, exit_code=-15, step=56)
     journal("worker started", rank=3, pid=12, at=10.25)
     journal("worker resumed", rank=3, pid=12, at=11.0, step=50)
     value = metrics.registry.get_sample_value
     assert value("taskd_kill_to_restart_seconds_sum") == pytest.approx(0.25)
     assert value("taskd_kill_to_resumed_seconds_sum") == pytest.approx(1.0)
     assert value("taskd_steps_lost_total") == 7
+    # Ranks of one job redo the same steps: a cycle costs the most any rank lost, not their sum.
+    journal("worker resumed", rank=4, pid=13, at=11.0, step=50)
+    assert value("taskd_steps_lost_total") == 7
+    assert value("taskd_kill_to_resumed_seconds_count") == 1  # only the faulty rank's
     assert value("taskd_worker_exits_total", {"outcome": "failed"}) == 1
     assert value("taskd_worker_exits_total", {"outcome": "stopped"}) == 1
     assert value("taskd_worker_starts_total") == 2
+    # A live recovery: the replacement resumes where the lost rank was, nothing is lost.
+    journal("fault", ranks={"3": "1"}, pending=False)
+    journal("cycle started", faults={"3": "1"})
+    journal("worker exited", rank=3, pid=12, at=20.0, exit_code=-9, step=80)
+    journal("worker started", rank=3, pid=14, at=20.5)
+    journal("worker resumed", rank=3, pid=14, at=21.0, step=80)
+    assert value("taskd_steps_lost_total") == 7
+    assert value("taskd_kill_to_resumed_seconds_count") == 2
 
 
 def test_metrics_are_off_unless_asked_for(controller):

@@ -1,7 +1,9 @@
 """A real recovery under ``taskd run`` as operators see it: /metrics, ``taskd events --follow``, ``taskd timeline``.
 
-The job: 2 plain-Python workers that wait for a ``finish`` file; rank 1 kills
-itself (SIGKILL) once the test drops a ``crash`` file, so the follower is
+The job: 2 plain-Python workers that step until a ``finish`` file appears,
+checkpoint every 10 steps and tell their agent where they resumed and how far
+they got (:mod:`taskd_core.worker`); rank 1 kills itself (SIGKILL) 5 steps
+past a checkpoint once the test drops a ``crash`` file, so the follower is
 provably live before the fault happens.
 """
 
@@ -28,13 +30,23 @@ from .harness import DEADLINE, REPO, Cluster, free_port, wait_until
 WORKER = textwrap.dedent(
     """
     import os, pathlib, signal, sys, time
+    from taskd_core import worker
     out = pathlib.Path(sys.argv[1])
+    ckpt = out / f"ckpt-{os.environ['RANK']}"
+    step = int(ckpt.read_text()) if ckpt.exists() else 0
+    worker.resumed(step)
     end = time.monotonic() + 200
     while time.monotonic() < end and not (out / "finish").exists():
-        if os.environ["RANK"] == "1" and (out / "crash").exists() and not (out / "crashed").exists():
+        crash = os.environ["RANK"] == "1" and (out / "crash").exists() and not (out / "crashed").exists()
+        if crash and step % 10 == 5:
             (out / "crashed").touch()
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(0.05)
+        step += 1
+        worker.step(step)
+        if step % 10 == 0:
+            (out / "tmp").write_text(str(step))
+            os.replace(out / "tmp", ckpt)
     """
 )
 
@@ -129,6 +141,20 @@ def test_recovery_in_metrics_events_and_timeline(
         assert m["taskd_agents_connected{}"] == 1
         assert m["taskd_journal_entries{}"] >= len(journal)
         assert m["process_resident_memory_bytes{}"] > 0
+        # Steps lost: per rank, the last step its first worker reached minus the step its second
+        # resumed from; the cycle costs the most any rank lost. Rank 1 died 5 steps past a checkpoint
+        # (its agent may know a step less: steps within 0.1 s of the last report wait for the next).
+        wait_until("the restarted workers resumed", lambda: _count(cluster, "worker resumed") >= 4, cluster)
+        journal = cluster.journal()
+        lost = {
+            rank: _steps(journal, "worker exited", rank)[0] - _steps(journal, "worker resumed", rank)[1]
+            for rank in (0, 1)
+        }
+        assert 0 < lost[1] <= 5, lost
+        m = scrape(metrics_port)
+        assert m["taskd_steps_lost_total{}"] == max(0, *lost.values())
+        assert m["taskd_kill_to_resumed_seconds_count{}"] == 1  # the faulty rank's
+        assert m["taskd_kill_to_resumed_seconds_sum{}"] > 0
 
         # The timeline of the live controller, and of its state file, once the job is over.
         picture = tmp_path / "live.png"
@@ -146,7 +172,8 @@ def test_recovery_in_metrics_events_and_timeline(
         assert drawn.wait(timeout=DEADLINE) == 0
         text = svg.read_text()
         assert text.lstrip().startswith("<?xml") and "rank 0" in text and "rank 1" in text
-        assert "restarted after" in text and "cycle 1: recover, recovered" in text and "finished" in text
+        assert "resumed after" in text and "cycle 1: recover, recovered" in text and "finished" in text
+        assert f"{lost[1]} step{'s' * (lost[1] != 1)} lost" in text
     finally:
         if follower is not None and follower.poll() is None:
             follower.kill()
@@ -154,10 +181,18 @@ def test_recovery_in_metrics_events_and_timeline(
 
 
 def _started(cluster: Cluster) -> int:
+    return _count(cluster, "worker started")
+
+
+def _count(cluster: Cluster, kind: str) -> int:
     try:
-        return sum(1 for kind, _ in cluster.journal() if kind == "worker started")
+        return sum(1 for k, _ in cluster.journal() if k == kind)
     except sqlite3.Error:  # the state file is being created
         return 0
+
+
+def _steps(journal: list[tuple[str, dict[str, object]]], kind: str, rank: int) -> list[int]:
+    return [int(str(d["step"])) for k, d in journal if k == kind and d["rank"] == rank]
 
 
 def _pump(proc: subprocess.Popen[str], lines: queue.Queue[dict[str, object]]) -> None:

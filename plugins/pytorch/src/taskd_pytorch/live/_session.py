@@ -93,6 +93,8 @@ class LiveSession:
         """
         self.step = step
         self._join(self._channel.current_round() if self._channel else 0, fresh=True)
+        # Where this process resumed; the agent journals it, and the steps a fault cost follow from it.
+        worker.resumed(self.step)
         return self.step
 
     def steps(self, stop: int) -> Iterator[LiveStep]:
@@ -152,8 +154,9 @@ class LiveSession:
     def _commit(self, number: int) -> None:
         self.step = number + 1
         if self._heartbeat:
-            # Every committed step tells the node agent this rank makes progress (hang detection).
-            worker.heartbeat()
+            # Every committed step tells the node agent this rank makes progress (hang detection),
+            # and how far training got (the steps a fault costs).
+            worker.step(self.step)
 
     def _fail(self, exc: BaseException) -> None:
         logger.warning(
