@@ -89,6 +89,8 @@ class NodeAgent:
         self._crashloop = CrashLoop(config.restart_backoff)
         #: global ranks whose fault report the restart backoff holds back, and until when.
         self._held: set[int] = set()
+        #: worker events not reported yet: they wait while fault reports are held back.
+        self._unsent: list[WorkerEvent] = []
         self._report_at = 0.0
         #: the latest cycle that started one of the held ranks (see ``startedCycle`` in the proto).
         self._held_started = 0
@@ -275,10 +277,13 @@ class NodeAgent:
                     ranks, {r: int(FaultType.NORMAL.value) for r in ranks}, started_cycle=self._held_started
                 )
                 self._held_started = 0
-            if recovery and changes:
-                # Queued behind the fault report: the journal keeps the order, the recovery never
-                # waits for it.
-                self._fault_reports.submit(self.client.report_worker_events, changes)
+            if recovery:
+                self._unsent.extend(changes)
+            if self._unsent and not self._held:
+                # Queued behind the fault report (one the restart backoff holds back included): the
+                # journal keeps the order, a fault before its worker's end; the recovery never waits.
+                self._fault_reports.submit(self.client.report_worker_events, self._unsent)
+                self._unsent = []
             if failed or reported:
                 continue
             hangs = self._progress.take_hangs() if self._progress is not None else []
@@ -361,7 +366,8 @@ class NodeAgent:
 
     def _report_changes(self) -> None:
         with self._lock:
-            changes = self._worker_events(self.adapter.monitor())
+            changes = [*self._unsent, *self._worker_events(self.adapter.monitor())]
+            self._unsent = []
         self.client.report_worker_events(changes)
 
     def _worker_events(self, statuses: Mapping[int, WorkerStatus]) -> list[WorkerEvent]:

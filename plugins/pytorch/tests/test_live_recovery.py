@@ -10,11 +10,13 @@ from __future__ import annotations
 import itertools
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pt_support import STEPS, Launcher, events, finish, kill, pid_alive, run_job, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+from pt_support import STEPS, Launcher, events, finish, free_port, kill, pid_alive, run_job, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +36,23 @@ def last_step(progress: Path) -> int:
     return max((int(e["step"]) for e in events(progress) if e["event"] == "step"), default=0)
 
 
+def samples(port: int) -> dict[str, float]:
+    """The controller's /metrics samples without labels, by name."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
 def test_every_loss_is_repaired_live_and_the_run_matches_a_fault_free_one(
     launch: Launcher, tmp_path: Path, fault_free: dict[str, Any]
 ) -> None:
     # Ranks killed together must land in one cycle even on a loaded machine: a fault that
     # arrives after the strategy was chosen makes the round fail and the job restart whole.
+    metrics = free_port()  # served by the node that hosts the controller
     nodes, progress, result = run_job(
-        launch, tmp_path / "live", script="train_live.py", max_cycles=8, taskd=("--taskd-flush-seconds", "1")
+        # The last steps are slow: the controller (and its /metrics) lives as long as the job.
+        launch, tmp_path / "live", "--slow-from", "18", "--slow-step-time", "0.5", script="train_live.py",
+        max_cycles=8, taskd=("--taskd-flush-seconds", "1", "--taskd-metrics-port", str(metrics)),
     )
     wait_for(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, 180, "every rank to train")
     # Rank 3, then rank 0 (store host and state source of the first start), then one rank of each
@@ -61,6 +73,12 @@ def test_every_loss_is_repaired_live_and_the_run_matches_a_fault_free_one(
         )
         after = current_pids(progress)
         assert {r: p for r, p in after.items() if r not in victims} == {r: p for r, p in before.items() if r not in victims}
+
+    # Every replacement resumed where its lost rank was (the workers report steps through
+    # taskd_core.worker, from the live session): the faults cost time, no step.
+    killed = sum(len(victims) for victims, _ in faults)
+    wait_for(lambda: samples(metrics).get("taskd_kill_to_resumed_seconds_count") == killed, 120, "resumed ranks")
+    assert samples(metrics)["taskd_steps_lost_total"] == 0
 
     final = finish(nodes, result)
 
