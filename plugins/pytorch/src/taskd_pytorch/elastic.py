@@ -4,7 +4,7 @@
 what torch does: rendezvous through any handler of torch's registry, rank
 assignment and the torchrun worker environment (``_initialize_workers``, the
 template method every ``SimpleElasticAgent`` uses), logs as ``LogsSpecs``
-says, and launching through ``start_processes``. It changes two things:
+says, and launching through ``start_processes``. What it changes:
 
 * the group's one all-or-nothing process context becomes one context per
   local rank (:class:`~taskd_pytorch.processes.RankProcesses`), so a single
@@ -12,6 +12,9 @@ says, and launching through ``start_processes``. It changes two things:
 * workers meet in a store of their own per restart round
   hosted by group rank 0's agent (:mod:`taskd_pytorch.bootstrap`), never in the
   agents' shared rendezvous store;
+* a whole-group restart keeps the last rendezvous round when every node of
+  it restarts (:mod:`taskd_pytorch.rendezvous_reuse`), instead of paying
+  torch's polling of a new round;
 * the rendezvous runs where a stop signal can end the wait
   (:func:`~taskd_pytorch.rendezvous.run_interruptibly`), and the launcher may
   join the first round on its own (:meth:`TaskdElasticAgent.join`) to learn its
@@ -55,6 +58,7 @@ from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
 from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
 from taskd_pytorch.processes import Launch, RankProcesses
 from taskd_pytorch.rendezvous import run_interruptibly
+from taskd_pytorch.rendezvous_reuse import Regroup, RoundReuse
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +128,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         self._taskd_stop = stop or StopRequest()
         #: the launcher joined the current round itself (:meth:`join`); the next start uses it.
         self._taskd_joined = False
+        self._taskd_reuse = RoundReuse(spec.rdzv_handler)
 
     # --- what the launcher does first -------------------------------------------------
 
@@ -231,8 +236,13 @@ class TaskdElasticAgent(LocalElasticAgent):
         if self._taskd_joined:
             self._taskd_joined = False
             return
+        # The workers keep their ranks: only their store (new per start) and restart count change.
+        group = worker_group
+        if self._taskd_reuse.decide(group.store, group.group_world_size, self._taskd_stop) is Regroup.KEEP:
+            return
         rendezvous = functools.partial(super()._rendezvous, worker_group)
         run_interruptibly(rendezvous, self._taskd_stop, "rendezvous")
+        self._taskd_reuse.formed()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
         spec = worker_group.spec
