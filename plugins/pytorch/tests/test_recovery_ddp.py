@@ -53,6 +53,9 @@ def test_sigkills_of_rank_3_then_rank_0_recover_and_match_a_fault_free_run(
     # Exactly one controller served the job, on the node the rendezvous made rank 0.
     logs = [p.read_text() for p in tmp_path.glob(f"killed-{form}*.log")]
     assert sum("embedded controller listening" in log for log in logs) == 1
+    # c10d: every restart kept the rendezvous round, ranks included (the hash above); static has no rounds to keep.
+    kept = [log.count("keeping its nodes and ranks") for log in logs]
+    assert kept == ([len(victims)] * 2 if form == "c10d" else [0, 0])
 
 
 def test_a_rank_that_raises_is_recovered_like_a_killed_one(launch, tmp_path: Path, fault_free: dict[str, object]) -> None:
