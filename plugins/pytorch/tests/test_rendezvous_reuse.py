@@ -10,17 +10,18 @@ import signal
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
 
 import pytest
 from pt_support import wait_for
-from taskd_pytorch.rendezvous_reuse import Regroup, RoundReuse
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from taskd_core.errors import LauncherInterrupted
 from taskd_core.launcher.interrupt import StopRequest
+from taskd_pytorch.rendezvous_reuse import Regroup, RoundReuse
 
 T = TypeVar("T")
 
@@ -61,14 +62,19 @@ def rendezvous(handlers: Sequence[RendezvousHandler]) -> list[RendezvousInfo]:
     return together([h.next_rendezvous for h in handlers])
 
 
+def decide_all(agents: Sequence[RoundReuse], infos: Sequence[RendezvousInfo]) -> list[Regroup]:
+    """Every agent's decision on its restart, all restarting at once."""
+    pairs = zip(agents, infos, strict=True)
+    return together([partial(a.decide, i.store, len(infos), StopRequest()) for a, i in pairs])
+
+
 def test_every_agent_of_the_round_keeps_it_restart_after_restart(nodes: Nodes) -> None:
     handlers = nodes(2, 2, 2)
     infos = rendezvous(handlers)
     agents = [RoundReuse(h) for h in handlers]
 
     for _ in range(3):
-        decisions = together([lambda a=a, i=i: a.decide(i.store, 2, StopRequest()) for a, i in zip(agents, infos)])
-        assert decisions == [Regroup.KEEP, Regroup.KEEP]
+        assert decide_all(agents, infos) == [Regroup.KEEP, Regroup.KEEP]
 
 
 def test_an_agent_that_does_not_restart_makes_every_agent_take_a_new_round(nodes: Nodes) -> None:
@@ -85,11 +91,12 @@ def test_an_agent_that_does_not_restart_makes_every_agent_take_a_new_round(nodes
     assert sorted(i.rank for i in again) == [0, 1]
     for agent in agents:
         agent.formed()
-    decisions = together([lambda a=a, i=i: a.decide(i.store, 2, StopRequest()) for a, i in zip(agents, again)])
-    assert decisions == [Regroup.KEEP, Regroup.KEEP]
+    assert decide_all(agents, again) == [Regroup.KEEP, Regroup.KEEP]
 
 
-def test_a_node_waiting_to_join_makes_the_restart_a_new_round_that_admits_it(nodes: Nodes, monkeypatch) -> None:
+def test_a_node_waiting_to_join_makes_the_restart_a_new_round_that_admits_it(
+    nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # With the shared agent store, torch 2.13 does not publish the new round's MASTER_ADDR when its rank 0
     # was rank 0 of the last round too, so the newcomer would wait for it: not what is tested here.
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -122,9 +129,10 @@ def test_a_new_round_is_the_only_choice_before_the_first_rendezvous(nodes: Nodes
     (handler,) = nodes(1, 1, 1)
     assert RoundReuse(handler).decide(None, None, StopRequest()) is Regroup.NEW_ROUND
     # The static rendezvous has no rounds to save: it is always asked again (it answers at once).
-    static = get_rendezvous_handler(
-        RendezvousParameters(backend="static", endpoint="127.0.0.1:0", run_id="s", min_nodes=1, max_nodes=1, rank=0)
+    params = RendezvousParameters(
+        backend="static", endpoint="127.0.0.1:0", run_id="s", min_nodes=1, max_nodes=1, rank=0
     )
+    static = get_rendezvous_handler(params)
     try:
         info = static.next_rendezvous()
         assert RoundReuse(static).decide(info.store, 1, StopRequest()) is Regroup.NEW_ROUND
@@ -136,7 +144,7 @@ def test_the_agreement_keys_of_one_round_never_meet_another_rounds(nodes: Nodes)
     handlers = nodes(2, 2, 2)
     infos = rendezvous(handlers)
     decision = "taskd/regroup/0/decision"
-    together([lambda a=RoundReuse(h), i=i: a.decide(i.store, 2, StopRequest()) for h, i in zip(handlers, infos)])
+    decide_all([RoundReuse(h) for h in handlers], infos)
     assert infos[0].store.check([decision])
 
     again = rendezvous(handlers)
