@@ -123,7 +123,7 @@ STEPS = (
     Step(
         "hang",
         "hang_bench.py",
-        ("--trials", "15", "--torch-trials", "2", "--healthy-steps", "1000"),
+        ("--trials", "15", "--torch-trials", "5", "--healthy-steps", "1000"),
         ("--trials", "3", "--torch-trials", "1", "--healthy-steps", "200"),
         1800.0,
     ),
@@ -654,9 +654,11 @@ def hang_section(data: dict[str, Any] | None) -> Section:
     method = (
         "`bench/hang_bench.py`: real `taskd run` jobs (one node, embedded controller). A hang's start is the"
         " wall-clock time the worker (or the bench, for SIGSTOP/SIGKILL) wrote down; the fault's arrival is the"
-        " controller's `fault` journal time, after the agent took the hung rank's stack with py-spy; every rank"
-        " stepping again is each rank's first step after the restart. Defaults: SIGSTOP bound 0.5 s, learned"
-        " timeout = 5 x p99 of the beat intervals within 3..300 s, checked every 0.2 s."
+        " controller's `fault` journal time, after the agent took the hung rank's stack with py-spy (it"
+        " reports, then kills the rank); every rank stepping again is each rank's first step after the"
+        " restart. The DDP runs interleave hang, SIGSTOP and death in rounds; their phases come from the"
+        " controller's journal. Defaults: SIGSTOP bound 0.5 s, learned timeout = 5 x p99 of the beat"
+        " intervals within 3..300 s, checked every 0.2 s."
     )
     text = "\n\n".join([f"## {title}", method, hang_bench.report(data)]) + "\n"
     return text, hang_bench.verdicts(data)
