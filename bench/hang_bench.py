@@ -74,6 +74,9 @@ PEERS = [
     ["NVIDIA in-process wrapper", "30 s heartbeat / 60 s soft", "missing heartbeats"],
     ["torchft Lighthouse", "5 s", "heartbeat of a whole replica group"],
 ]
+#: The columns of the phases table, in the order they happen.
+PHASES = ("fault reports", "faults", "cycle started", "stopped", "strategies", "strategy chosen", "restarted",
+          "stepping", "stack taken in", "cycles")
 _STACK_TIME = re.compile(r"stack taken in ([0-9.]+)s")
 _TIMEOUT = re.compile(r"no progress for ([0-9.]+)s \(timeout ([0-9.]+)s, (learned|configured)\)")
 #: The job token every bench job runs with, so the bench may read the job's status.
@@ -291,13 +294,15 @@ def report(data: dict[str, Any]) -> str:
         parts += ["`examples/train_ddp.py`, 1 node x 2 ranks, rank 1 hangs or dies at step 20 (medians, seconds):",
                   markdown_table(["fault", "trials", "→ fault reported", "fault → every rank stepping",
                                   "→ every rank stepping"], rows)]
-        columns = list(dict.fromkeys(k for r in data["torch"].values() for x in r for k in x["phases"]))
+        seen = {k for r in data["torch"].values() for x in r for k in x["phases"]}
+        columns = [c for c in PHASES if c in seen]
         phase_rows = [
             [kind, *(_p([x["phases"][c] for x in r if c in x["phases"]], 50) for c in columns)]
             for kind, r in data["torch"].items()
         ]
         parts += ["The recovery's phases, seconds after the first fault report (medians; `faults`: the last"
-                  " report before the cycle began):", markdown_table(["fault", *columns], phase_rows)]
+                  " report before the cycle began; one report means the peer had not died by itself when the"
+                  " restart came, and the restart stopped it):", markdown_table(["fault", *columns], phase_rows)]
     h = data["healthy"]
     if h:
         parts.append(
