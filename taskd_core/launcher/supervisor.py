@@ -206,8 +206,10 @@ def stop_processes(procs: Sequence[WorkerProcess], timeout: float) -> None:
     survivors = _wait_all(live, time.monotonic() + timeout)
     if not survivors:
         return
+    # With no grace asked for (a hung rank is killed at once), SIGKILL is the plan, not news.
+    level = logging.WARNING if timeout > 0 else logging.INFO
     for proc in survivors:
-        logger.warning("%s (pid %s) still alive %.1fs after SIGTERM", proc.name, proc.pid, timeout)
+        logger.log(level, "%s (pid %s) still alive %.1fs after SIGTERM", proc.name, proc.pid, timeout)
         proc.signal_group(signal.SIGKILL)
     stuck = _wait_all(survivors, time.monotonic() + _KILL_GRACE)
     for proc in stuck:
