@@ -12,7 +12,10 @@ For each mode (``off``, ``on``), in alternating rounds, a fresh ``taskd controll
 On a shared two-core machine the end-to-end differences between the modes are
 smaller than the spread between rounds, so the bench also measures the hooks
 themselves, in this process: the CPU time ``ControllerMetrics`` spends on one
-recovery cycle's journal entries and RPC observations (``--hook-cycles`` cycles).
+recovery cycle's journal entries and RPC observations (``--hook-cycles`` cycles),
+and what ``taskd_core.worker.step(n)`` costs a training loop: one call between two
+datagrams (most calls, when steps are < 0.1 s apart) and one call that sends its
+datagram to a real socket, which the bench reads back as the agent would.
 
 Run::
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import socket
 import tempfile
 import time
 import urllib.request
@@ -47,6 +51,7 @@ from _common import (
 
 from taskd_core.controller.machine import JournalEntry
 from taskd_core.controller.metrics import ControllerMetrics
+from taskd_core.worker import ProgressReporter
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +63,10 @@ ADDED_TARGET_PERCENT = 5.0
 
 def _cycle_journal() -> list[JournalEntry]:
     """The journal entries of one recovery cycle of one agent, as the controller writes them."""
+    worker = {"agent": "a0", "rank": 0, "local_rank": 0}
     kinds: list[tuple[str, dict[str, Any]]] = [
         ("fault", {"agent": "a0", "pending": False, "ranks": {"0": "1"}}),
+        ("worker exited", {**worker, "pid": 10, "at": 1.0, "exit_code": -9, "step": 25}),
         ("transition", {"source": "idle", "target": "wait-stop"}),
         ("cycle started", {"uuid": "u", "members": ["a0"], "faults": {"0": "1"}}),
         ("signal", {"type": "stopTrain", "seq": 1, "actions": ["stop_train"], "strategy": "", "extra": ""}),
@@ -73,6 +80,10 @@ def _cycle_journal() -> list[JournalEntry]:
         ("report", {"agent": "a0", "step": "status", "code": 0, "strategy": "recover"}),
         ("cycle succeeded", {"strategy": "recover", "uuid": "u"}),
         ("transition", {"source": "wait-status", "target": "idle"}),
+        # What a worker that reports its steps (taskd_core.worker) adds to the cycle.
+        ("worker started", {**worker, "pid": 11, "at": 1.2}),
+        ("worker resumed", {**worker, "pid": 11, "at": 1.9, "step": 20}),
+        ("worker stepping", {**worker, "pid": 11, "at": 2.0, "step": 21}),
     ]
     return [JournalEntry(kind, 1, detail) for kind, detail in kinds]
 
@@ -92,6 +103,33 @@ def hook_cost(cycles: int) -> dict[str, float]:
                 metrics.observe_rpc(rpc, "0", 0.001)
         batches.append((time.process_time() - t0) / cycles * 1e6)
     return {"us_per_cycle": percentile(batches, 50), "entries_per_cycle": len(journal), "rpcs_per_cycle": len(rpcs)}
+
+
+def step_cost(calls: int) -> dict[str, float]:
+    """Wall microseconds of one ``ProgressReporter.step`` call: held back by the beat gap, and sending."""
+    with tempfile.TemporaryDirectory(prefix="taskd-step-bench-") as tmp, socket.socket(
+        socket.AF_UNIX, socket.SOCK_DGRAM
+    ) as agent:
+        path = f"{tmp}/agent.sock"
+        agent.bind(path)
+        reporter = ProgressReporter(path)
+        try:
+            reporter.step(0)  # the gap now holds the calls below back
+            t0 = time.perf_counter()
+            for n in range(1, calls + 1):
+                reporter.step(n)
+            held = (time.perf_counter() - t0) / calls * 1e6
+            sends = max(1, calls // 100)
+            t0 = time.perf_counter()
+            for n in range(sends):
+                reporter.resumed(n)  # due at once: the next step always sends
+                reporter.step(n + 1)
+                agent.recv(512)
+                agent.recv(512)
+            sent = (time.perf_counter() - t0) / (2 * sends) * 1e6
+        finally:
+            reporter.close()
+    return {"held_us": held, "sent_us": sent}
 
 
 def _scrape(port: int) -> tuple[float, int]:
@@ -214,6 +252,8 @@ def main() -> int:
     exit_on_sigterm()
     hooks = hook_cost(args.hook_cycles)
     logger.info("metrics hooks: %.1f us of CPU per recovery cycle", hooks["us_per_cycle"])
+    steps = step_cost(100 * args.hook_cycles)
+    logger.info("worker.step(): %.2f us held back, %.1f us sent", steps["held_us"], steps["sent_us"])
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="taskd-metrics-bench-") as tmp:
         for i in range(args.rounds):
@@ -232,6 +272,7 @@ def main() -> int:
         "runs": runs,
         "summary": summary,
         "hooks": hooks,
+        "worker_step": steps,
         "added_percent": {
             "idle_cpu": added_percent(summary, "idle_cpu_percent"),
             "latency_p50": added_percent(summary, "latency_p50_ms"),

@@ -559,8 +559,17 @@ def metrics_section(data: dict[str, Any] | None) -> Section:
         f"The hooks themselves, measured in-process (CPU time of `ControllerMetrics` for one recovery cycle's"
         f" {hooks['entries_per_cycle']} journal entries and {hooks['rpcs_per_cycle']} RPC observations): "
         f"{fmt(hooks['us_per_cycle'], 1)} µs per cycle, {fmt(added['hooks_of_latency_p50'], 1)} % of the"
-        " metrics-off p50 latency, spent after the cycle's signals are sent."
+        " metrics-off p50 latency, spent after the cycle's signals are sent (the cycle includes the"
+        " `worker exited` / `started` / `resumed` / `stepping` entries of a worker that reports its steps)."
     )
+    step = data.get("worker_step")
+    if step is not None:
+        hooks_text += (
+            " On the worker's side, `taskd_core.worker.step(n)` costs a training loop"
+            f" {fmt(step['held_us'], 2)} µs per call between datagrams (beats and steps < 0.1 s apart"
+            " ride on the next one) and"
+            f" {fmt(step['sent_us'], 1)} µs for a call that sends its datagram to the agent's socket."
+        )
     text = "\n\n".join([f"## {title}", method, metrics_bench.report(data), hooks_text]) + "\n"
     scrape = on["scrape_p50_ms"]
     target_ms, target_pct = metrics_bench.SCRAPE_TARGET_MS, metrics_bench.ADDED_TARGET_PERCENT
