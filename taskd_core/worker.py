@@ -23,13 +23,13 @@ fault cost (``taskd_steps_lost_total``) and the time from a worker's death to
 its rank resuming (``taskd_kill_to_resumed_seconds``), and ``taskd timeline``
 draws the ``resumed`` and ``stepping`` phases of a recovery.
 
-Every call is at most one non-blocking datagram (beats and steps closer than
-0.1 s apart are not sent; the next one carries the latest step, so the agent's
-last known step lags the worker's by at most that) on a Unix socket whose path the launcher passes in
-``TASKD_PROGRESS_SOCKET``; without it (the script runs
-outside TaskD) every call does nothing, and a lost agent never blocks or
-fails training. The module imports nothing heavy and never gRPC: it is
-imported by workers.
+Every call is at most one non-blocking datagram on a Unix socket whose path
+the launcher passes in ``TASKD_PROGRESS_SOCKET``. Beats and steps closer than
+0.1 s apart are not sent: the next datagram (or ``done()``) carries the latest
+step, so the step the agent knows of a worker killed at once lags by at most
+0.1 s of training. Without the socket (the script runs outside TaskD) every
+call does nothing, and a lost agent never blocks or fails training. The
+module imports nothing heavy and never gRPC: it is imported by workers.
 
 When a reporter is first created it also registers a stack dump through
 :mod:`faulthandler` on :data:`STACK_SIGNAL`, written to a per-process file

@@ -15,7 +15,9 @@ fixed synthetic data, and after every step
   step and from where a restarted process resumed.
 
 On start a worker loads its checkpoint if there is one (``load_checkpoint``)
-and continues after the saved step.
+and continues after the saved step. It tells the node agent where it resumed
+and how far it got (``taskd_core.worker.resumed`` / ``step``: the steps a
+fault cost reach the controller's journal and ``/metrics``).
 
 ``--collective`` (default) all-reduces the gradients every step, so every rank
 depends on every other one: losing one worker stalls the others, which is the
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from mindspore import nn, ops
     from mindspore.communication import get_group_size, get_rank, init
 
+    from taskd_core import worker
+
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     init()
     if os.environ.get("MS_ROLE") == "MS_SCHED":
@@ -83,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = ms.load_checkpoint(str(ckpt))
         resumed_from = int(saved.pop("global_step").asnumpy())
         ms.load_param_into_net(net, saved)
+    worker.resumed(resumed_from)
     optimizer = nn.SGD(net.trainable_params(), learning_rate=0.01)
     loss_fn = nn.MSELoss()
     all_reduce = ops.AllReduce() if args.collective else None
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = train_step(x, y)
         step_param.set_data(ms.Tensor(step, ms.int32))
         ms.save_checkpoint(net, str(ckpt), append_dict={"global_step": step_param})
+        worker.step(step)  # also a heartbeat for the agent's hang detection
         _record(args.out, rank=rank, pid=os.getpid(), step=step, resumed_from=resumed_from,
                 restart=restart, loss=float(loss.asnumpy()))
         time.sleep(args.step_sleep)
