@@ -1,10 +1,26 @@
-"""Packing, checking and loading the state a live replica hands to a replacement."""
+"""Sending, checking and loading the state a live replica hands to a replacement (over real sockets)."""
 
 from __future__ import annotations
 
+import socket
+import struct
+import threading
+from typing import Any
+
 import pytest
 import torch
-from taskd_pytorch.live._state import capture, check_registrable, checksum, pack, restore, unpack
+from taskd_pytorch.live._state import (
+    StateTransferError,
+    capture,
+    check_registrable,
+    checksum,
+    fetch,
+    prepare,
+    recv_state,
+    restore,
+    send_state,
+    serve,
+)
 from torch import nn
 
 
@@ -19,32 +35,104 @@ def trained() -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
     return model, optimizer, [torch.arange(6, dtype=torch.int32).reshape(2, 3), torch.ones(2, dtype=torch.float64)]
 
 
-def test_a_fresh_replica_loads_exactly_what_a_trained_one_packed() -> None:
+def hand_over(tree: Any, local: Any) -> Any:
+    """``tree`` sent by one thread over a real TCP connection, received by this one into ``local``."""
+    published: list[str] = []
+    ready = threading.Event()
+
+    def publish(at: str) -> None:
+        published.append(at)
+        ready.set()
+
+    sender = threading.Thread(target=serve, args=(prepare(tree), 1, "127.0.0.1", publish, 30.0))
+    sender.start()
+    try:
+        assert ready.wait(30)
+        return fetch(published[0], 1, local, 30.0)
+    finally:
+        sender.join(30)
+
+
+def test_a_fresh_replica_loads_exactly_what_a_trained_one_sent() -> None:
     model, optimizer, extra = trained()
-    packed = pack(capture({"model": model, "optimizer": optimizer, "extra": extra}))
 
     torch.manual_seed(2)
     fresh_model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     fresh_optimizer = torch.optim.SGD(fresh_model.parameters(), lr=0.5, momentum=0.9)  # no momentum buffers yet
     fresh_extra = [torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.float64)]
     state = {"model": fresh_model, "optimizer": fresh_optimizer, "extra": fresh_extra}
-    restore(state, unpack(packed.skeleton, packed.payload))
+    weight = fresh_model[0].weight
+    restore(state, hand_over(capture({"model": model, "optimizer": optimizer, "extra": extra}), capture(state)))
 
     for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(a, b)
+    assert fresh_model[0].weight is weight  # received into the module's own parameters
     assert fresh_optimizer.state_dict()["param_groups"][0]["lr"] == 0.1
     for p, q in zip(model.parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(optimizer.state[p]["momentum_buffer"], fresh_optimizer.state[q]["momentum_buffer"])
     assert all(torch.equal(a, b) for a, b in zip(extra, fresh_extra, strict=True))
-    assert packed.checksum == checksum(packed.payload)
+
+
+def test_odd_sizes_and_dtypes_arrive_whole() -> None:
+    tree = {"a": torch.arange(8193, dtype=torch.uint8), "b": torch.randn(3, 5).bfloat16(), "c": torch.tensor(True)}
+    tree["d"] = torch.arange(100, dtype=torch.float32)[1::3]  # not contiguous, odd offset
+    got = hand_over(tree, {"a": torch.zeros(8193, dtype=torch.uint8)})
+    assert all(torch.equal(tree[k], got[k]) for k in tree)
+
+
+def test_a_payload_damaged_on_the_wire_is_refused_and_the_sender_hears_of_it() -> None:
+    tensor = torch.arange(10_000, dtype=torch.float32)
+    sender_side, relay_in = socket.socketpair()
+    relay_out, receiver_side = socket.socketpair()
+    errors: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            send_state(prepare([tensor]), sender_side)
+        except StateTransferError as exc:
+            errors.append(exc)
+
+    def relay() -> None:
+        """Passes the rank up and everything down, with one bit of the payload's last byte flipped."""
+        relay_out.settimeout(30)
+        relay_in.settimeout(30)
+        relay_in.sendall(relay_out.recv(4))
+        data = bytearray()
+        while len(data) < 24 or len(data) < 24 + sum(struct.unpack("!QQ", data[8:24])) + 16:
+            data += relay_in.recv(65536)
+        data[-17] ^= 1  # the payload's last byte, before the 16-byte checksum
+        relay_out.sendall(data)
+        relay_in.sendall(relay_out.recv(1) or b"\x00")  # the receiver's verdict, or nothing
+
+    threads = [threading.Thread(target=send), threading.Thread(target=relay)]
+    for t in threads:
+        t.start()
+    try:
+        receiver_side.settimeout(30)
+        with pytest.raises(StateTransferError, match="arrived damaged"):
+            recv_state(receiver_side, 1, None)
+        receiver_side.close()
+    finally:
+        for t in threads:
+            t.join(30)
+        for sock in (sender_side, relay_in, relay_out, receiver_side):
+            sock.close()
+    assert len(errors) == 1 and "rejected" in str(errors[0])
+
+
+def test_an_unreachable_replica_is_a_clear_error() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    with pytest.raises(StateTransferError, match="cannot reach the replica"):
+        fetch(f"127.0.0.1:{port}", 1, None, 5.0)
 
 
 def test_the_checksum_sees_a_flipped_byte_and_a_shift() -> None:
-    payload = pack([torch.arange(10_000, dtype=torch.float32)]).payload
+    payload = torch.arange(10_000, dtype=torch.float32).view(torch.uint8)
     flipped, shifted = payload.clone(), torch.roll(payload, 8)
     flipped[1234] ^= 1
-    assert checksum(flipped) != checksum(payload)
-    assert checksum(shifted) != checksum(payload)
+    assert checksum([flipped]) != checksum([payload])
+    assert checksum([shifted]) != checksum([payload])
 
 
 @pytest.mark.parametrize("value", [3, "text", [torch.ones(1), 2], {"a": torch.ones(1)}])

@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 
@@ -18,12 +19,14 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 from taskd_core import worker
 from taskd_core.errors import ConfigError, TaskdError
 from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
-from taskd_pytorch.live._state import capture, check_registrable, pack, recv_state, restore, send_packed
+from taskd_pytorch.live._state import capture, check_registrable, fetch, prepare, restore, serve
 
 logger = logging.getLogger(__name__)
 
 #: How long one wait on a collective lasts before the channel is looked at again.
 _WAIT_SLICE = timedelta(milliseconds=50)
+#: The key of a round's store under which the replica publishes where it serves the state.
+_TRANSFER_KEY = "state-transfer"
 #: How often a worker whose group broke looks for the agent's new round.
 _ROUND_POLL = 0.005
 
@@ -71,6 +74,7 @@ class LiveSession:
         env = _Env.read()
         self.rank, self.world_size, self._local_rank = env.rank, env.world_size, env.local_rank
         self._prefix = f"taskd/live/{env.restart}/"
+        self._master_addr = env.master_addr
         self._store = TCPStore(
             env.master_addr, env.master_port, is_master=env.hosts_store, timeout=self._collective_timeout
         )
@@ -209,15 +213,16 @@ class LiveSession:
 
     def _join(self, round_no: int, *, fresh: bool) -> None:
         began = time.monotonic()
+        store = PrefixStore(f"{self._prefix}{round_no}/", self._store)
         dist.init_process_group(
             self._backend,
-            store=PrefixStore(f"{self._prefix}{round_no}/", self._store),
+            store=store,
             rank=self.rank,
             world_size=self.world_size,
             timeout=self._collective_timeout,
         )
         self.round = round_no
-        self._sync(fresh)
+        self._sync(fresh, store)
         if self._channel is not None:
             self._channel.mark_joined(self._local_rank, round_no)
         logger.info(
@@ -228,29 +233,30 @@ class LiveSession:
             time.monotonic() - began,
         )
 
-    def _sync(self, fresh: bool) -> None:
-        """Every rank ends with the state of the most advanced live replica."""
+    def _sync(self, fresh: bool, store: PrefixStore) -> None:
+        """Every rank ends with the state of the most advanced live replica (its socket: ``_state``)."""
         table: list[tuple[int, bool]] = [(0, True)] * self.world_size
         dist.all_gather_object(table, (self.step, fresh))
         source = _source(table)
         target = table[source][0]
         needy = [r for r, (step, new) in enumerate(table) if r != source and (new or step < target)]
+        timeout = self._collective_timeout.total_seconds()
         if not table[source][1] and needy:
             if self.rank == source:
                 began = time.monotonic()
-                packed = pack(capture(self._state))
-                for dst in needy:
-                    size = send_packed(packed, dst)
+                outgoing = prepare(capture(self._state))
+                serve(outgoing, len(needy), self._master_addr, partial(store.set, _TRANSFER_KEY), timeout)
                 logger.info(
                     "rank %s sent the state of step %s (%d bytes) to ranks %s in %.3fs",
                     self.rank,
                     target,
-                    size,
+                    outgoing.nbytes,
                     needy,
                     time.monotonic() - began,
                 )
             elif self.rank in needy:
-                restore(self._state, recv_state(source))
+                address = store.get(_TRANSFER_KEY).decode()
+                restore(self._state, fetch(address, self.rank, capture(self._state), timeout))
         self.step = target
 
 

@@ -1,29 +1,51 @@
-"""The job's named state: registration, packing into one buffer, checksums, sending and loading.
+"""The job's named state: registration, checksums, and its hand-over from a replica over a TCP socket.
 
-A live replica hands its state to a replacement as three messages over the
-new process group: a header (lengths and checksum), a pickled *skeleton*
-(the state's structure with every tensor replaced by a reference) and one
-flat byte *payload* holding every tensor. One large message instead of one
-per tensor keeps the transfer at the link's speed for models with many small
-parameters.
+A live replica hands its state to a replacement over a plain TCP connection
+of their own, not through the process group: the bytes go straight from the
+replica's tensors into the receiver's (``sendall`` and ``recv_into`` on the
+tensors' memory), with no packing copy on either side. The wire, all
+integers big-endian:
+
+1. the receiver connects to the address the replica published in the
+   round's store and sends its global rank (``!I``);
+2. the replica sends a header ``!8sQQ``: the magic ``TASKDST1``, the
+   skeleton's length and the payload's length;
+3. the replica sends the *skeleton*: the pickled state with every tensor
+   replaced by a reference (its size, dtype and shape);
+4. the replica sends the *payload*: every tensor's bytes, in the skeleton's
+   order, unpadded;
+5. the replica sends the payload's checksum ``!qq`` (two signed 64-bit
+   sums, see :func:`checksum`), computed while the payload was on its way;
+6. the receiver, which summed each tensor while receiving the next,
+   compares and answers one byte, ``0x01``.
+
+The receiver reads each tensor into its own tensor at the same place of
+its own state when dtype and shape match (a replacement's fresh model), so
+loading it afterwards copies nothing; other tensors (an optimizer without
+momentum buffers yet) arrive in new ones. A broken or damaged transfer
+fails the recovery; the controller then restarts the job from its
+checkpoint, which also replaces whatever the receiver had half-read.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Mapping
+import socket
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
 from taskd_core.errors import TaskdError
 
 
 class StateTransferError(TaskdError):
-    """The state received from a replica does not match what it sent."""
+    """The state from a replica did not arrive, or arrived damaged."""
 
 
 @runtime_checkable
@@ -36,25 +58,32 @@ class Stateful(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Packed:
-    """A state ready to send: its skeleton, its payload and the payload's checksum."""
-
-    skeleton: bytes
-    payload: torch.Tensor
-    checksum: tuple[int, int]
-
-
-@dataclass(frozen=True, slots=True)
 class _Ref:
-    """Where one tensor lives in the payload."""
+    """One tensor of the payload, in skeleton order."""
 
-    offset: int
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
 
 
-#: Payloads are padded to whole rows of the checksum's weight vector.
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A state ready to send: its skeleton and its tensors' bytes (views, not copies)."""
+
+    skeleton: bytes
+    chunks: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() for c in self.chunks)
+
+
+_MAGIC = b"TASKDST1"
+_HEADER = struct.Struct("!8sQQ")
+_TRAILER = struct.Struct("!qq")
+_RANK = struct.Struct("!I")
+_ACK = b"\x01"
+#: Checksum rows are this many 64-bit words.
 _ROW = 1024
 
 
@@ -84,32 +113,55 @@ def capture(state: Mapping[str, object]) -> dict[str, Any]:
 
 
 def restore(state: Mapping[str, object], values: Mapping[str, Any]) -> None:
-    """Load ``values`` (from :func:`capture` on a replica) into the registered objects, in place."""
+    """Load ``values`` (received from a replica) into the registered objects, in place.
+
+    Tensors that were received straight into their registered tensor are not copied again.
+    """
     with torch.no_grad():
         for name, obj in state.items():
             value = values[name]
             if isinstance(obj, torch.Tensor):
-                obj.copy_(value)
+                _copy(obj, value)
+            elif isinstance(obj, nn.Module) and _all_alias(value, obj.state_dict()):
+                continue
             elif isinstance(obj, Stateful):
                 obj.load_state_dict(value)
             else:
                 for target, source in zip(obj, value, strict=True):  # type: ignore[call-overload]
-                    target.copy_(source)
+                    _copy(target, source)
 
 
-def pack(tree: Any) -> Packed:
-    """The pickled skeleton of ``tree`` and one uint8 payload with every tensor's bytes."""
-    tensors: list[tuple[int, torch.Tensor]] = []
-    offset = 0
+def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
+    if not _alias(target, source):
+        target.copy_(source)
+
+
+def _alias(a: torch.Tensor, b: torch.Tensor) -> bool:
+    same_place = a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+    return same_place and a.dtype == b.dtype and a.shape == b.shape
+
+
+def _all_alias(value: Any, current: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(current, dict)
+        and value.keys() == current.keys()
+        and all(
+            isinstance(v, torch.Tensor) and isinstance(current[k], torch.Tensor) and _alias(v, current[k])
+            for k, v in value.items()
+        )
+    )
+
+
+def prepare(tree: Any) -> Outgoing:
+    """The skeleton of ``tree`` and its tensors as byte views (no tensor is copied)."""
+    chunks: list[torch.Tensor] = []
 
     def strip(node: Any) -> Any:
-        nonlocal offset
         if isinstance(node, torch.Tensor):
-            flat = node.detach().contiguous().reshape(-1).view(torch.uint8)
-            ref = _Ref(offset, flat.numel(), node.dtype, tuple(node.shape))
-            tensors.append((offset, flat))
-            offset += flat.numel()
-            return ref
+            flat = _bytes_of(node.detach().contiguous())
+            chunks.append(flat)
+            return _Ref(flat.numel(), node.dtype, tuple(node.shape))
         if isinstance(node, dict):
             return {k: strip(v) for k, v in node.items()}
         if isinstance(node, list | tuple):
@@ -117,67 +169,189 @@ def pack(tree: Any) -> Packed:
         return node
 
     skeleton = strip(tree)
-    padded = -(-offset // (8 * _ROW)) * 8 * _ROW
-    payload = torch.empty(padded, dtype=torch.uint8)
-    payload[offset:] = 0
-    for start, flat in tensors:
-        payload[start : start + flat.numel()] = flat
     buf = io.BytesIO()
     pickle.dump(skeleton, buf)
-    return Packed(buf.getvalue(), payload, checksum(payload))
+    return Outgoing(buf.getvalue(), tuple(chunks))
 
 
-def unpack(skeleton: bytes, payload: torch.Tensor) -> Any:
-    """The tree :func:`pack` was given; its tensors are views of ``payload`` (loading copies them)."""
+def checksum(chunks: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> tuple[int, int]:
+    """Two wrapping 64-bit sums over the chunks' bytes read as words: plain, and weighted by row.
 
-    def fill(node: Any) -> Any:
-        if isinstance(node, _Ref):
-            raw = payload[node.offset : node.offset + node.nbytes]
-            return raw.view(node.dtype).reshape(node.shape)
-        if isinstance(node, dict):
-            return {k: fill(v) for k, v in node.items()}
-        if isinstance(node, list | tuple):
-            return type(node)(fill(v) for v in node)
-        return node
-
-    # The skeleton comes from a rank of the same job over its own process group.
-    return fill(pickle.loads(skeleton))  # noqa: S301
-
-
-def checksum(payload: torch.Tensor) -> tuple[int, int]:
-    """Two wrapping 64-bit sums of the payload's words: plain, and weighted by row.
-
-    One vectorised pass over the payload (the sums of its words in rows of
-    ``_ROW``), several times faster than CRC-32 in Python's zlib. It catches
-    lost and flipped bytes and bytes moved across rows; it is a transfer
-    check, not a cryptographic one.
+    One vectorised pass over the bytes (sums of rows of ``_ROW`` words; a
+    chunk's last, partial row is padded with zeros), several times faster
+    than CRC-32 in Python's zlib. It catches lost and flipped bytes and bytes
+    moved across rows; it is a transfer check, not a cryptographic one.
     """
-    rows = payload.view(torch.int64).view(-1, _ROW).sum(dim=1)
+    return _combine([_row_sums(c) for c in chunks])
+
+
+def _combine(sums: list[torch.Tensor]) -> tuple[int, int]:
+    rows = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64)
     weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64)
     return int(rows.sum()), int((rows * weights).sum())
 
 
-def send_packed(packed: Packed, dst: int) -> int:
-    """Send a packed state to rank ``dst`` of the current group; returns the payload's size in bytes."""
-    header = torch.tensor([len(packed.skeleton), packed.payload.numel(), *packed.checksum], dtype=torch.int64)
-    dist.send(header, dst)
-    dist.send(torch.frombuffer(bytearray(packed.skeleton), dtype=torch.uint8), dst)
-    dist.send(packed.payload, dst)
-    return packed.payload.numel()
+def _row_sums(chunk: torch.Tensor) -> torch.Tensor:
+    if chunk.storage_offset() % 8:
+        chunk = chunk.clone()  # a word view needs 8-byte alignment
+    whole = chunk.numel() // (8 * _ROW) * 8 * _ROW
+    sums = chunk[:whole].view(torch.int64).view(-1, _ROW).sum(dim=1)
+    if whole == chunk.numel():
+        return sums
+    tail = torch.zeros(8 * _ROW, dtype=torch.uint8)
+    tail[: chunk.numel() - whole] = chunk[whole:]
+    return torch.cat([sums, tail.view(torch.int64).sum().reshape(1)])
 
 
-def recv_state(src: int) -> Any:
-    """Receive a tree :func:`send_packed` sent from rank ``src``; raises on a checksum mismatch."""
-    header = torch.empty(4, dtype=torch.int64)
-    dist.recv(header, src)
-    skeleton_len, payload_len, plain, weighted = (int(v) for v in header)
-    skeleton = torch.empty(skeleton_len, dtype=torch.uint8)
-    dist.recv(skeleton, src)
-    payload = torch.empty(payload_len, dtype=torch.uint8)
-    dist.recv(payload, src)
-    if checksum(payload) != (plain, weighted):
-        raise StateTransferError(
-            f"state from rank {src} arrived damaged (checksum mismatch over {payload_len} bytes); "
-            "the recovery fails and the controller falls back to a full restart"
-        )
-    return unpack(skeleton.numpy().tobytes(), payload)
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _memory(chunk: torch.Tensor) -> memoryview:
+    array: Any = chunk.numpy()  # numpy arrays are buffers; torch's stubs do not say so
+    return memoryview(array).cast("B")
+
+
+def send_state(outgoing: Outgoing, conn: socket.socket) -> int:
+    """Hand ``outgoing`` to the receiver connected on ``conn``; returns the receiver's rank.
+
+    Raises ``StateTransferError`` when the receiver goes away or does not acknowledge.
+    """
+    try:
+        (rank,) = _RANK.unpack(_recv_exact(conn, _RANK.size))
+        conn.sendall(_HEADER.pack(_MAGIC, len(outgoing.skeleton), outgoing.nbytes))
+        conn.sendall(outgoing.skeleton)
+        # Summing releases the GIL: the checksum costs no time of its own.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            summed = pool.submit(checksum, outgoing.chunks)
+            for chunk in outgoing.chunks:
+                if chunk.numel():
+                    conn.sendall(_memory(chunk))
+            conn.sendall(_TRAILER.pack(*summed.result()))
+        if _recv_exact(conn, 1) != _ACK:
+            raise StateTransferError(f"the receiver on {conn.getpeername()} rejected the state")
+    except OSError as exc:
+        raise StateTransferError(f"sending the state failed: {exc}; the receiver is gone") from exc
+    return int(rank)
+
+
+def recv_state(conn: socket.socket, rank: int, local: Any) -> Any:
+    """Receive the state a replica sends on ``conn``, reading tensors into ``local``'s where they fit.
+
+    ``local`` is this rank's own :func:`capture`. Raises ``StateTransferError``
+    when the connection breaks or the checksum does not match.
+    """
+    try:
+        conn.sendall(_RANK.pack(rank))
+        magic, skeleton_len, payload_len = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
+        if magic != _MAGIC:
+            raise StateTransferError(f"the replica sent {magic!r}, not a TaskD state header")
+        # The skeleton comes from a rank of the same job over an address published in its own store.
+        skeleton = pickle.loads(_recv_exact(conn, skeleton_len))  # noqa: S301
+        tree = _targets(skeleton, local)
+        chunks = [_bytes_of(t) for t in _tensors(tree)]
+        if sum(c.numel() for c in chunks) != payload_len:
+            raise StateTransferError(f"the replica's skeleton does not match its {payload_len} payload bytes")
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            sums = []
+            for chunk in chunks:
+                _recv_into(conn, _memory(chunk))
+                sums.append(pool.submit(_row_sums, chunk))
+            mine = _combine([s.result() for s in sums])
+        if _TRAILER.unpack(_recv_exact(conn, _TRAILER.size)) != mine:
+            raise StateTransferError(
+                f"the state arrived damaged (checksum mismatch over {payload_len} bytes); "
+                "the recovery fails and the controller falls back to a full restart"
+            )
+        conn.sendall(_ACK)
+    except OSError as exc:
+        raise StateTransferError(f"receiving the state failed: {exc}; the replica is gone") from exc
+    return tree
+
+
+def _targets(skeleton: Any, local: Any) -> Any:
+    """The skeleton with every reference replaced by the tensor its bytes go into."""
+    if isinstance(skeleton, _Ref):
+        if (
+            isinstance(local, torch.Tensor)
+            and local.dtype == skeleton.dtype
+            and tuple(local.shape) == skeleton.shape
+            and local.is_contiguous()
+        ):
+            return local.detach()
+        return torch.empty(skeleton.shape, dtype=skeleton.dtype)
+    if isinstance(skeleton, dict):
+        mine = local if isinstance(local, dict) else {}
+        return {k: _targets(v, mine.get(k)) for k, v in skeleton.items()}
+    if isinstance(skeleton, list | tuple):
+        same = isinstance(local, list | tuple) and len(local) == len(skeleton)
+        return type(skeleton)(_targets(v, local[i] if same else None) for i, v in enumerate(skeleton))
+    return skeleton
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of ``tree`` in the order :func:`prepare` meets them."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, list | tuple):
+        for v in tree:
+            yield from _tensors(v)
+
+
+def _recv_exact(conn: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    _recv_into(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise StateTransferError(f"the connection closed after {got} of {len(view)} bytes")
+        got += n
+
+
+def serve(
+    outgoing: Outgoing, receivers: int, near: str, publish: Callable[[str], None], timeout: float
+) -> None:
+    """Send ``outgoing`` to ``receivers`` receivers, one after the other.
+
+    Listens on the address by which this host reaches ``near`` (the job's
+    store host, so that the receivers on other hosts reach it too) and
+    ``publish``es it as ``host:port`` before it accepts.
+    """
+    family, _, _, _, sockaddr = socket.getaddrinfo(near, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(sockaddr)  # no packet is sent: this only picks the route's local address
+        host = probe.getsockname()[0]
+    with socket.create_server((host, 0), family=family) as server:
+        server.settimeout(timeout)
+        port = server.getsockname()[1]
+        publish(f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}")
+        for _ in range(receivers):
+            try:
+                conn, _ = server.accept()
+            except OSError as exc:
+                raise StateTransferError(
+                    f"a receiver of the state did not connect within {timeout}s: {exc}"
+                ) from exc
+            with conn:
+                conn.settimeout(timeout)
+                send_state(outgoing, conn)
+
+
+def fetch(address: str, rank: int, local: Any, timeout: float) -> Any:
+    """Receive the state from the replica serving at ``address`` (``host:port``); see :func:`recv_state`."""
+    host, _, port = address.rpartition(":")
+    try:
+        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    except OSError as exc:
+        raise StateTransferError(f"cannot reach the replica serving the state at {address}: {exc}") from exc
+    with conn:
+        return recv_state(conn, rank, local)
