@@ -9,8 +9,9 @@ signal / action               what the node does, then reports
 ``change_strategy`` recover   stop all, restart all → ``ReportRecoverStatus``
 recover + recover-in-place    restart only this node's faulty ranks → ``ReportRecoverStatus``
 recover + recover-live        announce the new round to the running workers,
-                              restart this node's faulty ranks, wait until every
-                              local worker joined the round → ``ReportRecoverStatus``
+                              restart this node's faulty ranks (but those started
+                              early, see below), wait until every local worker
+                              joined the round → ``ReportRecoverStatus``
 ``change_strategy`` dump      dump signal to every worker, wait the grace period,
                               stop all → ``ReportRecoverStatus``
 ``change_strategy`` exit      stop all (the controller does not wait for a report)
@@ -20,6 +21,12 @@ recover + recover-live        announce the new round to the running workers,
 ``stop_train`` stops only the faulty ranks because the strategy is not known
 yet: with ``recover-in-place`` and ``recover-live`` the healthy workers must
 keep running.
+When every local worker uses the live API, the agent starts a dead worker's
+replacement as soon as it sees the death (:meth:`ActionDispatcher.start_early`),
+while the controller still collects the cycle's faults and negotiates: the
+replacement waits for the next round, which ``recover-live`` then announces.
+``stop_train`` and ``recover-live`` leave such a replacement running; any other
+strategy stops it with the rest.
 ``fault_nodes_exit`` / ``fault_nodes_restart`` only describe the decision that
 ``change_strategy`` carries, so they need no action of their own.
 Adapters never see any of this; they only implement the hooks.
@@ -100,6 +107,8 @@ class ActionDispatcher:
         self.give_up_reason = ""
         #: local rank -> the cycle whose strategy last started it (absent: the first start, 0).
         self._started_in: dict[int, int] = {}
+        #: replacements started before the controller chose live recovery: {local rank: pid}.
+        self._early: dict[int, int] = {}
 
     def handle(self, signal: Signal) -> None:
         """Carry out ``signal``'s actions under the lock, then send their reports without it.
@@ -143,9 +152,45 @@ class ActionDispatcher:
 
     # --- rank bookkeeping -------------------------------------------------------
 
-    def _local_faulty(self, signal: Signal, statuses: Mapping[int, WorkerStatus]) -> list[int]:
+    def _local_faulty(
+        self, signal: Signal, statuses: Mapping[int, WorkerStatus], *, early: bool = True
+    ) -> list[int]:
+        """This node's faulty local ranks; without ``early``, not those replaced early that still run."""
         faulty = {f.rank for f in signal.fault_ranks}
-        return sorted(s.local_rank for s in statuses.values() if s.global_rank in faulty)
+        return sorted(
+            s.local_rank
+            for s in statuses.values()
+            if s.global_rank in faulty and (early or s.pid is None or self._early.get(s.local_rank) != s.pid)
+        )
+
+    def start_early(self, dead: Sequence[WorkerStatus]) -> None:
+        """Start ``dead`` workers' replacements now, if every local worker uses the live API.
+
+        They wait for the round the controller's ``recover-live`` announces, so
+        their start-up overlaps the controller's flush window and negotiation.
+        """
+        with self._lock:
+            if self.closed.is_set() or self.ending.is_set():
+                return
+            try:
+                if Strategy.RECOVER_LIVE not in self.adapter.strategies():
+                    return
+                local = sorted(s.local_rank for s in dead)
+                self.adapter.restart_list(local)
+                statuses = self.adapter.monitor()
+            except WorkerControlError:
+                logger.exception("starting replacements early failed; the chosen strategy starts them")
+                return
+            started = {r: statuses[r].pid for r in local if r in statuses}
+            self._early.update({r: pid for r, pid in started.items() if pid is not None})
+            logger.info("started local ranks %s again early, pids %s", local, started)
+
+    def drop_early(self) -> None:
+        """Stop replacements started early (the controller lost the cycle they were started for)."""
+        with self._lock:
+            early, self._early = self._early, {}
+            if early:
+                self._stop_quietly(sorted(early))
 
     def close(self) -> None:
         """Stop every worker and carry out no signal from now on (the agent ends)."""
@@ -173,7 +218,7 @@ class ActionDispatcher:
     def _stop_train(self, signal: Signal) -> Report:
         faults = fault_dict(signal.fault_ranks)
         try:
-            local = self._local_faulty(signal, self.adapter.monitor())
+            local = self._local_faulty(signal, self.adapter.monitor(), early=False)
             if local:
                 self.stop(local)
             code, msg = Code.OK, f"stopped local ranks {local}"
@@ -193,6 +238,13 @@ class ActionDispatcher:
 
     def _change_strategy(self, signal: Signal) -> list[Report]:
         """Carry out the chosen strategy; the report to send (none for exit: the controller does not wait)."""
+        try:
+            return self._carry_out(signal)
+        finally:
+            # Only the strategy of the cycle they were started for may keep them.
+            self._early.clear()
+
+    def _carry_out(self, signal: Signal) -> list[Report]:
         strategy = signal.strategy
         faults = fault_dict(signal.fault_ranks)
         if strategy in (Strategy.DUMP, Strategy.EXIT):
@@ -238,18 +290,23 @@ class ActionDispatcher:
                 "recover-live needs the cycle number a TaskD controller sends",
             )
         self.adapter.begin_round(signal.cycle)
-        local = self._local_faulty(signal, self.adapter.monitor())
+        local = self._local_faulty(signal, self.adapter.monitor(), early=False)
         if local:
             self.stop(local)
             self.adapter.restart_list(local)
-            self._started(local, signal.cycle)
+        # Those started early belong to this cycle as much as those started now.
+        self._started([*local, *self._early], signal.cycle)
         if not self.adapter.await_round(signal.cycle, self.config.live_timeout):
             return (
                 Code.RECOVERABLE_RETRY_ERROR,
                 f"local workers did not all join live round {signal.cycle} "
                 f"within {self.config.live_timeout}s",
             )
-        return Code.OK, f"live round {signal.cycle}: replaced local ranks {local}, every local worker joined"
+        return (
+            Code.OK,
+            f"live round {signal.cycle}: replaced local ranks {local} (early: {sorted(self._early)}), "
+            "every local worker joined",
+        )
 
     def _taken(self, code: int) -> None:
         if code != Code.OK:

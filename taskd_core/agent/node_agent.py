@@ -239,11 +239,13 @@ class NodeAgent:
             if self._unreported is not None:
                 return self._end_failed(self._unreported)
             with self._lock:
+                resync = self.dispatcher.refused.is_set()
+                self.dispatcher.refused.clear()
+                if resync:
+                    self.dispatcher.drop_early()
                 statuses = self.adapter.monitor()
                 started = self.dispatcher.started_cycles()
                 changes = self._worker_events(statuses)
-                resync = self.dispatcher.refused.is_set()
-                self.dispatcher.refused.clear()
             now = time.monotonic()
             self._crashloop.seen(statuses.values(), now)
             failed = [s for s in statuses.values() if s.failed and (s.local_rank, s.pid) not in self._settled]
@@ -265,7 +267,8 @@ class NodeAgent:
                 if not recovery:
                     self._stop_all()
                     return AgentOutcome(Outcome.FAILED, 1, f"ranks {[s.global_rank for s in failed]} failed")
-                self._hold(failed, 0.0 if resync else self._crashloop.failed(failed, now), now)
+                delay = 0.0 if resync else self._crashloop.failed(failed, now)
+                self._hold(failed, delay, now)
                 self._held_started = max(
                     [self._held_started, *(started.get(s.local_rank, 0) for s in failed)]
                 )
@@ -284,6 +287,10 @@ class NodeAgent:
                 # journal keeps the order, a fault before its worker's end; the recovery never waits.
                 self._fault_reports.submit(self.client.report_worker_events, self._unsent)
                 self._unsent = []
+            if failed and recovery and not self._held:
+                # Reported at once, not held back by the restart backoff: a live node starts
+                # the replacements while the controller decides (after the report, not before).
+                self.dispatcher.start_early(failed)
             if failed or reported:
                 continue
             hangs = self._progress.take_hangs() if self._progress is not None else []

@@ -22,13 +22,18 @@ from taskd_core.plugins import hookimpl, load_adapter
 class LiveAdapter:
     """Two local workers (global ranks 2 and 3); records every hook call in order."""
 
-    def __init__(self, joins: bool = True) -> None:
+    def __init__(self, joins: bool = True, live: bool = True) -> None:
         self.calls: list[tuple[object, ...]] = []
         self.joins = joins
+        self.live = live
+        self.workers = {
+            0: WorkerStatus(0, 2, WorkerState.RUNNING, 100),
+            1: WorkerStatus(1, 3, WorkerState.EXITED, 101, -9),
+        }
 
     @hookimpl
     def taskd_strategies(self) -> list[str]:
-        return ["recover-live", "recover", "exit"]
+        return ["recover-live", "recover", "exit"] if self.live else ["recover", "exit"]
 
     @hookimpl
     def taskd_stop_workers(self, local_ranks: Sequence[int] | None, timeout: float) -> bool:
@@ -43,6 +48,8 @@ class LiveAdapter:
     @hookimpl
     def taskd_restart_list(self, local_ranks: Sequence[int]) -> bool:
         self.calls.append(("restart_list", tuple(local_ranks)))
+        for r in local_ranks:
+            self.workers[r] = WorkerStatus(r, r + 2, WorkerState.RUNNING, self.workers[r].pid + 100)
         return True
 
     @hookimpl
@@ -57,10 +64,7 @@ class LiveAdapter:
 
     @hookimpl
     def taskd_monitor(self) -> dict[int, WorkerStatus]:
-        return {
-            0: WorkerStatus(0, 2, WorkerState.RUNNING, 100),
-            1: WorkerStatus(1, 3, WorkerState.EXITED, 101, -9),
-        }
+        return dict(self.workers)
 
 
 class Reports:
@@ -118,4 +122,46 @@ def test_a_controller_without_cycle_numbers_cannot_drive_live_recovery() -> None
 
     ((code, msg, _),) = reports.statuses
     assert code == Code.UNRECOVERABLE_RETRY_ERROR and "cycle number" in msg
+    assert adapter.calls == []
+
+
+def stop_train(cycle: int = 4) -> Signal:
+    return Signal(SignalType.STOP_TRAIN, actions=(Action.STOP_TRAIN,), fault_ranks=(FaultRank(3),), cycle=cycle)
+
+
+def test_a_dead_live_worker_is_replaced_early_and_kept_through_stop_train_and_recover_live() -> None:
+    adapter, reports = LiveAdapter(), Reports()
+    dispatcher = ActionDispatcher(load_adapter("live", instance=adapter), reports, DispatchConfig(live_timeout=7.0))
+
+    dispatcher.start_early([adapter.workers[1]])
+    dispatcher.handle(stop_train())
+    dispatcher.handle(live_signal())
+
+    assert adapter.calls == [("restart_list", (1,)), ("begin_round", 4), ("await_round", 4, 7.0)]
+    assert adapter.workers[1].pid == 201  # the early replacement joined the round
+    ((code, msg, _),) = reports.statuses
+    assert code == Code.OK and "early: [1]" in msg
+
+
+def test_an_early_replacement_is_restarted_with_the_rest_by_any_other_strategy() -> None:
+    adapter, reports = LiveAdapter(), Reports()
+    dispatcher = ActionDispatcher(load_adapter("live", instance=adapter), reports, DispatchConfig(live_timeout=7.0))
+    dispatcher.start_early([adapter.workers[1]])
+
+    dispatcher.handle(
+        Signal(SignalType.CHANGE_STRATEGY, actions=(Action.CHANGE_STRATEGY,), fault_ranks=(FaultRank(3),),
+               change_strategy="recover", cycle=4)
+    )
+    dispatcher.handle(live_signal(cycle=5))  # a later live cycle replaces the rank again
+
+    assert adapter.calls == [("restart_list", (1,)), ("stop", None), ("restart_all",), ("begin_round", 5),
+                             ("stop", (1,)), ("restart_list", (1,)), ("await_round", 5, 7.0)]
+
+
+def test_a_node_whose_workers_are_not_all_live_starts_nothing_early() -> None:
+    adapter, reports = LiveAdapter(live=False), Reports()
+    dispatcher = ActionDispatcher(load_adapter("live", instance=adapter), reports)
+
+    dispatcher.start_early([adapter.workers[1]])
+
     assert adapter.calls == []

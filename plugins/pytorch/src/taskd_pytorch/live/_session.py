@@ -96,13 +96,17 @@ class LiveSession:
         replica here, so the value returned may be ahead of ``step``.
         """
         self.step = step
-        self._join(self._channel.current_round() if self._channel else 0, fresh=True)
-        # Where this process resumed; the agent journals it, and the steps a fault cost follow from it.
-        worker.resumed(self.step)
+        first = self._first_round()
+        if first is not None:
+            self._join(first, fresh=True)
+            # Where this process resumed; the agent journals it, and the steps a fault cost follow from it.
+            worker.resumed(self.step)
         return self.step
 
     def steps(self, stop: int) -> Iterator[LiveStep]:
         """One :class:`LiveStep` per step until ``stop`` steps are committed; a failed step comes again."""
+        if self._stop_requested:
+            return
         if self.round < 0:
             raise ConfigError("call LiveSession.start() before iterating its steps")
         while self.step < stop and not self._stop_requested:
@@ -173,6 +177,18 @@ class LiveSession:
 
     # --- rounds --------------------------------------------------------------------
 
+    def _first_round(self) -> int | None:
+        """The round a starting worker joins (None: a stop was requested while it waited for one)."""
+        if self._channel is None:
+            return 0
+        current = self._channel.current_round()
+        if self._channel.joined(self._local_rank) != current:
+            return current
+        # An earlier process of this rank was in the current round, so that round lost this
+        # rank: the agent started this one before the controller chose the next round.
+        self.round = current
+        return self._await_round(f"replacing local rank {self._local_rank} of round {current}")
+
     def _new_round(self) -> int | None:
         if self._channel is None:
             return None
@@ -196,20 +212,24 @@ class LiveSession:
         # all-reduce waits on its neighbour, not on the dead rank) fail only when its
         # connections close, and would otherwise wait, silent, until the round is announced.
         self._leave()
+        new = self._await_round(f"losing a peer ({failure})")
+        if new is not None:
+            self._join(new, fresh=False)
+
+    def _await_round(self, why: str) -> int | None:
+        """The next round the agent announces (None: a stop was requested meanwhile)."""
         deadline = time.monotonic() + self._rejoin_timeout
         while True:
             new = self._new_round()
             if new is not None:
-                break
+                return new
             if self._stop_requested:
-                return
+                return None
             if time.monotonic() > deadline:
                 raise LiveRecoveryError(
-                    f"rank {self.rank}: no new round was announced within {self._rejoin_timeout}s "
-                    f"of losing a peer ({failure})"
+                    f"rank {self.rank}: no new round was announced within {self._rejoin_timeout}s of {why}"
                 )
             time.sleep(_ROUND_POLL)
-        self._join(new, fresh=False)
 
     def _join(self, round_no: int, *, fresh: bool) -> None:
         began = time.monotonic()
