@@ -80,6 +80,15 @@ def test_odd_sizes_and_dtypes_arrive_whole() -> None:
     assert all(torch.equal(tree[k], got[k]) for k in tree)
 
 
+def test_a_large_state_arrives_whole_into_the_receivers_own_tensors() -> None:
+    """Large enough (24 MiB) that both sides sum the checksum beside the socket."""
+    tree = [torch.randn(3 * 2**20), torch.arange(3 * 2**20, dtype=torch.float64)]
+    mine = [torch.zeros(3 * 2**20), torch.zeros(3 * 2**20, dtype=torch.float64)]
+    got = hand_over(tree, mine)
+    assert all(g is not m and g.data_ptr() == m.data_ptr() for g, m in zip(got, mine, strict=True))
+    assert all(torch.equal(t, m) for t, m in zip(tree, mine, strict=True))
+
+
 def test_a_payload_damaged_on_the_wire_is_refused_and_the_sender_hears_of_it() -> None:
     tensor = torch.arange(10_000, dtype=torch.float32)
     sender_side, relay_in = socket.socketpair()

@@ -255,8 +255,11 @@ class LiveSession:
 
     def _sync(self, fresh: bool, store: PrefixStore) -> None:
         """Every rank ends with the state of the most advanced live replica (its socket: ``_state``)."""
-        table: list[tuple[int, bool]] = [(0, True)] * self.world_size
-        dist.all_gather_object(table, (self.step, fresh))
+        # One tensor collective, not all_gather_object's pickling and two collectives.
+        mine = torch.tensor([self.step, int(fresh)], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine)
+        table = [(int(row[0]), bool(row[1])) for row in rows]
         source = _source(table)
         target = table[source][0]
         needy = [r for r, (step, new) in enumerate(table) if r != source and (new or step < target)]

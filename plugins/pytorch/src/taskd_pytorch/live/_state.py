@@ -34,9 +34,9 @@ import pickle
 import socket
 import struct
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -85,6 +85,9 @@ _RANK = struct.Struct("!I")
 _ACK = b"\x01"
 #: Checksum rows are this many 64-bit words.
 _ROW = 1024
+#: From this many payload bytes on, the checksum is summed beside the transfer.
+_OVERLAP_FROM = 16 * 2**20
+_T = TypeVar("_T")
 
 
 def check_registrable(name: str, obj: object) -> None:
@@ -222,9 +225,8 @@ def send_state(outgoing: Outgoing, conn: socket.socket) -> int:
         (rank,) = _RANK.unpack(_recv_exact(conn, _RANK.size))
         conn.sendall(_HEADER.pack(_MAGIC, len(outgoing.skeleton), outgoing.nbytes))
         conn.sendall(outgoing.skeleton)
-        # Summing releases the GIL: the checksum costs no time of its own.
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            summed = pool.submit(checksum, outgoing.chunks)
+        with _Overlap(outgoing.nbytes) as overlap:
+            summed = overlap.run(checksum, outgoing.chunks)
             for chunk in outgoing.chunks:
                 if chunk.numel():
                     conn.sendall(_memory(chunk))
@@ -253,11 +255,11 @@ def recv_state(conn: socket.socket, rank: int, local: Any) -> Any:
         chunks = [_bytes_of(t) for t in _tensors(tree)]
         if sum(c.numel() for c in chunks) != payload_len:
             raise StateTransferError(f"the replica's skeleton does not match its {payload_len} payload bytes")
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        with _Overlap(payload_len) as overlap:
             sums = []
             for chunk in chunks:
                 _recv_into(conn, _memory(chunk))
-                sums.append(pool.submit(_row_sums, chunk))
+                sums.append(overlap.run(_row_sums, chunk))
             mine = _combine([s.result() for s in sums])
         if _TRAILER.unpack(_recv_exact(conn, _TRAILER.size)) != mine:
             raise StateTransferError(
@@ -268,6 +270,31 @@ def recv_state(conn: socket.socket, rank: int, local: Any) -> Any:
     except OSError as exc:
         raise StateTransferError(f"receiving the state failed: {exc}; the replica is gone") from exc
     return tree
+
+
+class _Overlap:
+    """Runs the checksum's sums beside the socket for a large payload; inline for a small one.
+
+    Summing releases the GIL, so for a large state the checksum costs no time
+    of its own; for a small one, starting a thread would cost more than the sums.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1) if nbytes >= _OVERLAP_FROM else None
+
+    def __enter__(self) -> _Overlap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def run(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        if self._pool is not None:
+            return self._pool.submit(fn, *args)
+        done: Future[_T] = Future()
+        done.set_result(fn(*args))
+        return done
 
 
 def _targets(skeleton: Any, local: Any) -> Any:
