@@ -139,6 +139,7 @@ def test_a_dead_live_worker_is_replaced_early_and_kept_through_stop_train_and_re
 
     assert adapter.calls == [("restart_list", (1,)), ("begin_round", 4), ("await_round", 4, 7.0)]
     assert adapter.workers[1].pid == 201  # the early replacement joined the round
+    assert dispatcher.started_cycles() == {1: 4}  # its own fault would be one of cycle 4's workers
     ((code, msg, _),) = reports.statuses
     assert code == Code.OK and "early: [1]" in msg
 
