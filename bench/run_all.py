@@ -696,18 +696,22 @@ def transfer_section(data: dict[str, Any] | None) -> Section:
         return _failed(title)
     size = data["bytes"] / 2**30
     method = (
-        "`bench/transfer_bench.py`: two gloo ranks on loopback; rank 0 hands rank 1 a state of"
-        f" {size:.2f} GiB (64 float32 tensors) with the calls live recovery uses: pack into one payload with a"
-        " checksum, send, receive and verify the checksum, load into the receiver's tensors. *Wire* is from the"
-        " end of packing to the verified payload on the receiver; *pack → restored* is the whole hand-over."
-        " Medians over the trials."
+        "`bench/transfer_bench.py`: two processes on loopback; rank 0 hands rank 1 a state of"
+        f" {size:.2f} GiB (64 float32 tensors) with the calls live recovery uses: describe the state"
+        " (no copy), send every tensor's memory over a TCP connection of their own while summing the"
+        " checksum, receive straight into the receiver's tensors and verify the checksum, load (nothing"
+        " left to copy). *Wire* is from the end of the description to the verified state on the receiver;"
+        " *end to end* is the whole hand-over. Medians over the trials; the first trial (fresh processes"
+        " and connection) is what one recovery sees."
     )
     wire, total = data["wire_gb_s_median"], data["end_to_end_gb_s_median"]
-    table = markdown_table(["rate", "GB/s"], [["wire (send → received, checksum verified)", fmt(wire)],
-                                              ["pack → restored", fmt(total)]])
+    first = data["end_to_end_gb_s_first"]
+    table = markdown_table(["rate", "GB/s"], [["wire (sent → received, checksum verified)", fmt(wire)],
+                                              ["end to end (state → loaded on the receiver)", fmt(total)],
+                                              ["end to end, first trial", fmt(first)]])
     rows = [[f"state transfer ≥ {TRANSFER_TARGET:g} GB/s over loopback ({size:.2f} GiB state)",
-             f"wire {fmt(wire)}, pack → restored {fmt(total)} GB/s",
-             "met" if wire >= TRANSFER_TARGET else "missed"]]
+             f"wire {fmt(wire)}, end to end {fmt(total)} (first trial {fmt(first)}) GB/s",
+             "met" if min(wire, total) >= TRANSFER_TARGET else "missed"]]
     return "\n\n".join([f"## {title}", method, table]) + "\n", rows
 
 

@@ -28,15 +28,22 @@ killed by its agent):
    announces the next round (:meth:`LiveSession.all_reduce` waits in short
    slices and looks). The failed step is not committed, nothing else happens
    to the healthy processes: same pids, same imported modules, same memory.
-2. The controller chooses ``recover-live`` when every node's workers use this
-   API. Each node agent announces round *n* (the controller's cycle number)
-   through the node's channel directory (``TASKD_LIVE_DIR``) and starts the
-   lost local ranks again, with the same ``RANK`` and environment (warm,
-   from the fork server, where one runs).
+2. The node agent that sees a rank die starts it again at once, with the
+   same ``RANK`` and environment (warm, from the fork server, where one
+   runs), when every local worker uses this API. The replacement finds that
+   its rank's last round is the current one and waits for the next.
+   Meanwhile the controller chooses ``recover-live`` when every node's
+   workers use this API; each node agent announces round *n* (the
+   controller's cycle number) through the node's channel directory
+   (``TASKD_LIVE_DIR``) and starts the lost local ranks it has not started
+   yet. Any other strategy stops the early replacement with the rest.
 3. Every rank forms a new process group in a fresh key space of the job's
    store (``taskd/live/<restart>/<round>/``). The ranks exchange their
    committed step; the live replica with the most steps sends the registered
-   state to every rank that is new or behind, checked by a checksum.
+   state to every rank that is new or behind over a TCP connection of their
+   own (its address published in the round's store): from its tensors'
+   memory straight into the receiver's tensors, with a checksum summed
+   while the bytes travel (the wire: ``taskd_pytorch.live._state``).
 4. The interrupted step runs again on every rank; no committed step is lost.
 
 If a round cannot be formed in time (the node's ``--taskd-live-timeout``),
