@@ -85,6 +85,8 @@ def test_every_loss_is_repaired_live_and_the_run_matches_a_fault_free_one(
     assert final["steps"] == STEPS and final["sha256"] == fault_free["sha256"]
     log = events(progress)
     assert {e["restart"] for e in log} == {0}  # never a whole-group restart
+    # A dead rank's agent started its replacement before the controller chose the strategy.
+    assert "again early" in "".join(p.read_text() for p in tmp_path.glob("live*.log"))
     assert len([e for e in log if e["event"] == "start"]) == 4 + sum(len(victims) for victims, _ in faults)
     for rank in range(4):
         steps = [int(e["step"]) for e in log if e["event"] == "step" and int(e["rank"]) == rank]

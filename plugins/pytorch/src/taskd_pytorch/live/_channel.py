@@ -8,7 +8,10 @@ number:
 * ``round`` — written by the agent: the live recovery round the node's
   workers must be in. A new round tells running workers to leave their
   process group (even one blocked on a stopped peer) and meet the others in
-  the new one; a worker started later joins it directly.
+  the new one; a worker started later joins it directly, except a
+  replacement the agent started before announcing the next round: its
+  rank's ``joined`` file names the current round (a process of its rank was
+  in it), so it waits for the next.
 * ``rank<local_rank>.joined`` — written by each worker: the last round it
   joined and holds the job's state in. Its existence also tells the agent
   that the worker uses the live API, so the node can offer ``recover-live``.
