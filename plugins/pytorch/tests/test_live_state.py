@@ -136,6 +136,11 @@ def test_an_unreachable_replica_is_a_clear_error() -> None:
         fetch(f"127.0.0.1:{port}", 1, None, 5.0)
 
 
+def test_a_replica_that_cannot_find_its_address_is_a_clear_error() -> None:
+    with pytest.raises(StateTransferError, match="cannot listen for the state's receivers"):
+        serve(prepare([torch.ones(1)]), 1, "no-such-host.invalid", lambda at: None, 5.0)
+
+
 def test_the_checksum_sees_a_flipped_byte_and_a_shift() -> None:
     payload = torch.arange(10_000, dtype=torch.float32).view(torch.uint8)
     flipped, shifted = payload.clone(), torch.roll(payload, 8)

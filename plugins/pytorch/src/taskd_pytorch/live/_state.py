@@ -353,11 +353,17 @@ def serve(
     store host, so that the receivers on other hosts reach it too) and
     ``publish``es it as ``host:port`` before it accepts.
     """
-    family, _, _, _, sockaddr = socket.getaddrinfo(near, 1, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(sockaddr)  # no packet is sent: this only picks the route's local address
-        host = probe.getsockname()[0]
-    with socket.create_server((host, 0), family=family) as server:
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(near, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)  # no packet is sent: this only picks the route's local address
+            host = probe.getsockname()[0]
+        server = socket.create_server((host, 0), family=family)
+    except OSError as exc:
+        raise StateTransferError(
+            f"cannot listen for the state's receivers on the way to {near}: {exc}"
+        ) from exc
+    with server:
         server.settimeout(timeout)
         port = server.getsockname()[1]
         publish(f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}")
