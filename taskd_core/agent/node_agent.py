@@ -64,6 +64,15 @@ class AgentOutcome:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A failed worker whose report the restart backoff holds back."""
+
+    local_rank: int
+    #: the cycle that started it (see ``startedCycle`` in the proto).
+    started_cycle: int
+
+
 class NodeAgent:
     """Supervises one node's workers for the controller at ``config.controller``."""
 
@@ -88,12 +97,10 @@ class NodeAgent:
         self._unreported: str | None = None
         self._crashloop = CrashLoop(config.restart_backoff)
         #: global ranks whose fault report the restart backoff holds back, and until when.
-        self._held: set[int] = set()
+        self._held: dict[int, _Held] = {}
         #: worker events not reported yet: they wait while fault reports are held back.
         self._unsent: list[WorkerEvent] = []
         self._report_at = 0.0
-        #: the latest cycle that started one of the held ranks (see ``startedCycle`` in the proto).
-        self._held_started = 0
         if not config.controller:
             raise ConfigError(f"the agent of job {config.job_id} needs a controller address")
         self.client = DLRecoverManager.for_job(
@@ -268,18 +275,10 @@ class NodeAgent:
                     self._stop_all()
                     return AgentOutcome(Outcome.FAILED, 1, f"ranks {[s.global_rank for s in failed]} failed")
                 delay = 0.0 if resync else self._crashloop.failed(failed, now)
-                self._hold(failed, delay, now)
-                self._held_started = max(
-                    [self._held_started, *(started.get(s.local_rank, 0) for s in failed)]
-                )
+                self._hold(failed, started, delay, now)
             reported = bool(self._held) and now >= self._report_at
             if reported:
-                ranks = sorted(self._held)
-                self._held.clear()
-                self._send_fault(
-                    ranks, {r: int(FaultType.NORMAL.value) for r in ranks}, started_cycle=self._held_started
-                )
-                self._held_started = 0
+                self._report_held(started)
             if recovery:
                 self._unsent.extend(changes)
             if self._unsent and not self._held:
@@ -316,7 +315,9 @@ class NodeAgent:
                 continue
             self._watch.wait(min(_WAIT_CAP, self._report_at - now) if self._held else _WAIT_CAP)
 
-    def _hold(self, failed: list[WorkerStatus], delay: float, now: float) -> None:
+    def _hold(
+        self, failed: list[WorkerStatus], started: Mapping[int, int], delay: float, now: float
+    ) -> None:
         if delay > 0:
             logger.warning(
                 "ranks %s failed within %.0f s of their start, %d times in a row: restarting in %.1f s "
@@ -328,7 +329,24 @@ class NodeAgent:
                 self.config.restart_backoff.cap,
             )
         self._report_at = max(self._report_at, now + delay) if self._held else now + delay
-        self._held.update(s.global_rank for s in failed)
+        self._held.update({s.global_rank: _Held(s.local_rank, started.get(s.local_rank, 0)) for s in failed})
+
+    def _report_held(self, started: Mapping[int, int]) -> None:
+        """Report the held ranks, but not those a recovery restarted while the backoff held them."""
+        held, self._held = self._held, {}
+        # A peer's failed collective, held back, must not start a cycle of its own once the
+        # cycle of the rank that killed it has replaced it: the controller would restart the
+        # fresh workers again.
+        replaced = sorted(rank for rank, h in held.items() if started.get(h.local_rank, 0) > h.started_cycle)
+        if replaced:
+            logger.info("ranks %s were restarted by a recovery while held back: not reported", replaced)
+        due = {rank: h for rank, h in held.items() if rank not in replaced}
+        if due:
+            self._send_fault(
+                sorted(due),
+                {rank: int(FaultType.NORMAL.value) for rank in due},
+                started_cycle=max(h.started_cycle for h in due.values()),
+            )
 
     def _send_fault(
         self, ranks: list[int], faults: Mapping[int, int], *, started_cycle: int, detail: str = ""

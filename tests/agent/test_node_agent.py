@@ -57,19 +57,23 @@ class Job:
         *,
         nproc: int = 2,
         independent: bool = False,
+        nnodes: int = 1,
+        node_rank: int = 0,
         **config: Any,
     ) -> None:
         self.out = tmp / "out"
-        self.out.mkdir()
+        self.out.mkdir(parents=True)
         script = tmp / "worker.py"
         script.write_text(WORKER)
         spec = LaunchSpec(
             command=(sys.executable, str(script), str(self.out)), nproc=nproc, job_id="job",
             independent_workers=independent, log_dir=tmp / "logs", stop_timeout=5.0,
+            nnodes=nnodes, node_rank=node_rank,
         )
         self.agent = NodeAgent(
             AgentConfig(
                 job_id="job",
+                node_rank=node_rank,
                 controller=controller.address,
                 dispatch=DispatchConfig(stop_timeout=5.0, dump_grace=10.0),
                 **config,
@@ -364,6 +368,47 @@ def test_a_crash_looping_worker_is_restarted_with_growing_delays_then_given_up(m
     # Lower bounds only: a loaded machine makes gaps longer, never shorter.
     for gap, delay in zip(gaps, [backoff.delay(n) for n in (1, 2, 3, 4)]):
         assert gap >= delay, (gaps, delay)
+
+
+def test_a_failure_held_back_by_the_backoff_is_dropped_once_another_recovery_restarted_it(tmp_path: Path) -> None:
+    """Two nodes. Node 1's rank fails again soon after a restart, so its backoff holds the report 3 s;
+    meanwhile node 0's rank fails and its cycle restarts every rank. The held failure was of a worker
+    that cycle replaced: reporting it would start a third cycle that restarts the fresh workers again."""
+    controller = EmbeddedController(
+        listen="127.0.0.1:0", state=":memory:",
+        defaults=JobPolicy(strategies=(Strategy.RECOVER, Strategy.EXIT), expected_agents=2, **FAST),
+    )
+    held = RestartBackoff(initial=3.0, healthy_after=60.0)
+    jobs = [
+        Job(tmp_path / "n0", controller, nproc=1, nnodes=2, node_rank=0, restart_backoff=RestartBackoff(initial=0.0)),
+        Job(tmp_path / "n1", controller, nproc=1, nnodes=2, node_rank=1, restart_backoff=held),
+    ]
+    try:
+        n0, n1 = jobs
+        n0.wait_starts(1), n1.wait_starts(1)
+        (n1.out / "kill-1-0").touch()  # cycle 1, reported at once (the first failure)
+        n0.wait_starts(2), n1.wait_starts(2)
+        (n1.out / "kill-1-1").touch()  # failed again within 60 s of its start: held 3 s
+        wait_for_file(n1.out / "died-1-1")
+        (n0.out / "kill-0-1").touch()  # cycle 2 restarts both, node 1's held rank too
+        n0.wait_starts(3), n1.wait_starts(3)
+        time.sleep(held.initial + 2.0)  # past the hold: the held failure would have started cycle 3
+        assert sorted(n0.starts()) == [(0, 0), (0, 1), (0, 2)] and sorted(n1.starts()) == [(1, 0), (1, 1), (1, 2)]
+        assert job_view(controller).cycle == 2
+        for job in jobs:
+            (job.out / "finish").touch()
+        assert [job.result.result(timeout=120).kind for job in jobs] == [Outcome.SUCCEEDED] * 2
+    finally:
+        for job in jobs:
+            job.close()
+        controller.stop()
+
+
+def wait_for_file(path: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
 
 
 def test_restart_backoff_delays() -> None:
