@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import signal
 
-from taskd_pytorch.options import STOP_SIGNALS, TaskdOptions, build_parser
+from taskd_pytorch.options import FLUSH_SECONDS, STOP_SIGNALS, TaskdOptions, build_parser
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig
-from taskd_core.models import Credentials
+from taskd_core.models import Credentials, JobPolicy
 
 
 def options(argv: list[str], env: dict[str, str] | None = None, nnodes: int = 1) -> TaskdOptions:
@@ -46,3 +46,9 @@ def test_the_cycle_budget_falls_back_to_max_restarts_and_the_job_to_rdzv_id() ->
     node = options(["--max-restarts", "4", "--rdzv-id", "r1"]).node
     assert (node.policy.max_cycles, node.job_id) == (4, "r1")
     assert options(["--max-restarts", "4", "--taskd-max-cycles", "1"]).node.policy.max_cycles == 1
+
+
+def test_the_flush_window_defaults_short_under_taskdrun_and_stays_settable() -> None:
+    """Restarts of the whole group (or live rounds) need no window for the peers' failures that follow a death."""
+    assert options([]).node.policy.flush_seconds == FLUSH_SECONDS < JobPolicy().flush_seconds
+    assert options(["--taskd-flush-seconds", "1"]).node.policy.flush_seconds == 1.0
