@@ -66,6 +66,15 @@ Rules for the training step, so that a replica's state is always a committed one
   wrapped in ``DistributedDataParallel`` is bound to one group; wrap it again
   after a rebuild (compare ``session.round`` with the round you wrapped in).
 
+Known limit: DDP reduces gradients inside ``backward()``, where the session
+cannot break a wait. With more than two ranks, a rank whose two ring
+neighbours survive a loss stays blocked in that all-reduce (gloo's
+``abort()``/``shutdown()`` do not close a group's connections, and the group a
+DDP wrapper still holds is not closed by ``destroy_process_group``), so the
+live round cannot form and the node falls back to a full restart after its
+``--taskd-live-timeout``. Gradients reduced through :meth:`LiveSession.all_reduce`
+are recovered live on any number of ranks.
+
 Without ``TASKD_LIVE_DIR`` (plain ``torchrun``, ``taskd run``) the session
 still trains; a lost peer then fails the step as usual and the launcher's
 own recovery takes over.
