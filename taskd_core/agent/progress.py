@@ -280,6 +280,12 @@ def py_spy() -> str | None:
     return str(beside) if beside.exists() else None
 
 
+def _published_by_a_watcher(env: Mapping[str, str]) -> bool:
+    """The environment's progress socket and timer file are a running watcher's (one directory)."""
+    sock, timer = env.get(SOCKET_ENV), env.get(TIMER_FILE_ENV)
+    return sock is not None and timer is not None and Path(sock).parent == Path(timer).parent
+
+
 def capture_stack(pid: int, socket_path: str | None, timeout: float) -> str:
     """Every thread's Python stack of ``pid``: py-spy, else the worker's faulthandler dump.
 
@@ -403,7 +409,10 @@ class ProgressWatcher:
         self._sock.setblocking(False)
         # Messages wait here between scans; the kernel caps the size at its rmem_max.
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        self.timer_file = os.environ.get(TIMER_FILE_ENV) or str(self._dir / "timer.fifo")
+        # What another watcher of this process published is its own, not the user's: neither
+        # used nor put back at close.
+        before = {} if _published_by_a_watcher(os.environ) else dict(os.environ)
+        self.timer_file = before.get(TIMER_FILE_ENV) or str(self._dir / "timer.fifo")
         if os.path.lexists(self.timer_file):
             os.remove(self.timer_file)
         os.mkfifo(self.timer_file)
@@ -413,7 +422,7 @@ class ProgressWatcher:
         # Every launcher's workers inherit the launcher's environment (msrun builds
         # its workers' environment from its own), so this reaches all of them.
         for name, value in ((SOCKET_ENV, self.socket_path), (TIMER_FILE_ENV, self.timer_file)):
-            self._env_before[name] = os.environ.get(name)
+            self._env_before[name] = before.get(name)
             os.environ[name] = value
         self._thread = threading.Thread(target=self._run, name="taskd-progress", daemon=True)
         self._thread.start()
@@ -427,7 +436,10 @@ class ProgressWatcher:
             for worker in self._workers.values():
                 worker.forget()
             self._workers.clear()
+        published = {SOCKET_ENV: self.socket_path, TIMER_FILE_ENV: self.timer_file}
         for name, value in self._env_before.items():
+            if os.environ.get(name) != published[name]:
+                continue  # another watcher of this process published its own since
             if value is None:
                 os.environ.pop(name, None)
             else:

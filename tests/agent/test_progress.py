@@ -237,3 +237,17 @@ def test_worker_api_outside_taskd_does_nothing() -> None:
     with reporter.section("step"):
         pass
     reporter.close()
+
+
+@pytest.mark.parametrize("first_closed", [0, 1])
+def test_two_watchers_in_one_process_keep_their_own_files_and_leave_the_environment_as_found(first_closed: int) -> None:
+    """Two node agents in one process (tests do this): the second must not take the first's timer FIFO for
+    a user's, and whichever closes last must not put back a path of the other's, gone with its directory."""
+    watchers = [ProgressWatcher(ProgressConfig(), lambda: None) for _ in range(2)]
+    for w in watchers:
+        w.start()
+    assert watchers[0].timer_file != watchers[1].timer_file
+    assert os.environ["TORCHELASTIC_TIMER_FILE"] == watchers[1].timer_file
+    watchers[first_closed].close()
+    watchers[1 - first_closed].close()
+    assert "TORCHELASTIC_TIMER_FILE" not in os.environ and "TASKD_PROGRESS_SOCKET" not in os.environ
