@@ -5,9 +5,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -15,7 +14,7 @@ from types import TracebackType
 
 import torch
 import torch.distributed as dist
-from torch.distributed import GradBucket, PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from taskd_core import worker
 from taskd_core.errors import ConfigError, TaskdError
@@ -30,8 +29,6 @@ _WAIT_SLICE = timedelta(milliseconds=50)
 _TRANSFER_KEY = "state-transfer"
 #: How often a worker whose group broke looks for the agent's new round.
 _ROUND_POLL = 0.005
-#: How a DDP all-reduce left for a new round fails (DDP re-raises it as a RuntimeError with this text).
-_DDP_LEFT = "announced while DDP reduced gradients"
 
 
 class PeerLost(TaskdError):
@@ -89,9 +86,6 @@ class LiveSession:
         #: why the last step failed; only text, see :meth:`_fail`.
         self._failure: str | None = None
         self._stop_requested = False
-        self._ddp_waits = _RoundWatch(self._new_round)
-        #: groups left with a collective still pending: freeing one would wait for that collective.
-        self._abandoned: list[object] = []
 
     # --- the loop ------------------------------------------------------------------
 
@@ -151,38 +145,16 @@ class LiveSession:
             if time.monotonic() > deadline:
                 raise PeerLost(f"rank {self.rank}: all_reduce took longer than {self._collective_timeout}")
 
-    @property
-    def ddp_comm_hook(self) -> Callable[[object, GradBucket], torch.futures.Future[torch.Tensor]]:
-        """DDP's gradient all-reduce (an average), left at once when the agent announces a new round.
-
-        Register it on every ``DistributedDataParallel`` wrapper:
-        ``ddp.register_comm_hook(None, session.ddp_comm_hook)``. DDP reduces
-        inside ``backward()``, where :meth:`all_reduce`'s waiting in slices
-        cannot run; without the hook, a rank whose two ring neighbours survive
-        a loss stays blocked there, and the round cannot form.
-        """
-        # A lambda: DDP compares a hook's annotations with its own classes, and this
-        # module's annotations are strings.
-        return lambda state, bucket: self._reduce_bucket(bucket)
-
-    def _reduce_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-        tensor = bucket.buffer().div_(self.world_size)
-        return self._ddp_waits.watch(dist.all_reduce(tensor, async_op=True), tensor, self.rank)
-
     def close(self) -> None:
         """Leave the process group (at the end of training)."""
         worker.done()
         self._leave()
-        self._ddp_waits.close()
 
     def _leave(self) -> None:
         # Whatever still refers to the failed collective (a traceback in a cycle) goes
         # first, so that the group's connections really close.
         gc.collect()
         if dist.is_initialized():
-            if self._ddp_waits.abandon():
-                # A DDP all-reduce was left pending: freeing its group would wait for it.
-                self._abandoned.append(dist.group.WORLD)
             dist.destroy_process_group()
 
     # --- steps ---------------------------------------------------------------------
@@ -351,87 +323,11 @@ class LiveStep:
         return False
 
 
-class _RoundWatch:
-    """Completes DDP's all-reduce futures, or fails them when a new round is announced.
-
-    One thread, started with the first collective, looks at the round while
-    any is pending; a normal completion goes through the collective's own
-    future callback and costs no thread hop.
-    """
-
-    def __init__(self, new_round: Callable[[], int | None]) -> None:
-        self._new_round = new_round
-        self._lock = threading.Condition()
-        self._pending: dict[int, torch.futures.Future[torch.Tensor]] = {}
-        self._left = 0
-        self._closed = False
-        self._thread: threading.Thread | None = None
-
-    def watch(
-        self, work: dist.Work, tensor: torch.Tensor, rank: int
-    ) -> torch.futures.Future[torch.Tensor]:
-        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        key = id(result)
-
-        def done(fut: torch.futures.Future[object]) -> None:
-            with self._lock:
-                if self._pending.pop(key, None) is None:
-                    return  # already failed by a new round
-            try:
-                fut.value()
-            except Exception as exc:  # the collective's own failure (a dead peer)
-                result.set_exception(exc)  # type: ignore[arg-type]  # torch's stub names the value type
-            else:
-                result.set_result(tensor)
-
-        with self._lock:
-            self._pending[key] = result
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, args=(rank,), name="taskd-live-ddp", daemon=True
-                )
-                self._thread.start()
-            self._lock.notify()
-        work.get_future().add_done_callback(done)
-        return result
-
-    def abandon(self) -> bool:
-        """Whether a collective was left pending since the last call (its group must be kept)."""
-        with self._lock:
-            left, self._left = self._left, 0
-        return left > 0
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._lock.notify()
-
-    def _run(self, rank: int) -> None:
-        while True:
-            with self._lock:
-                while not self._pending and not self._closed:
-                    self._lock.wait()
-                if self._closed:
-                    return
-                new = self._new_round()
-                if new is not None:
-                    failed = list(self._pending.values())
-                    self._pending.clear()
-                    self._left += len(failed)
-                else:
-                    failed = []
-            for fut in failed:
-                lost = PeerLost(f"rank {rank}: round {new} {_DDP_LEFT}")
-                fut.set_exception(lost)  # type: ignore[arg-type]  # torch's stub names the value type
-            time.sleep(_ROUND_POLL)
-
-
 def _peer_failure(exc: BaseException) -> bool:
     """An error that a lost or stopped peer causes in a collective (gloo raises plain RuntimeErrors)."""
     if isinstance(exc, PeerLost | dist.DistError):
         return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("gloo" in text.lower() or _DDP_LEFT in text)
+    return isinstance(exc, RuntimeError) and "gloo" in str(exc).lower()
 
 
 class _Env:
