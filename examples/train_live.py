@@ -100,6 +100,7 @@ def main() -> int:
                 else:
                     if ddp_round != session.round:  # a DDP wrapper belongs to one process group
                         ddp, ddp_round = nn.parallel.DistributedDataParallel(model), session.round
+                        ddp.register_comm_hook(None, session.ddp_comm_hook)  # leaves a broken round
                     loss_fn(ddp(x), y).backward()  # DDP averages the gradients over the ranks
                     optimizer.step()
             done = step + 1

@@ -116,3 +116,28 @@ def test_a_round_that_cannot_form_in_time_falls_back_to_a_full_restart(
     restarted = {int(e["rank"]) for e in events(progress) if e["event"] == "start" and e["restart"] == 1}
     assert restarted == {0, 1, 2, 3}  # the fallback restarted every rank from the checkpoint
     assert not pid_alive(before[1])
+
+
+def test_a_ddp_job_is_repaired_live_when_a_rank_away_from_the_lost_one_is_blocked_in_backward(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    """``DistributedDataParallel`` reduces inside ``backward()``: with rank 3 lost, rank 1 (whose ring
+    neighbours 0 and 2 survive) waits there; the session's DDP comm hook leaves that wait when the agent
+    announces the next round, so every healthy rank stays and only rank 3 starts again."""
+    nodes, progress, result = run_job(launch, tmp_path / "ddp", "--optimizer", "sgd", script="train_live.py")
+    wait_for(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, 180, "every rank to train")
+    before = current_pids(progress)
+    at = last_step(progress)
+    kill(before[3], signal.SIGKILL)
+    wait_for(
+        lambda: current_pids(progress)[3] != before[3] and stepped_since(progress, current_pids(progress), at + 1),
+        180, "rank 3 to be replaced and every rank to step again",
+    )
+    assert {r: p for r, p in current_pids(progress).items() if r != 3} == {r: p for r, p in before.items() if r != 3}
+
+    final = finish(nodes, result)
+
+    assert final["steps"] == STEPS
+    log = events(progress)
+    assert {e["restart"] for e in log} == {0}  # live: never a whole-group restart
+    assert len([e for e in log if e["event"] == "start"]) == 5

@@ -65,15 +65,13 @@ Rules for the training step, so that a replica's state is always a committed one
   ``init_process_group`` or ``destroy_process_group`` of your own. A model
   wrapped in ``DistributedDataParallel`` is bound to one group; wrap it again
   after a rebuild (compare ``session.round`` with the round you wrapped in).
-
-Known limit: DDP reduces gradients inside ``backward()``, where the session
-cannot break a wait. With more than two ranks, a rank whose two ring
-neighbours survive a loss stays blocked in that all-reduce (gloo's
-``abort()``/``shutdown()`` do not close a group's connections, and the group a
-DDP wrapper still holds is not closed by ``destroy_process_group``), so the
-live round cannot form and the node falls back to a full restart after its
-``--taskd-live-timeout``. Gradients reduced through :meth:`LiveSession.all_reduce`
-are recovered live on any number of ranks.
+* DDP reduces the gradients inside ``backward()``, where no Python code of
+  the session runs: register :attr:`LiveSession.ddp_comm_hook` on each
+  wrapper (``ddp.register_comm_hook(None, session.ddp_comm_hook)``). A rank
+  blocked there on peers that left (with more than two ranks, one whose ring
+  neighbours survive the loss) then leaves the all-reduce as soon as its
+  agent announces the next round; without the hook it waits for the group's
+  timeout and the round falls back to a full restart.
 
 Without ``TASKD_LIVE_DIR`` (plain ``torchrun``, ``taskd run``) the session
 still trains; a lost peer then fails the step as usual and the launcher's

@@ -5,8 +5,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -14,7 +17,7 @@ from types import TracebackType
 
 import torch
 import torch.distributed as dist
-from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import GradBucket, PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from taskd_core import worker
 from taskd_core.errors import ConfigError, TaskdError
@@ -24,11 +27,13 @@ from taskd_pytorch.live._state import capture, check_registrable, fetch, prepare
 logger = logging.getLogger(__name__)
 
 #: How long one wait on a collective lasts before the channel is looked at again.
-_WAIT_SLICE = timedelta(milliseconds=50)
+_WAIT_SLICE = timedelta(milliseconds=10)
 #: The key of a round's store under which the replica publishes where it serves the state.
 _TRANSFER_KEY = "state-transfer"
 #: How often a worker whose group broke looks for the agent's new round.
 _ROUND_POLL = 0.005
+#: How a DDP all-reduce the session gave up on fails (DDP re-raises it as a RuntimeError with this text).
+_DDP_LEFT = "left DDP's all-reduce"
 
 
 class PeerLost(TaskdError):
@@ -86,6 +91,9 @@ class LiveSession:
         #: why the last step failed; only text, see :meth:`_fail`.
         self._failure: str | None = None
         self._stop_requested = False
+        self._ddp_waits = _RoundWatch(self._new_round, self._collective_timeout)
+        #: groups left with collectives pending: freeing one waits for them, so it is kept until they end.
+        self._abandoned: list[tuple[object, list[dist.Work]]] = []
 
     # --- the loop ------------------------------------------------------------------
 
@@ -132,29 +140,47 @@ class LiveSession:
         """
         work = dist.all_reduce(tensor, op=op, async_op=True)
         deadline = time.monotonic() + self._collective_timeout.total_seconds()
-        while True:
-            try:
-                work.wait(timeout=_WAIT_SLICE)
-                return
-            except RuntimeError as exc:
-                if "timed out" not in str(exc).lower():
-                    raise
+        while not _waited(work):
             new = self._new_round()
             if new is not None:
                 raise PeerLost(f"rank {self.rank}: round {new} announced while waiting for all_reduce")
             if time.monotonic() > deadline:
                 raise PeerLost(f"rank {self.rank}: all_reduce took longer than {self._collective_timeout}")
 
+    @property
+    def ddp_comm_hook(self) -> Callable[[object, GradBucket], torch.futures.Future[torch.Tensor]]:
+        """DDP's gradient all-reduce (an average), left at once when the agent announces a new round.
+
+        Register it on every ``DistributedDataParallel`` wrapper:
+        ``ddp.register_comm_hook(None, session.ddp_comm_hook)``. DDP reduces
+        inside ``backward()``, where :meth:`all_reduce`'s waiting in slices
+        cannot run; without the hook, a rank whose two ring neighbours survive
+        a loss stays blocked there, and the round cannot form.
+        """
+        # A lambda: DDP compares a hook's annotations with its own classes, and this
+        # module's annotations are strings.
+        return lambda state, bucket: self._reduce_bucket(bucket)
+
+    def _reduce_bucket(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        tensor = bucket.buffer().div_(self.world_size)
+        return self._ddp_waits.watch(dist.all_reduce(tensor, async_op=True), tensor, self.rank)
+
     def close(self) -> None:
         """Leave the process group (at the end of training)."""
         worker.done()
         self._leave()
+        self._ddp_waits.close()
 
     def _leave(self) -> None:
         # Whatever still refers to the failed collective (a traceback in a cycle) goes
         # first, so that the group's connections really close.
         gc.collect()
+        # A left collective ends (fails) once the peer it waits on has left too.
+        self._abandoned = [(g, works) for g, works in self._abandoned if not _ended(works)]
         if dist.is_initialized():
+            left = self._ddp_waits.abandon(f"rank {self.rank} {_DDP_LEFT}: it left round {self.round}")
+            if left:
+                self._abandoned.append((dist.group.WORLD, left))
             dist.destroy_process_group()
 
     # --- steps ---------------------------------------------------------------------
@@ -323,11 +349,122 @@ class LiveStep:
         return False
 
 
+class _RoundWatch:
+    """Completes DDP's all-reduce futures, or fails them when a new round is announced.
+
+    One thread of ours, started with the first collective, waits for each
+    collective in short slices and looks at the round in between. Never a
+    callback on the collective's own future: that runs Python on a gloo
+    thread, which needs the GIL, while a group's destructor joins those
+    threads holding it (the script hung when a DDP wrapper was freed).
+    """
+
+    def __init__(self, new_round: Callable[[], int | None], timeout: timedelta) -> None:
+        self._new_round = new_round
+        self._timeout = timeout.total_seconds()
+        self._lock = threading.Condition()
+        self._pending: deque[_Reduction] = deque()
+        self._left: list[dist.Work] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def watch(self, work: dist.Work, tensor: torch.Tensor, rank: int) -> torch.futures.Future[torch.Tensor]:
+        reduction = _Reduction(work, tensor, torch.futures.Future(), time.monotonic() + self._timeout)
+        with self._lock:
+            self._pending.append(reduction)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, args=(rank,), name="taskd-live-ddp", daemon=True
+                )
+                self._thread.start()
+            self._lock.notify()
+        return reduction.result
+
+    def abandon(self, why: str) -> list[dist.Work]:
+        """The collectives left pending since the last call; those still waited for fail with ``why``."""
+        self._fail_pending(PeerLost(why))
+        with self._lock:
+            left, self._left = self._left, []
+        return left
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+
+    def _run(self, rank: int) -> None:
+        while (head := self._head()) is not None:
+            try:
+                finished = _waited(head.work)
+            except Exception as exc:  # the collective's own failure (a dead peer)
+                if self._settled(head):
+                    head.result.set_exception(exc)  # type: ignore[arg-type]  # torch's stub names the value type
+                continue
+            if finished:
+                if self._settled(head):
+                    head.result.set_result(head.tensor)
+                continue
+            new = self._new_round()
+            if new is not None:
+                self._fail_pending(PeerLost(f"rank {rank} {_DDP_LEFT}: round {new} was announced"))
+            elif time.monotonic() > head.deadline:
+                self._fail_pending(PeerLost(f"rank {rank} {_DDP_LEFT}: it took over {self._timeout}s"))
+
+    def _head(self) -> _Reduction | None:
+        with self._lock:
+            while not self._pending and not self._closed:
+                self._lock.wait()
+            return None if self._closed else self._pending[0]
+
+    def _settled(self, reduction: _Reduction) -> bool:
+        """Takes ``reduction`` off the queue; False if a new round failed it meanwhile."""
+        with self._lock:
+            if not self._pending or self._pending[0] is not reduction:
+                return False
+            self._pending.popleft()
+            return True
+
+    def _fail_pending(self, lost: PeerLost) -> None:
+        with self._lock:
+            failed = list(self._pending)
+            self._pending.clear()
+            self._left.extend(r.work for r in failed)
+        for reduction in failed:
+            reduction.result.set_exception(lost)  # type: ignore[arg-type]  # torch's stub names the value type
+
+
+@dataclass(frozen=True)
+class _Reduction:
+    """One DDP bucket's all-reduce and the future DDP waits on."""
+
+    work: dist.Work
+    tensor: torch.Tensor
+    result: torch.futures.Future[torch.Tensor]
+    deadline: float
+
+
+def _waited(work: dist.Work) -> bool:
+    """Waits one slice for ``work``: True when it completed, False when it still runs; raises its failure."""
+    try:
+        work.wait(timeout=_WAIT_SLICE)
+    except RuntimeError:
+        if not work.is_completed():
+            return False
+        # It may have completed just after the slice ran out: its own outcome, not the timeout.
+        work.wait()
+    return True
+
+
+def _ended(works: list[dist.Work]) -> bool:
+    return all(w.is_completed() for w in works)
+
+
 def _peer_failure(exc: BaseException) -> bool:
     """An error that a lost or stopped peer causes in a collective (gloo raises plain RuntimeErrors)."""
     if isinstance(exc, PeerLost | dist.DistError):
         return True
-    return isinstance(exc, RuntimeError) and "gloo" in str(exc).lower()
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("gloo" in text.lower() or _DDP_LEFT in text)
 
 
 class _Env:
