@@ -27,7 +27,7 @@ from taskd_pytorch.live._state import capture, check_registrable, fetch, prepare
 logger = logging.getLogger(__name__)
 
 #: How long one wait on a collective lasts before the channel is looked at again.
-_WAIT_SLICE = timedelta(milliseconds=10)
+_WAIT_SLICE = timedelta(milliseconds=50)
 #: The key of a round's store under which the replica publishes where it serves the state.
 _TRANSFER_KEY = "state-transfer"
 #: How often a worker whose group broke looks for the agent's new round.
