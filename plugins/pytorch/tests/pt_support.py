@@ -70,11 +70,11 @@ class Launcher:
         self.root = root
         self.started: list[subprocess.Popen[bytes]] = []
 
-    def __call__(self, *argv: str, log: str = "taskdrun") -> subprocess.Popen[bytes]:
+    def __call__(self, *argv: str, log: str = "taskdrun", env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(self.root / f"{log}.{len(self.started)}.log", "wb") as out:
             proc = subprocess.Popen(
                 [taskdrun_exe(), "--taskd-log-level", "INFO", *argv], stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=self.root,
+                start_new_session=True, cwd=self.root, env=None if env is None else {**os.environ, **env},
             )
         self.started.append(proc)
         return proc
@@ -102,14 +102,15 @@ FORMS = ("c10d", "static")
 
 def run_job(
     launch: Launcher, work: Path, *extra: str, script: str = "train_ddp.py", form: str = "c10d",
-    max_cycles: int | None = None, taskd: tuple[str, ...] = (),
+    max_cycles: int | None = None, taskd: tuple[str, ...] = (), env: dict[str, str] | None = None,
 ) -> tuple[list[subprocess.Popen[bytes]], Path, Path]:
     """Start the two ``taskdrun`` nodes (2 workers each) of one training job in ``work``.
 
     ``form`` is torchrun's command line: ``c10d``, the elastic form most
     clusters use, with no node rank (the rendezvous decides who hosts the
     controller); ``static``, ``--node-rank`` with ``--master-addr``/``--master-port``.
-    No TaskD option is given unless ``max_cycles`` or ``taskd`` ask for one.
+    No TaskD option is given unless ``max_cycles`` or ``taskd`` ask for one;
+    ``env`` adds to both launchers' environment.
 
     :returns: the two launchers, the progress log and the result file.
     """
@@ -128,7 +129,7 @@ def run_job(
         per_node = [[f"--node-rank={n}"] for n in (0, 1)]
     job = [str(EXAMPLES / script), "--ckpt-dir", str(work / "ckpt"), "--progress", str(progress),
            "--result", str(result), *TRAIN_ARGS, *extra]
-    return [launch(*common, *per_node[n], *job, log=f"{work.name}{n}") for n in (0, 1)], progress, result
+    return [launch(*common, *per_node[n], *job, log=f"{work.name}{n}", env=env) for n in (0, 1)], progress, result
 
 
 def finish(nodes: list[subprocess.Popen[bytes]], result: Path) -> dict[str, Any]:

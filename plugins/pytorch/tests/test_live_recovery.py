@@ -123,8 +123,11 @@ def test_a_ddp_job_is_repaired_live_when_a_rank_away_from_the_lost_one_is_blocke
 ) -> None:
     """``DistributedDataParallel`` reduces inside ``backward()``: with rank 3 lost, rank 1 (whose ring
     neighbours 0 and 2 survive) waits there; the session's DDP comm hook leaves that wait when the agent
-    announces the next round, so every healthy rank stays and only rank 3 starts again."""
-    nodes, progress, result = run_job(launch, tmp_path / "ddp", "--optimizer", "sgd", script="train_live.py")
+    announces the next round, so every healthy rank stays and only rank 3 starts again. The job has a
+    token, so the replacement takes the state only from a replica that signs it with that token."""
+    nodes, progress, result = run_job(
+        launch, tmp_path / "ddp", "--optimizer", "sgd", script="train_live.py", env={"TASKD_JOB_TOKEN": "s3cret"}
+    )
     wait_for(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, 180, "every rank to train")
     before = current_pids(progress)
     at = last_step(progress)

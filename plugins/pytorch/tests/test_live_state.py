@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+import pickle
 import socket
 import struct
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
 from taskd_pytorch.live._state import (
     StateTransferError,
     capture,
@@ -20,8 +27,8 @@ from taskd_pytorch.live._state import (
     restore,
     send_state,
     serve,
+    state_key,
 )
-from torch import nn
 
 
 def trained() -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
@@ -35,22 +42,35 @@ def trained() -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
     return model, optimizer, [torch.arange(6, dtype=torch.int32).reshape(2, 3), torch.ones(2, dtype=torch.float64)]
 
 
-def hand_over(tree: Any, local: Any) -> Any:
-    """``tree`` sent by one thread over a real TCP connection, received by this one into ``local``."""
+def hand_over(
+    tree: Any, local: Any, sender_key: bytes = b"", receiver_key: bytes = b"", sender_errors: list[Exception] | None = None
+) -> Any:
+    """``tree`` sent by one thread over a real TCP connection, received by this one into ``local``.
+
+    What the sending side raised goes to ``sender_errors`` (when given, else it fails the test).
+    """
     published: list[str] = []
     ready = threading.Event()
+    errors: list[Exception] = [] if sender_errors is None else sender_errors
 
     def publish(at: str) -> None:
         published.append(at)
         ready.set()
 
-    sender = threading.Thread(target=serve, args=(prepare(tree), 1, "127.0.0.1", publish, 30.0))
+    def send() -> None:
+        try:
+            serve(prepare(tree), 1, "127.0.0.1", publish, 30.0, sender_key)
+        except StateTransferError as exc:
+            errors.append(exc)
+
+    sender = threading.Thread(target=send)
     sender.start()
     try:
         assert ready.wait(30)
-        return fetch(published[0], 1, local, 30.0)
+        return fetch(published[0], 1, local, 30.0, receiver_key)
     finally:
         sender.join(30)
+        assert sender_errors is not None or not errors
 
 
 def test_a_fresh_replica_loads_exactly_what_a_trained_one_sent() -> None:
@@ -105,9 +125,9 @@ def test_a_payload_damaged_on_the_wire_is_refused_and_the_sender_hears_of_it() -
         """Passes the rank up and everything down, with one bit of the payload's last byte flipped."""
         relay_out.settimeout(30)
         relay_in.settimeout(30)
-        relay_in.sendall(relay_out.recv(4))
+        relay_in.sendall(relay_out.recv(20))  # rank and nonce
         data = bytearray()
-        while len(data) < 24 or len(data) < 24 + sum(struct.unpack("!QQ", data[8:24])) + 16:
+        while len(data) < 24 or len(data) < 24 + sum(struct.unpack("!QQ", data[8:24])) + 32 + 16:
             data += relay_in.recv(65536)
         data[-17] ^= 1  # the payload's last byte, before the 16-byte checksum
         relay_out.sendall(data)
@@ -153,3 +173,81 @@ def test_the_checksum_sees_a_flipped_byte_and_a_shift() -> None:
 def test_only_state_that_loads_in_place_can_be_registered(value: object) -> None:
     with pytest.raises(TypeError, match="live state 'x'.*state_dict"):
         check_registrable("x", value)
+
+
+class _RunsCode:
+    """What a hostile skeleton would carry: unpickling it calls ``os.system``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def pose_as_replica(body: bytes, key: bytes) -> Any:
+    """What ``recv_state`` makes of a process answering on the published address with ``body`` as skeleton."""
+    server, client = socket.socketpair()
+
+    def answer() -> None:
+        server.settimeout(30)
+        _, nonce = struct.unpack("!I16s", server.recv(20))
+        header = struct.pack("!8sQQ", b"TASKDST1", len(body), 0)
+        server.sendall(header + body + hmac.new(key, nonce + header + body, hashlib.sha256).digest())
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        client.settimeout(30)
+        return recv_state(client, 1, None, state_key("the job's token"))
+    finally:
+        thread.join(30)
+        server.close()
+        client.close()
+
+
+@pytest.mark.parametrize("skeleton", ["code", "garbage"])
+def test_a_signed_skeleton_that_is_not_a_state_is_refused_and_runs_nothing(skeleton: str, tmp_path: Path) -> None:
+    """Even a holder of the token (or anyone, in a job without one) cannot run code in a replacement."""
+    marker = tmp_path / "ran"
+    body = pickle.dumps([_RunsCode(marker)]) if skeleton == "code" else b"\x80\x05not a pickle"
+
+    with pytest.raises(StateTransferError, match="does not load|not a TaskD state"):
+        pose_as_replica(body, state_key("the job's token"))
+
+    assert not marker.exists()
+
+
+def test_a_replica_without_the_jobs_token_is_refused_before_its_skeleton_is_read(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+
+    with pytest.raises(StateTransferError, match="did not sign it with this job's key"):
+        pose_as_replica(pickle.dumps([_RunsCode(marker)]), state_key("another token"))
+
+    assert not marker.exists()
+
+
+def test_replicas_of_one_job_sign_and_check_with_its_token() -> None:
+    key = state_key("s3cret")
+    assert torch.equal(hand_over([torch.arange(4)], None, key, key)[0], torch.arange(4))
+    sender_errors: list[Exception] = []
+    with pytest.raises(StateTransferError, match="did not sign"):
+        hand_over([torch.arange(4)], None, state_key("other"), key, sender_errors)
+    assert "the receiver is gone" in str(sender_errors[0])  # the replica hears of it at once
+    assert state_key("") == b""  # a job without a token: the skeleton check still holds
+
+
+def test_every_optimizer_and_scheduler_state_passes_the_skeleton_check() -> None:
+    model, optimizer, _ = trained()
+    adam = torch.optim.AdamW(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    adam.step()
+    schedulers = {
+        "step": torch.optim.lr_scheduler.StepLR(optimizer, 3),
+        "onecycle": torch.optim.lr_scheduler.OneCycleLR(adam, 1.0, total_steps=10),
+        "plateau": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer),
+    }
+    state = {"model": model, "sgd": optimizer, "adam": adam, **schedulers}
+    got = hand_over(capture(state), None)
+    assert got["adam"]["param_groups"] == adam.state_dict()["param_groups"]
+    assert got["onecycle"] == schedulers["onecycle"].state_dict()

@@ -22,7 +22,7 @@ from torch.distributed import GradBucket, PrefixStore, TCPStore  # type: ignore[
 from taskd_core import worker
 from taskd_core.errors import ConfigError, TaskdError
 from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
-from taskd_pytorch.live._state import capture, check_registrable, fetch, prepare, restore, serve
+from taskd_pytorch.live._state import capture, check_registrable, fetch, prepare, restore, serve, state_key
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class LiveSession:
         self.rank, self.world_size, self._local_rank = env.rank, env.world_size, env.local_rank
         self._prefix = f"taskd/live/{env.restart}/"
         self._master_addr = env.master_addr
+        self._key = state_key(env.token)
         self._store = TCPStore(
             env.master_addr, env.master_port, is_master=env.hosts_store, timeout=self._collective_timeout
         )
@@ -294,7 +295,8 @@ class LiveSession:
             if self.rank == source:
                 began = time.monotonic()
                 outgoing = prepare(capture(self._state))
-                serve(outgoing, len(needy), self._master_addr, partial(store.set, _TRANSFER_KEY), timeout)
+                publish = partial(store.set, _TRANSFER_KEY)
+                serve(outgoing, len(needy), self._master_addr, publish, timeout, self._key)
                 logger.info(
                     "rank %s sent the state of step %s (%d bytes) to ranks %s in %.3fs",
                     self.rank,
@@ -305,7 +307,7 @@ class LiveSession:
                 )
             elif self.rank in needy:
                 address = store.get(_TRANSFER_KEY).decode()
-                restore(self._state, fetch(address, self.rank, capture(self._state), timeout))
+                restore(self._state, fetch(address, self.rank, capture(self._state), timeout, self._key))
         self.step = target
 
 
@@ -483,6 +485,8 @@ class _Env:
                 "start the script with taskdrun"
             ) from exc
         self.restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # Signs the state a replica hands over (every node of a multi-node job has it).
+        self.token = env.get("TASKD_JOB_TOKEN", "").strip()
         # torchrun and taskdrun host the workers' store in the agent, which outlives any rank.
         self.hosts_store = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and self.rank == 0
         live_dir = env.get(LIVE_DIR_ENV)

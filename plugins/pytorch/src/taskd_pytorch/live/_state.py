@@ -7,11 +7,17 @@ tensors' memory), with no packing copy on either side. The wire, all
 integers big-endian:
 
 1. the receiver connects to the address the replica published in the
-   round's store and sends its global rank (``!I``);
+   round's store and sends its global rank and a fresh 16-byte nonce
+   (``!I16s``);
 2. the replica sends a header ``!8sQQ``: the magic ``TASKDST1``, the
    skeleton's length and the payload's length;
 3. the replica sends the *skeleton*: the pickled state with every tensor
-   replaced by a reference (its size, dtype and shape);
+   replaced by a reference (its size, dtype and shape), then a 32-byte
+   HMAC-SHA256 of nonce, header and skeleton keyed by the job's token
+   (:func:`state_key`). The receiver checks the tag, so that only a
+   holder of ``TASKD_JOB_TOKEN`` can serve it a state, and unpickles plain
+   values, dtypes and tensor references only (:class:`_SkeletonUnpickler`),
+   so that no skeleton runs code in it, token or not;
 4. the replica sends the *payload*: every tensor's bytes, in the skeleton's
    order, unpadded;
 5. the replica sends the payload's checksum ``!qq`` (two signed 64-bit
@@ -29,7 +35,10 @@ checkpoint, which also replaces whatever the receiver had half-read.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
+import os
 import pickle
 import socket
 import struct
@@ -81,7 +90,8 @@ class Outgoing:
 _MAGIC = b"TASKDST1"
 _HEADER = struct.Struct("!8sQQ")
 _TRAILER = struct.Struct("!qq")
-_RANK = struct.Struct("!I")
+_HELLO = struct.Struct("!I16s")
+_TAG_SIZE = hashlib.sha256().digest_size
 _ACK = b"\x01"
 #: Checksum rows are this many 64-bit words.
 _ROW = 1024
@@ -216,15 +226,27 @@ def _memory(chunk: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def send_state(outgoing: Outgoing, conn: socket.socket) -> int:
+def state_key(token: str) -> bytes:
+    """The key proving that a replica belongs to the job, from its token (empty: no token, no proof)."""
+    return hashlib.sha256(b"taskd live state\0" + token.encode()).digest() if token else b""
+
+
+def _tag(key: bytes, nonce: bytes, header: bytes, skeleton: bytes) -> bytes:
+    return hmac.new(key, nonce + header + skeleton, hashlib.sha256).digest()
+
+
+def send_state(outgoing: Outgoing, conn: socket.socket, key: bytes = b"") -> int:
     """Hand ``outgoing`` to the receiver connected on ``conn``; returns the receiver's rank.
 
-    Raises ``StateTransferError`` when the receiver goes away or does not acknowledge.
+    ``key`` (:func:`state_key`) signs the skeleton. Raises ``StateTransferError``
+    when the receiver goes away or does not acknowledge.
     """
     try:
-        (rank,) = _RANK.unpack(_recv_exact(conn, _RANK.size))
-        conn.sendall(_HEADER.pack(_MAGIC, len(outgoing.skeleton), outgoing.nbytes))
+        rank, nonce = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+        header = _HEADER.pack(_MAGIC, len(outgoing.skeleton), outgoing.nbytes)
+        conn.sendall(header)
         conn.sendall(outgoing.skeleton)
+        conn.sendall(_tag(key, nonce, header, outgoing.skeleton))
         with _Overlap(outgoing.nbytes) as overlap:
             summed = overlap.run(checksum, outgoing.chunks)
             for chunk in outgoing.chunks:
@@ -238,19 +260,28 @@ def send_state(outgoing: Outgoing, conn: socket.socket) -> int:
     return int(rank)
 
 
-def recv_state(conn: socket.socket, rank: int, local: Any) -> Any:
+def recv_state(conn: socket.socket, rank: int, local: Any, key: bytes = b"") -> Any:
     """Receive the state a replica sends on ``conn``, reading tensors into ``local``'s where they fit.
 
-    ``local`` is this rank's own :func:`capture`. Raises ``StateTransferError``
-    when the connection breaks or the checksum does not match.
+    ``local`` is this rank's own :func:`capture`; ``key`` (:func:`state_key`)
+    checks the replica's signature. Raises ``StateTransferError`` when the
+    connection breaks, the signature or the checksum does not match, or the
+    skeleton names anything but plain values.
     """
+    nonce = os.urandom(16)
     try:
-        conn.sendall(_RANK.pack(rank))
-        magic, skeleton_len, payload_len = _HEADER.unpack(_recv_exact(conn, _HEADER.size))
+        conn.sendall(_HELLO.pack(rank, nonce))
+        header = _recv_exact(conn, _HEADER.size)
+        magic, skeleton_len, payload_len = _HEADER.unpack(header)
         if magic != _MAGIC:
             raise StateTransferError(f"the replica sent {magic!r}, not a TaskD state header")
-        # The skeleton comes from a rank of the same job over an address published in its own store.
-        skeleton = pickle.loads(_recv_exact(conn, skeleton_len))  # noqa: S301
+        data = _recv_exact(conn, skeleton_len)
+        if not hmac.compare_digest(_recv_exact(conn, _TAG_SIZE), _tag(key, nonce, header, data)):
+            raise StateTransferError(
+                "the replica serving the state did not sign it with this job's key; "
+                "every node of the job must run with the same TASKD_JOB_TOKEN"
+            )
+        skeleton = _load_skeleton(data)
         tree = _targets(skeleton, local)
         chunks = [_bytes_of(t) for t in _tensors(tree)]
         if sum(c.numel() for c in chunks) != payload_len:
@@ -270,6 +301,42 @@ def recv_state(conn: socket.socket, rank: int, local: Any) -> Any:
     except OSError as exc:
         raise StateTransferError(f"receiving the state failed: {exc}; the replica is gone") from exc
     return tree
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    """Unpickles what :func:`prepare` makes of a registered state, and refuses anything that could run code.
+
+    State dicts hold plain values (numbers, strings, containers), dtypes and,
+    once stripped, tensor references; any other global a skeleton names
+    would be called by ``pickle`` with arguments of the sender's choosing.
+    """
+
+    _ALLOWED = frozenset(
+        {
+            (_Ref.__module__, _Ref.__qualname__),
+            ("collections", "OrderedDict"),
+            ("builtins", "complex"),
+            ("builtins", "set"),
+            ("builtins", "frozenset"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._ALLOWED or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise StateTransferError(
+            f"the replica's state names {module}.{name}, which a replacement does not load: "
+            "register modules, optimizers, schedulers and tensors, whose state dicts hold plain values"
+        )
+
+
+def _load_skeleton(data: bytes) -> Any:
+    try:
+        return _SkeletonUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError) as exc:
+        raise StateTransferError(f"the replica's skeleton is not a TaskD state: {exc}") from exc
 
 
 class _Overlap:
@@ -345,7 +412,12 @@ def _recv_into(conn: socket.socket, view: memoryview) -> None:
 
 
 def serve(
-    outgoing: Outgoing, receivers: int, near: str, publish: Callable[[str], None], timeout: float
+    outgoing: Outgoing,
+    receivers: int,
+    near: str,
+    publish: Callable[[str], None],
+    timeout: float,
+    key: bytes = b"",
 ) -> None:
     """Send ``outgoing`` to ``receivers`` receivers, one after the other.
 
@@ -376,10 +448,10 @@ def serve(
                 ) from exc
             with conn:
                 conn.settimeout(timeout)
-                send_state(outgoing, conn)
+                send_state(outgoing, conn, key)
 
 
-def fetch(address: str, rank: int, local: Any, timeout: float) -> Any:
+def fetch(address: str, rank: int, local: Any, timeout: float, key: bytes = b"") -> Any:
     """Receive the state from the replica serving at ``address`` (``host:port``); see :func:`recv_state`."""
     host, _, port = address.rpartition(":")
     try:
@@ -387,4 +459,4 @@ def fetch(address: str, rank: int, local: Any, timeout: float) -> Any:
     except OSError as exc:
         raise StateTransferError(f"cannot reach the replica serving the state at {address}: {exc}") from exc
     with conn:
-        return recv_state(conn, rank, local)
+        return recv_state(conn, rank, local, key)
