@@ -345,7 +345,7 @@ def verdicts(data: dict[str, Any]) -> list[list[str]]:
                 bound = percentile([x["detect"] for x in torch_runs[kind]], 50) + death
                 # Detection is on both sides, so this compares the recoveries after the report; the
                 # rounds ran interleaved, so each hang is also held against the death of its round.
-                paired = [h["recover"] - d["recover"] for h, d in zip(torch_runs[kind], torch_runs["death"])]
+                paired = [h["recover"] - d["recover"] for h, d in zip(torch_runs[kind], torch_runs["death"], strict=False)]
                 rows.append([f"DDP {kind} hang → every rank stepping ≤ detection + a death's recovery (medians)",
                              f"{fmt(again)} s vs {fmt(bound)} s (recovery after the report minus the same"
                              f" round's death: median {percentile(paired, 50):+.2f} s)",

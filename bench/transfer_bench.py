@@ -30,6 +30,7 @@ _TENSORS = 64
 def _worker(rank: int, port: int, size: int, trials: int, out: Path | None) -> None:
     import torch
     import torch.distributed as dist
+
     from taskd_pytorch.live._state import capture, fetch, prepare, restore, serve
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ import tomllib
 from pathlib import Path
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import *  # every hook not overridden below
+from setuptools.build_meta import *  # noqa: F403  # every hook not overridden below
 
 CORE = "taskd-core"
 #: The core's unconditional requirement line (extras' lines carry a ";" marker).

@@ -366,7 +366,7 @@ def test_a_crash_looping_worker_is_restarted_with_growing_delays_then_given_up(m
     assert [restart for restart, _ in starts] == [0, 1, 2, 3, 4]
     gaps = [b - a for (_, a), (_, b) in itertools.pairwise(starts)]
     # Lower bounds only: a loaded machine makes gaps longer, never shorter.
-    for gap, delay in zip(gaps, [backoff.delay(n) for n in (1, 2, 3, 4)]):
+    for gap, delay in zip(gaps, [backoff.delay(n) for n in (1, 2, 3, 4)], strict=True):
         assert gap >= delay, (gaps, delay)
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from taskd_mindspore.runner import MsrunSettings
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig
 from taskd_core.agent.progress import ProgressConfig
 from taskd_core.errors import ConfigError
 from taskd_core.models import Credentials, WorkerState, WorkerStatus
+from taskd_mindspore.runner import MsrunSettings
 
 TWO_LOCAL = {r: WorkerStatus(r, r, WorkerState.NOT_STARTED) for r in range(2)}
 

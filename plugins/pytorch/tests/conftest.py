@@ -20,11 +20,12 @@ from taskd_core.launcher.interrupt import StopRequest
 @pytest.fixture
 def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
     """Build ``TaskdElasticAgent`` s on a one-node c10d rendezvous; every worker is stopped at teardown."""
-    from taskd_pytorch.elastic import TaskdElasticAgent
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from taskd_pytorch.elastic import TaskdElasticAgent
 
     made: list[TaskdElasticAgent] = []
 

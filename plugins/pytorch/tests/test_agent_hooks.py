@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 from pt_support import kill, pid_alive, records, wait_for
-from taskd_pytorch import PytorchAdapter
-from taskd_pytorch.live._channel import LiveChannel
 
 from taskd_core.errors import LauncherInterrupted, WorkerControlError
 from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.models import WorkerState
 from taskd_core.plugins import load_adapter
+from taskd_pytorch import PytorchAdapter
+from taskd_pytorch.live._channel import LiveChannel
 
 
 def test_restart_all_starts_every_rank_with_torchrun_environment(make_agent, out_dir: Path) -> None:
@@ -128,7 +128,7 @@ def test_restart_all_gives_every_round_a_fresh_worker_store(make_agent, out_dir:
     ports = []
     for round_no in range(3):
         adapter.restart_all()
-        seen = wait_for(lambda: len(records(out_dir)) == 2 * (round_no + 1) and records(out_dir), 30, "workers")
+        seen = wait_for(lambda n=round_no: len(records(out_dir)) == 2 * (n + 1) and records(out_dir), 30, "workers")
         this_round = [r for r in seen if r["TASKD_RESTART_COUNT"] == str(round_no)]
         assert len({r["MASTER_PORT"] for r in this_round}) == 1
         ports.append(this_round[0]["MASTER_PORT"])

@@ -5,10 +5,9 @@ from __future__ import annotations
 import dataclasses
 import signal
 
-from taskd_pytorch.options import FLUSH_SECONDS, STOP_SIGNALS, TaskdOptions, build_parser
-
 from taskd_core.agent.config import AgentConfig, DispatchConfig
 from taskd_core.models import Credentials, JobPolicy
+from taskd_pytorch.options import FLUSH_SECONDS, STOP_SIGNALS, TaskdOptions, build_parser
 
 
 def options(argv: list[str], env: dict[str, str] | None = None, nnodes: int = 1) -> TaskdOptions:

@@ -31,8 +31,8 @@ def test_sigkills_of_rank_3_then_rank_0_recover_and_match_a_fault_free_run(
     victims = (3, 0)
     for restart, victim in enumerate(victims):
         wait_for(
-            lambda: len(pids_of_round(progress, restart)) == 4
-            and any(e["event"] == "step" and e["restart"] == restart and int(e["step"]) >= 6 * restart + 5
+            lambda n=restart: len(pids_of_round(progress, n)) == 4
+            and any(e["event"] == "step" and e["restart"] == n and int(e["step"]) >= 6 * n + 5
                     for e in events(progress)),
             120, f"round {restart} to train",
         )
