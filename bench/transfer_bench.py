@@ -4,7 +4,7 @@ Two processes share a store; rank 0 holds a state of the given size (a
 model's parameters plus SGD momentum, as equal float32 tensors) and hands
 it to rank 1 with the same calls live recovery uses (:func:`prepare` with
 its checksum, :func:`serve` over a TCP socket, :func:`fetch` with the
-checksum check, :func:`restore`). Each trial reports the wire rate (end of
+signature and checksum checks, :func:`restore`). Each trial reports the wire rate (end of
 prepare to the verified state on the receiver) and the end-to-end rate
 (prepare → restored on the receiver). The first trial is the one a real
 recovery sees (fresh connection, fresh process); the median is reported.
@@ -31,12 +31,14 @@ def _worker(rank: int, port: int, size: int, trials: int, out: Path | None) -> N
     import torch
     import torch.distributed as dist
 
-    from taskd_pytorch.live._state import capture, fetch, prepare, restore, serve
+    from taskd_pytorch.live._state import capture, fetch, prepare, restore, serve, state_key
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     per = size // (4 * _TENSORS)
     state = {"params": [torch.full((per,), float(rank)) for _ in range(_TENSORS)]}
+    # Signed, as in a job with a TASKD_JOB_TOKEN (every multi-node job has one).
+    signing = state_key("transfer-bench")
     results = []
     for trial in range(trials):
         key = f"transfer/{trial}"
@@ -45,11 +47,11 @@ def _worker(rank: int, port: int, size: int, trials: int, out: Path | None) -> N
         if rank == 0:
             outgoing = prepare(capture(state))
             prepared_at = time.perf_counter()
-            serve(outgoing, 1, "127.0.0.1", partial(store.set, key), 60.0)
+            serve(outgoing, 1, "127.0.0.1", partial(store.set, key), 60.0, signing)
             dist.barrier()
             results.append({"pack_s": prepared_at - began})
         else:
-            values = fetch(store.get(key).decode(), 1, capture(state), 60.0)
+            values = fetch(store.get(key).decode(), 1, capture(state), 60.0, signing)
             received_at = time.perf_counter()
             restore(state, values)
             restored_at = time.perf_counter()
