@@ -118,29 +118,40 @@ def test_a_round_that_cannot_form_in_time_falls_back_to_a_full_restart(
     assert not pid_alive(before[1])
 
 
-def test_a_ddp_job_is_repaired_live_when_a_rank_away_from_the_lost_one_is_blocked_in_backward(
+def test_a_ddp_job_is_repaired_live_when_ranks_away_from_the_lost_one_are_blocked_in_backward(
     launch: Launcher, tmp_path: Path
 ) -> None:
     """``DistributedDataParallel`` reduces inside ``backward()``: with rank 3 lost, rank 1 (whose ring
-    neighbours 0 and 2 survive) waits there; the session's DDP comm hook leaves that wait when the agent
-    announces the next round, so every healthy rank stays and only rank 3 starts again. The job has a
-    token, so the replacement takes the state only from a replica that signs it with that token."""
+    neighbours 0 and 2 survive) waits there; with rank 0 stopped, every peer does. The session's DDP
+    comm hook leaves that wait when the agent announces the next round, so every healthy rank stays
+    and only the lost one starts again. The job has a token, so a replacement takes the state only
+    from a replica that signs it with that token."""
     nodes, progress, result = run_job(
         launch, tmp_path / "ddp", "--optimizer", "sgd", script="train_live.py", env={"TASKD_JOB_TOKEN": "s3cret"}
     )
     wait_for(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, 180, "every rank to train")
-    before = current_pids(progress)
-    at = last_step(progress)
-    kill(before[3], signal.SIGKILL)
-    wait_for(
-        lambda: current_pids(progress)[3] != before[3] and stepped_since(progress, current_pids(progress), at + 1),
-        180, "rank 3 to be replaced and every rank to step again",
-    )
-    assert {r: p for r, p in current_pids(progress).items() if r != 3} == {r: p for r, p in before.items() if r != 3}
+    # Rank 3 killed; then rank 0 (the state's usual source) stopped first and killed a moment later.
+    for victim, stop_first in ((3, False), (0, True)):
+        before = current_pids(progress)
+        at = last_step(progress)
+        if stop_first:
+            kill(before[victim], signal.SIGSTOP)
+            time.sleep(0.5)
+        kill(before[victim], signal.SIGKILL)
+        wait_for(
+            lambda before=before, victim=victim, at=at: current_pids(progress)[victim] != before[victim]
+            and stepped_since(progress, current_pids(progress), at + 1),
+            180, f"rank {victim} to be replaced and every rank to step again",
+        )
+        after = current_pids(progress)
+        assert {r: p for r, p in after.items() if r != victim} == {r: p for r, p in before.items() if r != victim}
 
     final = finish(nodes, result)
 
     assert final["steps"] == STEPS
     log = events(progress)
     assert {e["restart"] for e in log} == {0}  # live: never a whole-group restart
-    assert len([e for e in log if e["event"] == "start"]) == 5
+    assert len([e for e in log if e["event"] == "start"]) == 6
+    for rank in range(4):
+        steps = [int(e["step"]) for e in log if e["event"] == "step" and int(e["rank"]) == rank]
+        assert all(b >= a for a, b in itertools.pairwise(steps)), steps  # the committed step never goes back
