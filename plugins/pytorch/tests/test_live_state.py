@@ -218,6 +218,18 @@ def test_a_signed_skeleton_that_is_not_a_state_is_refused_and_runs_nothing(skele
     assert not marker.exists()
 
 
+def test_a_skeleton_too_large_to_be_a_description_is_refused_before_it_is_read() -> None:
+    server, client = socket.socketpair()
+    try:
+        server.sendall(struct.pack("!8sQQ", b"TASKDST1", 2**62, 0))
+        client.settimeout(30)
+        with pytest.raises(StateTransferError, match="announced a 4611686018427387904-byte skeleton"):
+            recv_state(client, 1, None)
+    finally:
+        server.close()
+        client.close()
+
+
 def test_a_replica_without_the_jobs_token_is_refused_before_its_skeleton_is_read(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
 

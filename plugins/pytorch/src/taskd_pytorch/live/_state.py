@@ -92,6 +92,8 @@ _HEADER = struct.Struct("!8sQQ")
 _TRAILER = struct.Struct("!qq")
 _HELLO = struct.Struct("!I16s")
 _TAG_SIZE = hashlib.sha256().digest_size
+#: A skeleton describes the state, it does not hold it: a larger one is not read (nor allocated).
+_MAX_SKELETON = 64 * 2**20
 _ACK = b"\x01"
 #: Checksum rows are this many 64-bit words.
 _ROW = 1024
@@ -275,6 +277,11 @@ def recv_state(conn: socket.socket, rank: int, local: Any, key: bytes = b"") -> 
         magic, skeleton_len, payload_len = _HEADER.unpack(header)
         if magic != _MAGIC:
             raise StateTransferError(f"the replica sent {magic!r}, not a TaskD state header")
+        if skeleton_len > _MAX_SKELETON:
+            raise StateTransferError(
+                f"the replica announced a {skeleton_len}-byte skeleton (at most {_MAX_SKELETON}); "
+                "it is not a TaskD replica of this version"
+            )
         data = _recv_exact(conn, skeleton_len)
         if not hmac.compare_digest(_recv_exact(conn, _TAG_SIZE), _tag(key, nonce, header, data)):
             raise StateTransferError(
