@@ -276,6 +276,9 @@ def main() -> int:
     finally:
         # Saving and tearing down take a while without steps: that silence is no hang.
         worker.done()
+        # torch 2.13: gloo's threads release the last collectives DDP launched (taking the GIL) while
+        # freeing the wrapper joins them holding it; a pause lets them finish (docs/warm-restarts.md).
+        time.sleep(0.05)
     if dump_requested:
         if rank == 0:
             save_checkpoint(ckpt, done, model, velocity)

@@ -32,6 +32,8 @@ _WAIT_SLICE = timedelta(milliseconds=50)
 _TRANSFER_KEY = "state-transfer"
 #: How often a worker whose group broke looks for the agent's new round.
 _ROUND_POLL = 0.005
+#: How long the last step's collectives get to be released by gloo's threads (:func:`_settle_collectives`).
+_SETTLE_SECONDS = 0.05
 #: How a DDP all-reduce the session gave up on fails (DDP re-raises it as a RuntimeError with this text).
 _DDP_LEFT = "left DDP's all-reduce"
 
@@ -124,6 +126,7 @@ class LiveSession:
                 if self._stop_requested:
                     return
             yield LiveStep(self, self.step)
+        _settle_collectives()
 
     def request_stop(self) -> None:
         """End :meth:`steps` at the next step boundary, also while waiting for a new round.
@@ -455,6 +458,19 @@ def _waited(work: dist.Work) -> bool:
         # It may have completed just after the slice ran out: its own outcome, not the timeout.
         work.wait()
     return True
+
+
+def _settle_collectives() -> None:
+    """Let gloo's threads release the last step's collectives before the script frees its DDP wrapper.
+
+    A collective launched inside ``backward()`` holds a Python object that
+    its gloo thread releases, taking the GIL, just after the collective
+    completed; freeing the wrapper frees the group, which joins those
+    threads while holding the GIL. A process that gets there first never
+    exits (torch 2.13; warm workers, with nothing left to import, often
+    do). Releasing the GIL for a moment lets the threads finish.
+    """
+    time.sleep(_SETTLE_SECONDS)
 
 
 def _ended(works: list[dist.Work]) -> bool:
