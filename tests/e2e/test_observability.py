@@ -45,8 +45,9 @@ WORKER = textwrap.dedent(
         step += 1
         worker.step(step)
         if step % 10 == 0:
-            (out / "tmp").write_text(str(step))
-            os.replace(out / "tmp", ckpt)
+            tmp = out / f"tmp-{os.environ['RANK']}"  # one per rank: a shared one is replaced away under the other
+            tmp.write_text(str(step))
+            os.replace(tmp, ckpt)
     """
 )
 
