@@ -32,8 +32,6 @@ _WAIT_SLICE = timedelta(milliseconds=50)
 _TRANSFER_KEY = "state-transfer"
 #: How often a worker whose group broke looks for the agent's new round.
 _ROUND_POLL = 0.005
-#: How long the last step's collectives get to be released by gloo's threads (:func:`_settle_collectives`).
-_SETTLE_SECONDS = 0.05
 #: How a DDP all-reduce the session gave up on fails (DDP re-raises it as a RuntimeError with this text).
 _DDP_LEFT = "left DDP's all-reduce"
 
@@ -126,7 +124,6 @@ class LiveSession:
                 if self._stop_requested:
                     return
             yield LiveStep(self, self.step)
-        _settle_collectives()
 
     def request_stop(self) -> None:
         """End :meth:`steps` at the next step boundary, also while waiting for a new round.
@@ -340,6 +337,7 @@ class LiveStep:
         self.number = number
 
     def __enter__(self) -> LiveStep:
+        self._session._ddp_waits.release_finished()
         return self
 
     def __exit__(
@@ -370,6 +368,8 @@ class _RoundWatch:
         self._lock = threading.Condition()
         self._pending: deque[_Reduction] = deque()
         self._left: list[dist.Work] = []
+        #: completed collectives of the current step, kept so that the last reference is ours (below).
+        self._finished: list[dist.Work] = []
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -384,6 +384,19 @@ class _RoundWatch:
                 self._thread.start()
             self._lock.notify()
         return reduction.result
+
+    def release_finished(self) -> None:
+        """Drop the collectives completed so far (at a step's start: gloo's threads are long done with them).
+
+        A collective launched inside ``backward()`` holds a Python object
+        (autograd's context); whoever drops the last reference takes the GIL.
+        If that were a gloo thread just after the collective completed, a
+        script freeing its DDP wrapper right after its last step (whose
+        process group joins those threads while holding the GIL) would never
+        exit. Held here, the last reference goes on a thread that has the GIL.
+        """
+        with self._lock:
+            self._finished.clear()
 
     def abandon(self, why: str) -> list[dist.Work]:
         """The collectives left pending since the last call; those still waited for fail with ``why``."""
@@ -427,6 +440,7 @@ class _RoundWatch:
             if not self._pending or self._pending[0] is not reduction:
                 return False
             self._pending.popleft()
+            self._finished.append(reduction.work)
             return True
 
     def _fail_pending(self, lost: PeerLost) -> None:
@@ -458,19 +472,6 @@ def _waited(work: dist.Work) -> bool:
         # It may have completed just after the slice ran out: its own outcome, not the timeout.
         work.wait()
     return True
-
-
-def _settle_collectives() -> None:
-    """Let gloo's threads release the last step's collectives before the script frees its DDP wrapper.
-
-    A collective launched inside ``backward()`` holds a Python object that
-    its gloo thread releases, taking the GIL, just after the collective
-    completed; freeing the wrapper frees the group, which joins those
-    threads while holding the GIL. A process that gets there first never
-    exits (torch 2.13; warm workers, with nothing left to import, often
-    do). Releasing the GIL for a moment lets the threads finish.
-    """
-    time.sleep(_SETTLE_SECONDS)
 
 
 def _ended(works: list[dist.Work]) -> bool:
