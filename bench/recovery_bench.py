@@ -91,7 +91,7 @@ from _common import (
     write_json,
 )
 
-from taskd_core.launcher._forkserver_main import LEARN_AFTER
+from taskd_core.forkserver._server import LEARN_AFTER
 from taskd_core.models import JobPolicy
 
 logger = logging.getLogger(__name__)

@@ -341,7 +341,7 @@ def recovery_section(data: dict[str, Any] | None) -> Section:
     warm = (
         "**Warm restarts.** taskdrun forks every worker from the node's fork server, which imported torch,"
         " `torch.distributed`, `torch.optim`, `torch._dynamo` and `torch.nn.parallel` once, before the first start"
-        " (`taskd_core/launcher/forkserver.py`): after the fork a worker pays none of those imports, so the"
+        " (`taskd_core/forkserver/client.py`): after the fork a worker pays none of those imports, so the"
         " → every rank started and → stepped columns shrink to the script's own work; `--taskd-no-fork-server`"
         " is the exec path of before. What is left before the fork is the fault negotiation, stopping the"
         " surviving ranks and torch's rendezvous of the next round."

@@ -6,7 +6,7 @@ into :class:`~taskd_core.models.WorkerEvent` values, which the agent reports
 to the controller's journal (timelines and metrics are drawn from it).
 A worker stopped on purpose ends when its stop was asked for: the agent only
 looks again once the restart is done, which would put the end after the new start.
-An ended worker's event carries the last step it reported (:mod:`taskd_core.agent.steps`).
+An ended worker's event carries the last step it reported (:mod:`taskd_core.agent.hangs.steps`).
 """
 
 from __future__ import annotations

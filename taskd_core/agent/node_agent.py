@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from taskd_core.agent.config import AgentConfig
 from taskd_core.agent.crashloop import CrashLoop
 from taskd_core.agent.dispatcher import ActionDispatcher
+from taskd_core.agent.hangs.watcher import Hang, ProgressWatcher
 from taskd_core.agent.lifecycle import WorkerLedger
 from taskd_core.agent.pidwatch import PidWatch
-from taskd_core.agent.progress import Hang, ProgressWatcher
 from taskd_core.client.manager import DLRecoverManager
 from taskd_core.errors import ConfigError, RecoveryDisabledError, TaskdError
 from taskd_core.models import Code, FaultType, Signal, WorkerEvent, WorkerState, WorkerStatus

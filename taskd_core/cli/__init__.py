@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 from taskd_core.errors import TaskdError
-from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
+from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import os
 import socket
 from pathlib import Path
 
-from taskd_core.launcher.forkserver import ForkLauncher
-from taskd_core.launcher.lifeline import Lifeline
+from taskd_core.forkserver.client import ForkLauncher
+from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.settings import add_node_options, argtype, node_settings_from_args, parse_count
 from taskd_core.launcher.spec import DEFAULT_MASTER_PORT, LaunchSpec

@@ -89,7 +89,7 @@ import importlib
 from typing import Any
 
 # Resolved on first use: launchers import the policy helpers before they may
-# import grpc (see taskd_core.launcher.forksafe), and server imports grpc.
+# import grpc (see taskd_core.forkserver.forksafe), and server imports grpc.
 _EXPORTS = {
     "PolicyBook": "taskd_core.controller.policy",
     "load_policies": "taskd_core.controller.policy",

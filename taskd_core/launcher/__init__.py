@@ -9,6 +9,9 @@
 - :mod:`~taskd_core.launcher.embedded`: which controller a launcher talks to.
 - :mod:`~taskd_core.launcher.interrupt`: SIGTERM / SIGINT turned into an orderly stop.
 - :mod:`~taskd_core.launcher.node`: :func:`run_node_agent`, the end every launcher shares.
+
+Warm starts (the fork server) and the lifeline that ends workers with their launcher are
+:mod:`taskd_core.forkserver`; hang detection is :mod:`taskd_core.agent.hangs`.
 """
 
 from __future__ import annotations

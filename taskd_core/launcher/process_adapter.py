@@ -12,8 +12,8 @@ import threading
 from collections.abc import Sequence
 
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.forkserver import ForkLauncher
-from taskd_core.launcher.lifeline import Lifeline
+from taskd_core.forkserver.client import ForkLauncher
+from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.spec import LaunchSpec
 from taskd_core.launcher.supervisor import WorkerProcess, stop_processes
 from taskd_core.models import Strategy, WorkerState, WorkerStatus

@@ -10,7 +10,7 @@ gone: its orphaned children still carry the group id), then reap.
 Workers are never forked from the launcher itself (it hosts gRPC, which does
 not survive a fork without exec): they are started by ``exec`` (``Popen``) or
 forked by the fork server, a separate process
-(:mod:`~taskd_core.launcher.forkserver`).
+(:mod:`~taskd_core.forkserver.client`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-from taskd_core.launcher.forkserver import ForkedProcess, ForkLauncher, start_worker
-from taskd_core.launcher.lifeline import Lifeline
+from taskd_core.forkserver.client import ForkedProcess, ForkLauncher, start_worker
+from taskd_core.forkserver.lifeline import Lifeline
 
 logger = logging.getLogger(__name__)
 

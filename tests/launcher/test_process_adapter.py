@@ -17,8 +17,7 @@ from taskd_core.errors import ConfigError, WorkerControlError
 from taskd_core.launcher import LaunchSpec, ProcessAdapter
 from taskd_core.models import Strategy, WorkerState
 from taskd_core.plugins import Adapter, load_adapter
-
-from .helpers import process_running, wait_for_file
+from taskd_core.testing import process_running, wait_for_file
 
 #: Dumps the rank variables to <dir>/<local rank>.<restart>.json, then sleeps or exits as told by argv.
 WORKER = textwrap.dedent(

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from taskd_core.launcher.supervisor import WorkerProcess, group_alive, stop_processes
-
-from .helpers import is_unreaped_child, process_running, wait_for_file
+from taskd_core.testing import is_unreaped_child, process_running, wait_for_file
 
 #: Writes its pid to argv[1] once its SIGTERM handler is in place, then sleeps.
 SLEEPER = textwrap.dedent(

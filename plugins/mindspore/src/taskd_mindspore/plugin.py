@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
+from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers
 from taskd_mindspore.callbacks import CallbackRegistry
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class MSRunPlugin:
         self._registry = CallbackRegistry()
         self._env = env
         # msrun forks every worker with a preexec_fn; gRPC's fork handlers would
-        # kill some of them at birth (see taskd_core.launcher.forksafe). This is
+        # kill some of them at birth (see taskd_core.forkserver.forksafe). This is
         # the first call msrun makes into TaskD, before anything imports grpc.
         disable_grpc_fork_handlers()
 

@@ -38,7 +38,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NoReturn
 
 from taskd_core.errors import ConfigError, FrameworkMissingError, LauncherInterrupted, TaskdError
-from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
+from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.settings import is_loopback
 from taskd_pytorch.adapter import require_torch
@@ -122,8 +122,8 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.run import config_from_args
 
     from taskd_core.agent.node_agent import Outcome
-    from taskd_core.launcher.forkserver import TORCH_PRELOAD, ForkLauncher
-    from taskd_core.launcher.lifeline import Lifeline
+    from taskd_core.forkserver.client import TORCH_PRELOAD, ForkLauncher
+    from taskd_core.forkserver.lifeline import Lifeline
     from taskd_core.launcher.node import run_node_agent
     from taskd_core.plugins import load_adapter
     from taskd_pytorch.adapter import PytorchAdapter

@@ -50,9 +50,9 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.utils.api import macros
 
 from taskd_core.errors import ConfigError, LauncherInterrupted
-from taskd_core.launcher.forkserver import ForkLauncher
+from taskd_core.forkserver.client import ForkLauncher
+from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest
-from taskd_core.launcher.lifeline import Lifeline
 from taskd_core.models import WorkerState, WorkerStatus
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
 from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel

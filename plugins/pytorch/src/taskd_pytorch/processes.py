@@ -10,7 +10,7 @@ Log files still follow the user's ``LogsSpecs`` (``--log-dir``,
 ``--redirects``, ``--tee``): they are laid out once per start of the whole
 group, and each rank's context is handed its own slice of that layout.
 
-With a :class:`~taskd_core.launcher.forkserver.ForkLauncher`, a binary
+With a :class:`~taskd_core.forkserver.client.ForkLauncher`, a binary
 entrypoint (torchrun's ``python -u script.py``) goes through torch's own
 ``SubprocessContext`` whose handler forks the worker from the fork server
 instead of ``Popen`` (torch's log files, tee threads and prefixes unchanged).
@@ -37,8 +37,8 @@ from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.forkserver import ForkedProcess, ForkLauncher, start_worker
-from taskd_core.launcher.lifeline import Lifeline
+from taskd_core.forkserver.client import ForkedProcess, ForkLauncher, start_worker
+from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.models import WorkerState
 from taskd_pytorch._signals import keep_signal_handlers
 

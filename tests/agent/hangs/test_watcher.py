@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from taskd_core.agent import progress as progress_mod
-from taskd_core.agent.progress import Hang, HangSignal, LearnedTimeout, ProgressConfig, ProgressWatcher
+from taskd_core.agent.hangs import watcher as progress_mod
+from taskd_core.agent.hangs.watcher import Hang, HangSignal, LearnedTimeout, ProgressConfig, ProgressWatcher
 from taskd_core.errors import ConfigError
 from taskd_core.worker import ProgressReporter
 
-ROOT = Path(__file__).resolve().parents[2]
-HANGS = Path(__file__).parent / "workers" / "hangs.py"
+ROOT = Path(__file__).resolve().parents[3]
+HANGS = Path(__file__).parents[1] / "workers" / "hangs.py"
 #: Seconds the test waits for a hang at most; detection itself takes about a second here.
 WAIT = 60.0
 #: Small bounds, so each case is found quickly; the floor keeps the learned timeout sane on a loaded machine.

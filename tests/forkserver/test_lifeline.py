@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from taskd_core.launcher.lifeline import Lifeline
+from taskd_core.forkserver.lifeline import Lifeline
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -45,7 +45,7 @@ def test_an_orderly_close_kills_nothing_and_ends_the_guard() -> None:
 
 _LAUNCHER = """
 import subprocess, sys
-from taskd_core.launcher.lifeline import Lifeline
+from taskd_core.forkserver.lifeline import Lifeline
 lifeline = Lifeline()
 kept = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
 freed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)

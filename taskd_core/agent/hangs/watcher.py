@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from taskd_core.agent.steps import STEP_OPS, StepTracker, WorkerId
+from taskd_core.agent.hangs.steps import STEP_OPS, StepTracker, WorkerId
 from taskd_core.errors import ConfigError
 from taskd_core.models import WorkerEvent
 from taskd_core.worker import SOCKET_ENV, STACK_SIGNAL, stack_file

@@ -1,6 +1,6 @@
 """The fork server's own process: preload the framework once, then fork each worker from it.
 
-Run by :mod:`taskd_core.launcher.forkserver` as a fresh ``exec`` of the job's
+Run by :mod:`taskd_core.forkserver.client` as a fresh ``exec`` of the job's
 interpreter, with the job's interpreter flags, as a *file* (not ``-m``), so
 that nothing of TaskD (gRPC, pluggy, the agent) is ever imported here: this
 module uses the standard library only. Its agent talks to it over one

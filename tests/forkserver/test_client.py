@@ -1,6 +1,6 @@
 """The fork server with real processes: a forked worker is indistinguishable from an exec'd one.
 
-Every test starts a real server (``taskd_core/launcher/_forkserver_main.py``
+Every test starts a real server (``taskd_core/forkserver/_server.py``
 run by this interpreter) and real workers; the ``launchers`` fixture closes
 every server, which SIGKILLs what is left of its workers.
 """
@@ -18,15 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from taskd_core.launcher.forkserver import (
+from taskd_core.forkserver.client import (
     ForkedProcess,
     ForkLauncher,
     ForkServerSettings,
     PythonCommand,
     start_worker,
 )
-
-from .helpers import process_running, wait_until
+from taskd_core.testing import process_running, wait_until
 
 #: Generous ceiling of every wait (two loaded cores).
 WAIT = 60.0

@@ -9,7 +9,7 @@ import textwrap
 FORK_UNDER_LOAD = textwrap.dedent(
     """
     import os, subprocess, sys, threading
-    from taskd_core.launcher.forksafe import disable_grpc_fork_handlers
+    from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers
     print("disabled", disable_grpc_fork_handlers())
     from taskd_core.client.manager import DLRecoverManager
     from taskd_core.controller.server import EmbeddedController
@@ -52,7 +52,7 @@ def test_launcher_entry_points_import_no_grpc() -> None:
 def test_too_late_is_reported() -> None:
     probe = (
         "import logging, grpc; logging.basicConfig(); "
-        "from taskd_core.launcher.forksafe import disable_grpc_fork_handlers as d; print(d())"
+        "from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers as d; print(d())"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False"

@@ -1,6 +1,6 @@
 """How far each worker's training got: the step it resumed from, the last step it reached.
 
-The progress watcher (:mod:`taskd_core.agent.progress`) feeds :class:`StepTracker`
+The progress watcher (:mod:`taskd_core.agent.hangs.watcher`) feeds :class:`StepTracker`
 with the ``resumed N`` and ``step N`` datagrams of :mod:`taskd_core.worker`;
 the tracker turns them into ``resumed`` and ``stepping`` (first step done after
 resuming) :class:`~taskd_core.models.WorkerEvent` values for the controller's

@@ -7,14 +7,14 @@ kernel closes that pipe when the launcher's last thread is gone, for any
 cause, and the guard then SIGKILLs every worker process group the launcher
 had registered with :meth:`Lifeline.adopt`. Each worker leads its own
 process group, so whatever it spawned goes with it. Measured in
-``tests/launcher/test_lifeline.py``: no worker left 1 s after SIGKILL.
+``tests/forkserver/test_lifeline.py``: no worker left 1 s after SIGKILL.
 
 Why not ``PR_SET_PDEATHSIG`` in each exec'd worker: setting it needs code
 between fork and exec (``preexec_fn``, unsafe beside gRPC's threads) or an
 extra interpreter start per worker; it fires when the *thread* that started
 the worker ends, not the launcher; and it reaches the worker but not its
 children. A process TaskD forks without exec (a fork server's worker) sets
-PR_SET_PDEATHSIG itself (``_forkserver_main``): it has no exec to survive.
+PR_SET_PDEATHSIG itself (``taskd_core.forkserver._server``): it has no exec to survive.
 """
 
 from __future__ import annotations

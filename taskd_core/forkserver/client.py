@@ -5,7 +5,7 @@ A worker restart used to be a cold ``python script.py``: interpreter start,
 step and the script's own imports, seconds each time. The fork server is a
 process of the job's own interpreter, started by a fresh ``exec`` (never forked
 from the launcher, which holds gRPC threads), that imports the framework once
-and then forks each worker; see :mod:`taskd_core.launcher._forkserver_main`
+and then forks each worker; see :mod:`taskd_core.forkserver._server`
 for the server and for what a forked child looks like to its script.
 
 :class:`ForkLauncher` is what adapters use: :meth:`ForkLauncher.start` takes
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from taskd_core.errors import TaskdError
-from taskd_core.launcher import _forkserver_main as wire
+from taskd_core.forkserver import _server as wire
 
 logger = logging.getLogger(__name__)
 

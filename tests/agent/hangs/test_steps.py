@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from taskd_core import worker as worker_mod
-from taskd_core.agent.progress import ProgressConfig, ProgressWatcher
-from taskd_core.agent.steps import StepTracker, WorkerId
+from taskd_core.agent.hangs.steps import StepTracker, WorkerId
+from taskd_core.agent.hangs.watcher import ProgressConfig, ProgressWatcher
 from taskd_core.errors import ConfigError
 from taskd_core.models import WorkerEventKind
 from taskd_core.worker import MAX_STEP, ProgressReporter
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WAIT = 60.0
 
 #: Resumes from argv[1], steps to argv[2] 0.01 s apart (most steps fall inside the beat gap),

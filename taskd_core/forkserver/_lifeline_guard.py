@@ -1,4 +1,4 @@
-"""The guard process of :mod:`taskd_core.launcher.lifeline` (run by path, with ``python -I -S``).
+"""The guard process of :mod:`taskd_core.forkserver.lifeline` (run by path, with ``python -I -S``).
 
 It imports nothing from TaskD, so it starts in milliseconds. Its stdin is a
 pipe from the launcher carrying one line per change: ``+PID`` (a worker

@@ -1,4 +1,8 @@
-"""Helpers for tests that start real child processes."""
+"""Helpers for tests that start real child processes: deadline waits and process checks.
+
+For TaskD's own suite and for adapter authors testing their hooks against real workers;
+imported by tests only, never by TaskD itself.
+"""
 
 from __future__ import annotations
 
