@@ -14,7 +14,13 @@ Python workers warm and to make sure none outlives it:
 
 from __future__ import annotations
 
-from taskd_core.forkserver.client import TORCH_PRELOAD, ForkLauncher, ForkServerError, ForkServerSettings
+from taskd_core.forkserver.client import (
+    TORCH_PRELOAD,
+    ForkHooks,
+    ForkLauncher,
+    ForkServerError,
+    ForkServerSettings,
+)
 from taskd_core.forkserver.lifeline import Lifeline
 
-__all__ = ["TORCH_PRELOAD", "ForkLauncher", "ForkServerError", "ForkServerSettings", "Lifeline"]
+__all__ = ["TORCH_PRELOAD", "ForkHooks", "ForkLauncher", "ForkServerError", "ForkServerSettings", "Lifeline"]

@@ -8,7 +8,8 @@ module uses the standard library only. Its agent talks to it over one
 descriptors as ``SCM_RIGHTS``):
 
 * server → agent, once: ``ready`` (what was preloaded) or ``refused`` (a
-  device context exists after preloading: forking it would be broken);
+  device context exists after preloading, or a fork hook cannot be found:
+  forking would be broken);
 * agent → server: ``spawn`` (argv, environment, cwd; stdin/stdout/stderr as
   passed descriptors); server → agent: ``spawned`` (pid) or ``failed``;
 * server → agent: ``exited`` (pid, Popen-style return code: ``-N`` when
@@ -22,6 +23,13 @@ the passed stdio, environment, cwd, ``sys.argv``/``sys.orig_argv``,
 fresh interpreter, new seeds for torch's and numpy's global generators
 (``random`` reseeds itself at fork), Python's exit semantics (``sys.exit(n)``,
 traceback + 1, ``atexit`` handlers, waiting for non-daemon threads).
+
+Fork hooks: a framework that must be told about a fork (MindSpore's
+``fork_utils``: ``prepare_before_fork``, ``parent_at_fork``,
+``child_at_fork``) names its callables (``module:attribute.path``), which
+the server resolves after the preload and calls around each fork of a
+worker only (not ``os.register_at_fork``: a worker that forks by itself
+calls them its own way).
 
 Lifetime: the server exits when its control socket reaches EOF (the agent
 closed it or died, SIGKILL included), SIGKILLing every child's process group
@@ -49,7 +57,7 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -128,6 +136,36 @@ def preload(modules: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     return [m for m in modules if m not in failed], failed
 
 
+#: A fork hook: called with no arguments, its result ignored.
+Hook = Callable[[], object]
+
+
+def resolve(name: str) -> Hook:
+    """The object ``module:attribute.path`` names (the module is imported)."""
+    module, _, path = name.partition(":")
+    found: Any = importlib.import_module(module)
+    for attribute in filter(None, path.split(".")):
+        found = getattr(found, attribute)
+    if not callable(found):
+        raise TypeError(f"{name} is not callable")
+    hook: Hook = found
+    return hook
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What the server calls around each fork of a worker: before it, then in the parent or the child."""
+
+    before: Hook | None = None
+    parent: Hook | None = None
+    child: Hook | None = None
+
+    @classmethod
+    def named(cls, before: str, parent: str, child: str) -> Hooks:
+        """Hooks from ``module:attribute`` names ('' for none); raises what importing or looking up raises."""
+        return cls(*(resolve(n) if n else None for n in (before, parent, child)))
+
+
 @dataclass(frozen=True)
 class FreshState:
     """What the interpreter looked like before the server changed anything: what every child gets back."""
@@ -170,15 +208,20 @@ class ChildJob:
     server_pid: int
     #: the server's descriptors the child must not keep.
     server_fds: tuple[int, ...]
+    #: called in the child once its stdio and signals are the worker's (a failure ends it with 1).
+    child_hook: Hook | None = None
 
 
 class Server:
     """The loop: fork on request, reap children, learn modules, exit with the control socket."""
 
-    def __init__(self, control: socket.socket, fresh: FreshState, learn: bool) -> None:
+    def __init__(
+        self, control: socket.socket, fresh: FreshState, learn: bool, hooks: Hooks | None = None
+    ) -> None:
         self.control = control
         self.fresh = fresh
         self.learn = learn
+        self.hooks = hooks or Hooks()
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.learning: dict[int, bytearray] = {}  # read end of a child's module report -> pending bytes
         self.poller = select.poll()
@@ -219,15 +262,17 @@ class Server:
         sys.stderr.flush()
         server_pid = os.getpid()  # taken before the fork: the child's getppid() may already be another
         try:
-            pid = os.fork()
-        except OSError as exc:
+            pid = self.fork()
+        except Exception as exc:  # noqa: BLE001 - the fork or a framework's hook: the agent execs instead
             for fd in (*fds, *(x for x in (learn_r, learn_w) if x is not None)):
                 os.close(fd)
             send_message(self.control, {"op": "failed", "id": request["id"], "reason": str(exc)})
             return None
         if pid == 0:
             own = (self.control.fileno(), *self.children, *self.learning, *([learn_r] if learn_r else []))
-            return ChildJob(request, (fds[0], fds[1], fds[2]), learn_w, self.fresh, server_pid, own)
+            return ChildJob(
+                request, (fds[0], fds[1], fds[2]), learn_w, self.fresh, server_pid, own, self.hooks.child
+            )
         for fd in fds:
             os.close(fd)
         pidfd = os.pidfd_open(pid)
@@ -239,6 +284,26 @@ class Server:
             self.poller.register(learn_r, select.POLLIN)
         send_message(self.control, {"op": "spawned", "id": request["id"], "pid": pid})
         return None
+
+    def fork(self) -> int:
+        """``os.fork()`` between the framework's hooks; a child the parent hook failed for is killed."""
+        if self.hooks.before is not None:
+            self.hooks.before()
+        try:
+            pid = os.fork()
+        except OSError:
+            if self.hooks.parent is not None:
+                self.hooks.parent()
+            raise
+        if pid == 0 or self.hooks.parent is None:
+            return pid
+        try:
+            self.hooks.parent()
+        except BaseException:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise
+        return pid
 
     def reap(self, pidfd: int) -> None:
         pid = self.children.pop(pidfd)
@@ -328,6 +393,12 @@ def _become_worker(job: ChildJob) -> None:
     for sig, handler in job.fresh.dispositions.items():
         signal.signal(sig, handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, job.fresh.mask)
+    if job.child_hook is not None:
+        try:
+            job.child_hook()
+        except BaseException as exc:  # noqa: BLE001 - the worker cannot run on a half-reset framework
+            os.write(2, f"taskd fork server: the after-fork hook failed: {exc!r}\n".encode(errors="replace"))
+            os._exit(1)
     request = job.request
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -448,6 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fd", type=int, required=True, help="the control socket inherited from the agent")
     p.add_argument("--preload", default="", help="modules to import before serving, comma separated")
     p.add_argument("--learn", action="store_true", help="also import the installed modules workers import")
+    for when in ("before-fork", "parent-after-fork", "child-after-fork"):
+        p.add_argument(f"--{when}", default="", help=f"module:attribute called {when.replace('-', ' ')}")
     args = p.parse_args(argv)
     fresh = FreshState.now()
     _set_name(SERVER_NAME)
@@ -459,12 +532,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unsafe:
         send_message(control, {"op": "refused", "reason": f"{unsafe} was initialised while preloading"})
         return 1
+    try:
+        hooks = Hooks.named(args.before_fork, args.parent_after_fork, args.child_after_fork)
+    except Exception as exc:  # noqa: BLE001 - whatever a missing or broken framework raises
+        reason = f"fork hook not found: {type(exc).__name__}: {exc}"
+        send_message(control, {"op": "refused", "reason": reason})
+        return 1
     warnings.filterwarnings(
         "ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning
     )
     gc.freeze()  # objects from the preload are shared copy-on-write; the collector must not touch them
     send_message(control, {"op": "ready", "pid": os.getpid(), "preloaded": done, "failed": failed})
-    job = Server(control, fresh, args.learn).serve()
+    job = Server(control, fresh, args.learn, hooks).serve()
     if job is None:
         return 0
     end_child(job)

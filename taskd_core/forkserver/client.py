@@ -71,6 +71,29 @@ class ForkServerError(TaskdError):
 
 
 @dataclass(frozen=True, slots=True)
+class ForkHooks:
+    """Callables the server calls around each fork of a worker, named ``module:attribute.path``.
+
+    For a framework that must be told of a fork (MindSpore's ``fork_utils``);
+    resolved in the server after the preload (a name that cannot be resolved
+    makes it refuse to serve: workers start by exec). '' for none.
+    """
+
+    before: str = ""
+    parent: str = ""
+    child: str = ""
+
+    def argv(self) -> list[str]:
+        """The server's command-line options for these hooks."""
+        options = (
+            ("--before-fork", self.before),
+            ("--parent-after-fork", self.parent),
+            ("--child-after-fork", self.child),
+        )
+        return [part for option, name in options if name for part in (option, name)]
+
+
+@dataclass(frozen=True, slots=True)
 class ForkServerSettings:
     """Whether workers are forked from a fork server, and what the server imports first."""
 
@@ -82,6 +105,8 @@ class ForkServerSettings:
     learn: bool = True
     #: seconds the first start waits for the server to finish preloading before it execs instead.
     ready_timeout: float = 120.0
+    #: the framework's own fork handlers, called around each fork.
+    hooks: ForkHooks = ForkHooks()
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +294,7 @@ class ForkServer:
         server_file = str(Path(wire.__file__).resolve())
         command = [job.interpreter, *job.flags, server_file, "--fd", str(theirs.fileno())]
         command += ["--preload", ",".join(preload)] + (["--learn"] if settings.learn else [])
+        command += settings.hooks.argv()
         try:
             self.process = subprocess.Popen(
                 command,

@@ -1,0 +1,73 @@
+"""What a process forked from the MindSpore fork server runs first (the server's child hook).
+
+Imported by the fork server itself, so it uses the standard library and
+MindSpore only (``taskd_mindspore``'s package ``__init__`` imports nothing).
+
+:func:`child_after_fork` calls MindSpore's own ``fork_utils.child_at_fork``
+(MindSpore resets its thread pools and executors there; the server called
+``prepare_before_fork`` / ``parent_at_fork`` around the fork). Then, for the
+seconds ``communication.init()`` takes, it works around two waits of
+MindSpore 2.10's cluster start that a restart otherwise pays in full:
+
+* **a lost connect.** ``TCPComm::Connect`` marks a new connection
+  "connecting" after handing its socket to the event-loop thread; over
+  loopback the connect completes at once, and when that thread is woken onto
+  the same core it preempts the caller, marks the connection "connected"
+  first and is then overwritten: the registration with the scheduler fails and
+  is retried after 0.5 s, on a busy machine again and again (15 times in a row
+  measured). The process runs as ``SCHED_BATCH`` meanwhile, whose threads do
+  not preempt on wake-up, so the caller finishes first;
+* **a fixed 3 s sleep.** The CPU collective library looks up each peer's
+  address and ``sleep(3)``\\ s when it is not published yet; the worker that
+  registered last always looks first. ``init()`` holds the GIL, so no Python
+  thread can help; instead the agent sends :data:`WAKE_SIGNAL` to the
+  worker's main thread at :data:`WAKE_AFTER` seconds after its start, for
+  which this hook installs a handler that does nothing, with ``SA_RESTART``:
+  ``sleep()`` is never restarted and ends early, every call that can be
+  restarted is.
+
+The first time the handler runs at or after the last wake-up, it puts the
+signal's default back and every thread of the process back to
+``SCHED_OTHER``, so the script goes on as a fresh interpreter would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import FrameType
+
+#: The signal that wakes a forked worker's main thread (default action: ignored).
+WAKE_SIGNAL = signal.SIGURG
+#: Seconds after a forked start at which the agent wakes its main thread. A wake-up during MindSpore's
+#: address lookup spends one of the 19 tries it allows (3 s each): seven leave it 36 s for a slow peer.
+WAKE_AFTER = (0.6, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
+
+
+def _every_thread(policy: int) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+        except OSError:
+            pass  # the thread ended meanwhile
+
+
+def child_after_fork() -> None:
+    """MindSpore's child hook, then the start-up workarounds (where the signal still has its default)."""
+    from mindspore._c_expression import fork_utils
+
+    fork_utils.child_at_fork()
+    if signal.getsignal(WAKE_SIGNAL) is not signal.SIG_DFL or os.sched_getscheduler(0) != os.SCHED_OTHER:
+        return
+    started = time.monotonic()
+
+    def on_wake(signum: int, frame: FrameType | None) -> None:
+        if time.monotonic() - started >= WAKE_AFTER[-1]:
+            signal.signal(WAKE_SIGNAL, signal.SIG_DFL)
+            _every_thread(os.SCHED_OTHER)
+
+    signal.signal(WAKE_SIGNAL, on_wake)
+    signal.siginterrupt(WAKE_SIGNAL, False)
+    # Threads started from now on (MindSpore's event loops) inherit it.
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
