@@ -264,8 +264,8 @@ def test_faults_beyond_the_budget_give_the_job_up(job: MsrunJob) -> None:
 
 def test_one_node_survives_its_ranks_and_its_fork_server_keeping_the_users_heartbeat(job: MsrunJob) -> None:
     """One node, one job, in turn: a script that forks by itself; SIGKILL of rank 1, then of both ranks, then of
-    the fork server while it forks a restart (→ msrun's own start, and a new server); the heartbeat bounds the
-    user set are the ones every worker sees; the job ends at the stop step with exit 0 and nothing left."""
+    a rank and the fork server together (the restart finds no server: msrun's own start; a new server comes up);
+    the heartbeat bounds the user set are the ones every worker sees; the job ends at the stop step, exit 0."""
     job.nnodes = 1
     stop = job.root / "stop-at"
     job.env.update(MS_RETRY_INTERVAL_LOWER="1", MS_RETRY_INTERVAL_UPPER="2", TASKD_MAX_CYCLES="10")
@@ -286,11 +286,10 @@ def test_one_node_survives_its_ranks_and_its_fork_server_keeping_the_users_heart
         os.kill(job.pid_of(rank), signal.SIGKILL)
     job.wait_new_pids([0, 1], old)
 
-    # The fork server dies while it forks the next restart's workers.
+    # The fork server dies with a rank: the restart finds no server ready (its replacement preloads).
     old = {p["pid"] for p in job.events()}
     started = {e["pid"] for e in job.events("start")}
     os.kill(job.pid_of(0), signal.SIGKILL)
-    wait_until(lambda: {e["pid"] for e in job.events("start")} - started, timeout=120, what="a restarted worker")
     os.kill(servers[0], signal.SIGKILL)
     job.wait_new_pids([0, 1], old)
     msrun = job.nodes[0].pid

@@ -4,6 +4,7 @@ the forked scheduler, and what the forked processes see (``taskd_mindspore.warm`
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from ms_support import WORKER, FakeMsrun, alive, wait_until
 
+from taskd_core.errors import ConfigError
 from taskd_core.forkserver import ForkServerSettings
 from taskd_core.forkserver.client import ForkedProcess
 from taskd_mindspore.callbacks import CallbackRegistry, MsrunCallbacks
@@ -66,6 +68,8 @@ def test_msruns_own_starts_stay_when_warm_starts_do_not_fit(
     """Switched off, another MindSpore, or callbacks that are not msrun's: None, said once in the log."""
     callbacks = _callbacks(msrun_like)
     assert why_not(callbacks, {FORK_SERVER_ENV: "0"}) == f"{FORK_SERVER_ENV}=0"
+    with pytest.raises(ConfigError, match="TASKD_FORK_SERVER: 'off' is neither 0 .msrun's own starts. nor 1"):
+        why_not(callbacks, {FORK_SERVER_ENV: "off"})
     monkeypatch.setitem(sys.modules, "mindspore", types.SimpleNamespace(__version__="2.9.1"))
     assert "MindSpore 2.9.1 is not the 2.10.x" in str(why_not(callbacks, {}))
     monkeypatch.setitem(sys.modules, "mindspore", types.SimpleNamespace(__version__="2.10.0"))
@@ -112,25 +116,33 @@ def test_a_forked_scheduler_is_replaced_from_the_command_msrun_used(tmp_path: Pa
     server), reuse that command; one that died with its fork server is started again; finish ends it."""
     script = tmp_path / "sched.py"
     script.write_text(WORKER)
+    # As msrun starts it: Popen without env, i.e. the C library's environment (which the fork server has too).
     original = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path), "-1"], env=dict(os.environ, MS_ROLE="MS_SCHED")
+        [sys.executable, str(script), str(tmp_path), "-1"], env={**process_environment(), "MS_ROLE": "MS_SCHED"}
     )
-    wait_until(lambda: find_scheduler(os.getpid()) is not None, what="msrun's scheduler")
     scheduler = Scheduler(start=warm.start_scheduler)
-    assert scheduler.restart(10.0) and not alive(original.pid)  # and reaped: its Popen sees no status
-    first = scheduler._own
-    assert isinstance(first, ForkedProcess) and alive(first.pid)
-    assert scheduler.restart(10.0)
-    second = scheduler._own
-    assert isinstance(second, ForkedProcess) and second.pid != first.pid and first.poll() == -9
-    os.kill(second.pid, 9)  # as PR_SET_PDEATHSIG does when its fork server dies
-    second.wait(10)
-    assert scheduler.restart(10.0)
-    third = scheduler._own
-    assert third is not None and third.pid != second.pid and alive(third.pid)
-    (tmp_path / "release").touch()
-    scheduler.finish(30.0, 10.0)
-    assert third.poll() == 0
+    try:
+        wait_until(lambda: find_scheduler(os.getpid()) is not None, what="msrun's scheduler")
+        assert scheduler.restart(10.0) and not alive(original.pid)  # and reaped: its Popen sees no status
+        first = scheduler._own
+        assert isinstance(first, ForkedProcess) and alive(first.pid)
+        assert scheduler.restart(10.0)
+        second = scheduler._own
+        assert isinstance(second, ForkedProcess) and second.pid != first.pid and first.poll() == -9
+        os.kill(second.pid, 9)  # as PR_SET_PDEATHSIG does when its fork server dies
+        second.wait(10)
+        assert scheduler.restart(10.0)
+        third = scheduler._own
+        assert third is not None and third.pid != second.pid and alive(third.pid)
+        (tmp_path / "release").touch()
+        scheduler.finish(30.0, 10.0)
+        assert third.poll() == 0
+    finally:
+        (tmp_path / "release").touch()
+        scheduler.finish(10.0, 5.0)
+        if original.poll() is None:
+            original.kill()
+            original.wait()
 
 
 def test_without_a_scheduler_nothing_is_started(warm: WarmStarts) -> None:
@@ -173,3 +185,34 @@ def test_the_dump_request_is_a_flag_set_by_the_dump_signal(tmp_path: Path) -> No
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] True [('save', 'params'), 'stop']"
+
+
+@pytest.mark.slow
+def test_a_worker_forked_after_import_mindspore_runs_ops_and_ends_up_as_a_fresh_one(tmp_path: Path) -> None:
+    """From the MindSpore fork server (MindSpore's fork hooks around each fork): the worker runs MindSpore ops;
+    during its start-up it runs as SCHED_BATCH with the wake-up handler, which the last wake-up undoes."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json, os, signal, sys, time
+            import mindspore as ms
+            def policies():
+                return sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")})
+            early = [policies(), signal.getsignal(signal.SIGURG) is signal.SIG_DFL]
+            value = float((ms.Tensor([1.0, 2.0]) * 2).sum().asnumpy())
+            time.sleep(5.5)  # past the last wake-up; time.sleep carries on through the handler
+            late = [policies(), signal.getsignal(signal.SIGURG) is signal.SIG_DFL]
+            print(json.dumps({"early": early, "late": late, "value": value}))
+            """
+        )
+    )
+    starts = WarmStarts([sys.executable, str(script)])
+    try:
+        with open(tmp_path / "out.json", "w") as out:
+            worker = starts.start([sys.executable, str(script)], process_environment(), stdout=out)
+            assert isinstance(worker, ForkedProcess) and worker.wait(120) == 0
+    finally:
+        starts.close()
+    seen = json.loads((tmp_path / "out.json").read_text().splitlines()[-1])
+    assert seen == {"early": [[os.SCHED_BATCH], False], "late": [[os.SCHED_OTHER], True], "value": 6.0}

@@ -43,6 +43,8 @@ WAKE_SIGNAL = signal.SIGURG
 #: Seconds after a forked start at which the agent wakes its main thread. A wake-up during MindSpore's
 #: address lookup spends one of the 19 tries it allows (3 s each): seven leave it 36 s for a slow peer.
 WAKE_AFTER = (0.6, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
+#: A wake-up this long after the child's start is the last one (the agent counts from a little later).
+_LAST_WAKE = (WAKE_AFTER[-2] + WAKE_AFTER[-1]) / 2
 
 
 def _every_thread(policy: int) -> None:
@@ -54,20 +56,23 @@ def _every_thread(policy: int) -> None:
 
 
 def child_after_fork() -> None:
-    """MindSpore's child hook, then the start-up workarounds (where the signal still has its default)."""
+    """MindSpore's child hook, and the start-up workarounds where the signal and policy are the defaults."""
     from mindspore._c_expression import fork_utils
 
+    defaults = signal.getsignal(WAKE_SIGNAL) is signal.SIG_DFL, os.sched_getscheduler(0) == os.SCHED_OTHER
+    workaround = all(defaults)
+    if workaround:
+        # First: threads started from now on (MindSpore's, its event loops) inherit it.
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     fork_utils.child_at_fork()
-    if signal.getsignal(WAKE_SIGNAL) is not signal.SIG_DFL or os.sched_getscheduler(0) != os.SCHED_OTHER:
+    if not workaround:
         return
     started = time.monotonic()
 
     def on_wake(signum: int, frame: FrameType | None) -> None:
-        if time.monotonic() - started >= WAKE_AFTER[-1]:
+        if time.monotonic() - started >= _LAST_WAKE:
             signal.signal(WAKE_SIGNAL, signal.SIG_DFL)
             _every_thread(os.SCHED_OTHER)
 
     signal.signal(WAKE_SIGNAL, on_wake)
     signal.siginterrupt(WAKE_SIGNAL, False)
-    # Threads started from now on (MindSpore's event loops) inherit it.
-    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))

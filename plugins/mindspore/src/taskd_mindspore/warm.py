@@ -1,18 +1,19 @@
 """Warm msrun restarts: workers (and the scheduler TaskD restarts) forked from a MindSpore fork server.
 
-Where a MindSpore 2.10 restart's time went (measured on the msrun job of
-``bench/mindspore_bench.py``, 2 workers with an AllReduce per step):
+Where a MindSpore 2.10 restart's time went, measured on the msrun job of
+``bench/mindspore_bench.py`` (2 workers, an AllReduce per step, 2 busy cores):
 
-* ``import mindspore`` in every restarted process: 1.4-3 s (more when the
-  scheduler and the workers import at once on two cores);
+* ``import mindspore`` in every restarted process: 1.4-3 s, more when the
+  scheduler and the workers import at once;
 * ``communication.init()``: 3-5 s. A worker learns that the cluster is
-  complete only from a heartbeat reply, and it sends one every
+  complete only from a heartbeat reply, sent every
   ``MS_RETRY_INTERVAL_LOWER``..``UPPER`` s (3..5); then MindSpore's CPU
-  collective library fetches its peers' addresses and, for each one not yet
-  published, sleeps a fixed 3 s (``CollectiveNode::SynchronizeAddresses``)
-  before it looks again: the worker that registered last is always the first
-  to look, so it always pays those 3 s;
-* the first compiled step: well under a second.
+  collective library looks up its peers' addresses and sleeps a fixed 3 s for
+  each one not published yet, which the worker that registered last always
+  pays; on a busy machine a registration with the scheduler is also lost and
+  retried after 0.5 s, often many times in a row
+  (:mod:`taskd_mindspore.forkhooks` explains both);
+* compiling the first step: 0.5-3 s (the script's graph).
 
 What this module removes, under msrun's own bookkeeping:
 
@@ -29,11 +30,14 @@ What this module removes, under msrun's own bookkeeping:
   ``Popen`` (pid, ``poll()`` with the real exit code, its own session for
   ``killpg``), so ``MONITOR`` and ``KILL_WORKER`` work unchanged; the scheduler
   TaskD starts on a full restart is forked the same way;
-* the 3 s sleep: after each forked start the main thread of the worker is woken
-  a few times (:data:`WAKE_AFTER`) by a signal whose handler does nothing
-  (:mod:`taskd_mindspore.forkhooks`), which ends that ``sleep()`` early; a
-  sleep that is not woken still lasts its 3 s, so a slow peer costs no more
-  than before.
+* the lost registrations and the 3 s sleep, in forked processes: their
+  start-up runs as ``SCHED_BATCH``, and the agent wakes each one's main thread
+  at :data:`~taskd_mindspore.forkhooks.WAKE_AFTER` with a signal whose handler
+  does nothing, which ends that ``sleep()`` early (one not woken still lasts
+  its 3 s, so a slow peer costs no more than before).
+
+The first compiled step stays: MindSpore's compile cache would spare it, but
+it is the script's to turn on (docs/warm-restarts.md).
 
 Anything that does not fit (another MindSpore than 2.10, ``--bind_core`` /
 ``--bind_numa``, ``--sim_level``, a worker command that is not a Python
@@ -53,6 +57,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from types import ModuleType
 from typing import IO, Any
 
+from taskd_core.errors import ConfigError
 from taskd_core.forkserver import ForkHooks, ForkLauncher, ForkServerSettings
 from taskd_core.forkserver.client import ForkedProcess, PythonCommand
 from taskd_mindspore.callbacks import MsrunCallbacks
@@ -84,7 +89,6 @@ _API = "mindspore.parallel.cluster.process_entity._api"
 _UTILS = "mindspore.parallel.cluster.process_entity._utils"
 #: tgkill(2)'s system call number by machine.
 _TGKILL = {"x86_64": 234, "aarch64": 131}
-_OFF = frozenset({"0", "off", "false", "no"})
 
 Process = subprocess.Popen[bytes] | ForkedProcess
 
@@ -120,9 +124,15 @@ def process_environment() -> dict[str, str]:
 
 
 def why_not(callbacks: MsrunCallbacks, env: Mapping[str, str]) -> str | None:
-    """Why msrun's own worker starts must stay, or None when they can be forked."""
-    if env.get(FORK_SERVER_ENV, "").strip().lower() in _OFF:
-        return f"{FORK_SERVER_ENV}={env[FORK_SERVER_ENV]}"
+    """Why msrun's own worker starts must stay, or None when they can be forked.
+
+    :raises ConfigError: for a ``TASKD_FORK_SERVER`` that is neither 0 nor 1.
+    """
+    switch = env.get(FORK_SERVER_ENV, "").strip() or "1"
+    if switch not in ("0", "1"):
+        raise ConfigError(f"{FORK_SERVER_ENV}: {switch!r} is neither 0 (msrun's own starts) nor 1 (forked)")
+    if switch == "0":
+        return f"{FORK_SERVER_ENV}=0"
     mindspore = sys.modules.get("mindspore")
     version = str(getattr(mindspore, "__version__", "not imported"))
     if not version.startswith(TESTED_MINDSPORE):
