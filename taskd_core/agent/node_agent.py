@@ -72,9 +72,12 @@ class NodeAgent:
         self._lock = threading.RLock()
         self._watch = PidWatch()
         self._fault_reports = ThreadPoolExecutor(1, thread_name_prefix=f"taskd-faults-{config.job_id}")
+        # Set by other threads; each pass of the loop reads them as one Notices (with the dispatcher's).
         self._shutdown_signal: int | None = None
         #: why the signal stream ended for good, when the controller could not be reached any more.
         self._controller_lost: str | None = None
+        #: why the agent must end the job itself: a fault report the controller did not take.
+        self._unreported: str | None = None
         #: (local rank, pid) of workers whose end is not a fault: stopped on purpose or already reported.
         self._settled: set[tuple[int, int | None]] = set()
         self._progress = (
@@ -83,8 +86,6 @@ class NodeAgent:
             else None
         )
         self._ledger = WorkerLedger(last_step=self._progress.last_step) if self._progress else WorkerLedger()
-        #: why the agent must end the job itself: a fault report the controller did not take.
-        self._unreported: str | None = None
         self._crashloop = CrashLoop(config.restart_backoff)
         #: global ranks whose fault report the restart backoff holds back, and until when.
         self._held: dict[int, _Held] = {}
