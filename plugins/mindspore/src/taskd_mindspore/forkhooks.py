@@ -26,15 +26,20 @@ MindSpore 2.10's cluster start that a restart otherwise pays in full:
   ``sleep()`` is never restarted and ends early, every call that can be
   restarted is.
 
-The first time the handler runs at or after the last wake-up, it puts the
-signal's default back and every thread of the process back to
-``SCHED_OTHER``, so the script goes on as a fresh interpreter would.
+``SCHED_BATCH`` also slows MindSpore's own hand-offs between threads (the
+first step's compilation took up to twice as long), so it ends as soon as
+the handler runs after ``init()`` returned, and for every process at the
+last wake-up (the agent sets the threads back, as the handler cannot run in
+a scheduler, whose ``init()`` lasts the whole job). The handler puts the
+signal's default back when it runs at the last wake-up, so the script goes
+on as a fresh interpreter would.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from types import FrameType
 
@@ -47,12 +52,20 @@ WAKE_AFTER = (0.6, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
 _LAST_WAKE = (WAKE_AFTER[-2] + WAKE_AFTER[-1]) / 2
 
 
-def _every_thread(policy: int) -> None:
-    for tid in os.listdir("/proc/self/task"):
+def end_batch(pid: int | None = None) -> None:
+    """Every ``SCHED_BATCH`` thread of ``pid`` (None: this process) back to ``SCHED_OTHER``."""
+    for tid in os.listdir(f"/proc/{'self' if pid is None else pid}/task"):
         try:
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            if os.sched_getscheduler(int(tid)) == os.SCHED_BATCH:
+                os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
         except OSError:
-            pass  # the thread ended meanwhile
+            pass  # the thread (or the process) ended meanwhile
+
+
+def _initialized() -> bool:
+    """Whether ``mindspore.communication.init()`` returned in this process."""
+    helper = sys.modules.get("mindspore.communication._comm_helper")
+    return bool(getattr(getattr(helper, "GlobalComm", None), "INITED", False))
 
 
 def child_after_fork() -> None:
@@ -70,9 +83,13 @@ def child_after_fork() -> None:
     started = time.monotonic()
 
     def on_wake(signum: int, frame: FrameType | None) -> None:
-        if time.monotonic() - started >= _LAST_WAKE:
+        # A handler runs only between bytecodes: init() holds the GIL, so once it returned, or when the
+        # script has not reached it yet. SCHED_BATCH slows MindSpore's own thread hand-offs (compiling).
+        late = time.monotonic() - started >= _LAST_WAKE
+        if late or _initialized():
+            end_batch()
+        if late:
             signal.signal(WAKE_SIGNAL, signal.SIG_DFL)
-            _every_thread(os.SCHED_OTHER)
 
     signal.signal(WAKE_SIGNAL, on_wake)
     signal.siginterrupt(WAKE_SIGNAL, False)

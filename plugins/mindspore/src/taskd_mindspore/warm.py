@@ -61,7 +61,7 @@ from taskd_core.errors import ConfigError
 from taskd_core.forkserver import ForkHooks, ForkLauncher, ForkServerSettings
 from taskd_core.forkserver.client import ForkedProcess, PythonCommand
 from taskd_mindspore.callbacks import MsrunCallbacks
-from taskd_mindspore.forkhooks import WAKE_AFTER, WAKE_SIGNAL
+from taskd_mindspore.forkhooks import WAKE_AFTER, WAKE_SIGNAL, end_batch
 from taskd_mindspore.scheduler import SchedulerCommand
 
 logger = logging.getLogger(__name__)
@@ -270,10 +270,12 @@ def _tgkill(pid: int, sig: int) -> None:
 
 
 class _Waker:
-    """Wakes each forked worker's main thread at :data:`WAKE_AFTER` after its start, from one thread."""
+    """Wakes each forked process's main thread at :data:`WAKE_AFTER` after its start, from one thread;
+    at the last wake-up it also ends the process's ``SCHED_BATCH`` start-up."""
 
     def __init__(self) -> None:
-        self._due: list[tuple[float, int]] = []
+        #: (when, pid, whether it is the last wake-up of that pid)
+        self._due: list[tuple[float, int, bool]] = []
         self._cond = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -281,7 +283,7 @@ class _Waker:
     def wake(self, pid: int) -> None:
         now = time.monotonic()
         with self._cond:
-            self._due += [(now + after, pid) for after in WAKE_AFTER]
+            self._due += [(now + after, pid, after == WAKE_AFTER[-1]) for after in WAKE_AFTER]
             self._due.sort()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="taskd-ms-wake", daemon=True)
@@ -294,13 +296,18 @@ class _Waker:
                 if not self._due:
                     self._cond.wait()
                     continue
-                at, pid = self._due[0]
+                at, pid, last = self._due[0]
                 left = at - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)
                     continue
                 self._due.pop(0)
                 _tgkill(pid, WAKE_SIGNAL)
+                if last:
+                    try:
+                        end_batch(pid)
+                    except FileNotFoundError:
+                        pass  # the process is gone
 
     def close(self) -> None:
         with self._cond:
