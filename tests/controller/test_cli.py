@@ -168,7 +168,7 @@ def test_health_port_answers_plaintext_probes_beside_a_tls_listener(tmp_path, co
     """What a Kubernetes gRPC probe sees: SERVING over plaintext, while the main port speaks only TLS."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from tests.e2e.harness import free_port
+    from taskd_core.testing import free_port
 
     probe_port = free_port()
     child = controller_process(
