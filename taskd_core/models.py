@@ -388,7 +388,10 @@ class JobStatus:
 
 @dataclass(frozen=True, slots=True)
 class ControllerStatus:
-    """A controller's whole answer to a status query: the jobs the caller may see."""
+    """A controller's whole answer to a status query: the jobs the caller may see.
+
+    Facts about the controller itself (which replica leads, say) belong here, beside the jobs.
+    """
 
     jobs: tuple[JobStatus, ...]
 
