@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from taskd_core.errors import ProtocolError
@@ -212,19 +212,52 @@ def worker_event_from_pb(msg: pb.WorkerEvent) -> WorkerEvent:
 # --- status and journal answers ---------------------------------------------------------------
 
 
+class JsonDetail(Mapping[str, Any]):
+    """A journal entry's detail, kept as the JSON text it is stored and sent as and parsed on first use.
+
+    The controller answers pages of up to 1000 entries on its event loop; passing
+    their text through costs a fraction of parsing and writing it again. Text
+    that is not a JSON object reads as ``{"text": <the text>}``.
+    """
+
+    __slots__ = ("_value", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._value: dict[str, Any] | None = None
+
+    def _parsed(self) -> dict[str, Any]:
+        if self._value is None:
+            try:
+                value = json.loads(self.text) if self.text else {}
+            except json.JSONDecodeError:
+                value = None
+            self._value = value if isinstance(value, dict) else {"text": self.text}
+        return self._value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._parsed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parsed())
+
+    def __len__(self) -> int:
+        return len(self._parsed())
+
+    def __repr__(self) -> str:
+        return repr(self._parsed())
+
+
 def detail_of(text: str) -> Mapping[str, Any]:
-    """A journal entry's detail (JSON text) as a mapping; other text is kept whole as ``text``."""
-    try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        return {"text": text}
-    return value if isinstance(value, dict) else {"text": text}
+    """A journal entry's detail (JSON text) as a mapping, parsed when first read."""
+    return JsonDetail(text)
 
 
 def journal_event_to_pb(event: JournalEvent) -> pb.EventView:
+    detail = event.detail
     # sort_keys: the same text the controller's store keeps.
-    detail = json.dumps(dict(event.detail), sort_keys=True)
-    return pb.EventView(seq=event.seq, time=event.time, cycle=event.cycle, kind=event.kind, detail=detail)
+    text = detail.text if isinstance(detail, JsonDetail) else json.dumps(dict(detail), sort_keys=True)
+    return pb.EventView(seq=event.seq, time=event.time, cycle=event.cycle, kind=event.kind, detail=text)
 
 
 def journal_event_from_pb(job_id: str, view: pb.EventView) -> JournalEvent:

@@ -21,7 +21,13 @@ from taskd_core.models import (
     Strategy,
 )
 from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc.convert import job_status_from_pb, job_status_to_pb, journal_page_from_pb
+from taskd_core.rpc.convert import (
+    detail_of,
+    job_status_from_pb,
+    job_status_to_pb,
+    journal_event_to_pb,
+    journal_page_from_pb,
+)
 from taskd_core.testing import free_port
 from tests.conftest import TEST_POLICY
 
@@ -164,3 +170,11 @@ def test_a_journal_detail_that_is_not_a_json_object_is_kept_as_text() -> None:
     assert [e.detail for e in journal_page_from_pb("j", page).events] == [{"text": "not json"}, {"text": "[1]"}]
     with pytest.raises(ProtocolError, match="state must be one of"):
         journal_page_from_pb("j", pb.EventPage(state="?"))
+
+
+def test_a_stored_detail_goes_out_as_stored_and_reads_as_an_object() -> None:
+    stored = '{"b": 1, "a": [2]}'  # not in sorted order: proves the text is passed, not rewritten
+    event = JournalEvent(1, 0.0, "j", 0, "k", detail_of(stored))
+    assert journal_event_to_pb(event).detail == stored
+    assert event.detail == {"b": 1, "a": [2]} and event.to_json()["detail"] == {"b": 1, "a": [2]}
+    assert journal_event_to_pb(JournalEvent(1, 0.0, "j", 0, "k", {"b": 1, "a": 2})).detail == '{"a": 2, "b": 1}'
