@@ -24,7 +24,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-_TENSORS = 64
+TENSORS = 64
 
 
 def _worker(rank: int, port: int, size: int, trials: int, out: Path | None) -> None:
@@ -35,8 +35,8 @@ def _worker(rank: int, port: int, size: int, trials: int, out: Path | None) -> N
 
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)  # type: ignore[attr-defined]
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    per = size // (4 * _TENSORS)
-    state = {"params": [torch.full((per,), float(rank)) for _ in range(_TENSORS)]}
+    per = size // (4 * TENSORS)
+    state = {"params": [torch.full((per,), float(rank)) for _ in range(TENSORS)]}
     # Signed, as in a job with a TASKD_JOB_TOKEN (every multi-node job has one).
     signing = state_key("transfer-bench")
     results = []
@@ -64,7 +64,7 @@ def _worker(rank: int, port: int, size: int, trials: int, out: Path | None) -> N
     dist.all_gather_object(gathered, results)
     if rank == 1 and out is not None:
         sender, receiver = gathered
-        out.write_text(json.dumps({"bytes": per * 4 * _TENSORS, "sender": sender, "receiver": receiver}))
+        out.write_text(json.dumps({"bytes": per * 4 * TENSORS, "sender": sender, "receiver": receiver}))
     dist.destroy_process_group()
 
 

@@ -7,6 +7,9 @@ place (:mod:`taskd_core.controller.service`); the CLI maps them to exit codes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 
 class TaskdError(Exception):
     """Root of every error TaskD raises on purpose."""
@@ -49,19 +52,47 @@ _REFUSAL_FIXES: dict[int | str, str] = {
 }
 
 
-class RegistrationRefusedError(TaskdError):
+class RefusedError(TaskdError):
+    """The controller refused a call and no retry can change its answer; ``fixes`` say what to do."""
+
+    fixes: ClassVar[Mapping[int | str, str]] = {}
+
+    def __init__(self, address: str, rpc: str, code: int | str, info: str) -> None:
+        fix = self.fixes.get(code, "see the controller's log")
+        super().__init__(f"controller at {address} refused {rpc} ({code}: {info}); {fix}")
+        self.address = address
+        self.rpc = rpc
+        self.code = code
+
+
+class RegistrationRefusedError(RefusedError):
     """The controller refuses to take this client: no retry can change its answer.
 
     ``code`` is the wire code (409 bad job id, 500 controller full, ...) or
     the gRPC status name (``PERMISSION_DENIED``, ``UNAUTHENTICATED``).
     """
 
-    def __init__(self, address: str, rpc: str, code: int | str, info: str) -> None:
-        fix = _REFUSAL_FIXES.get(code, "see the controller's log")
-        super().__init__(f"controller at {address} refused {rpc} ({code}: {info}); {fix}")
-        self.address = address
-        self.rpc = rpc
-        self.code = code
+    fixes = _REFUSAL_FIXES
+
+
+#: What to do about each refusal of :class:`QueryRefusedError`.
+_QUERY_FIXES: dict[int | str, str] = {
+    **_REFUSAL_FIXES,
+    400: "the controller does not know this job; `taskd status` without --job lists the jobs it knows",
+    403: "present the job's token (TASKD_JOB_TOKEN) or the controller's admin token (--admin-token-file)",
+    409: "a field of the query is out of range; check the job id and the numbers asked for",
+    "PERMISSION_DENIED": _REFUSAL_FIXES["UNAUTHENTICATED"],
+}
+
+
+class QueryRefusedError(RefusedError):
+    """The controller answered a status or journal query with a refusal (no retry changes it).
+
+    ``code`` is the wire code (400 unknown job, 403 not allowed to see it, 409 bad field)
+    or the gRPC status name (``UNAUTHENTICATED``, ``UNIMPLEMENTED`` ...).
+    """
+
+    fixes = _QUERY_FIXES
 
 
 class LauncherInterrupted(TaskdError):

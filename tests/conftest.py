@@ -30,6 +30,7 @@ from taskd_core.models import Credentials, JobPolicy, Strategy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
 from taskd_core.rpc.security import ServerTls, open_channel
+from taskd_core.testing import wait_until
 
 #: Generous ceiling for anything a test waits for; never an assertion on speed.
 WAIT = 20.0
@@ -42,18 +43,6 @@ TEST_POLICY = JobPolicy(
     flush_seconds=0.0,
     max_cycles=5,
 )
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = WAIT, what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 class RawAgent:
@@ -116,7 +105,8 @@ class RawAgent:
         me = self.agent_id or self.info.role
         wait_until(
             lambda: not any(a.subscribed for a in self.job().agents if a.agentId == me),
-            what=f"controller to drop {me}'s old stream",
+            f"controller to drop {me}'s old stream",
+            WAIT,
         )
         self.subscribe()
 
@@ -300,9 +290,12 @@ class ControllerProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        wait_until(lambda: port_file.exists() or self.proc.poll() is not None, what="controller port file")
-        assert self.proc.poll() is None, f"controller exited at start:\n{log.read_text()}"
-        self.address = port_file.read_text().strip()
+        self.address = wait_until(
+            lambda: port_file.exists() and port_file.read_text().strip(),
+            "controller port file",
+            WAIT,
+            unless=lambda: self.proc.poll() is not None and f"controller exited at start:\n{log.read_text()}",
+        )
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

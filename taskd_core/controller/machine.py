@@ -35,7 +35,6 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from typing import Any
 
 from taskd_core.errors import IllegalTransition
@@ -48,20 +47,14 @@ from taskd_core.models import (
     FaultRank,
     FaultType,
     JobPolicy,
+    JobState,
     Signal,
     SignalType,
     Strategy,
 )
 
-
-class State(str, Enum):
-    IDLE = "idle"
-    FLUSHING = "flushing"
-    WAIT_STOP = "wait-stop"
-    WAIT_STRATEGIES = "wait-strategies"
-    WAIT_STATUS = "wait-status"
-    FINISHED = "finished"
-    GIVEN_UP = "given-up"
+#: The machine's states are a model value: ``taskd status`` and the query client show them.
+State = JobState
 
 
 #: What each state waits for, for ORDER_MIX answers and ``taskd status``.

@@ -57,7 +57,20 @@ from taskd_core.controller.store import (
 )
 from taskd_core.controller.subscriber import Subscriber
 from taskd_core.errors import DuplicateSubscriberError, RequestRejected, TaskdError
-from taskd_core.models import Code, FaultRank, JobPolicy, Signal, SignalType, WorkerEvent
+from taskd_core.models import (
+    AgentStatus,
+    Code,
+    FaultRank,
+    JobPolicy,
+    JobStatus,
+    JournalEvent,
+    JournalPage,
+    Signal,
+    SignalType,
+    Strategy,
+    WorkerEvent,
+)
+from taskd_core.rpc.convert import detail_of
 from taskd_core.rpc.security import Caller
 
 logger = logging.getLogger(__name__)
@@ -110,33 +123,6 @@ class AgentIdentity:
 
 
 @dataclass(frozen=True, slots=True)
-class AgentStatus:
-    agent_id: str
-    role: str
-    subscribed: bool
-    node_rank: int | None
-    exit_code: int | None
-    last_seen: float
-    progress: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class JobStatus:
-    job_id: str
-    state: State
-    cycle: int
-    strategy: str
-    faults: tuple[FaultRank, ...]
-    policy: JobPolicy
-    agents: tuple[AgentStatus, ...]
-    events: tuple[EventRecord, ...]
-    outcome: str
-    expects: str
-    #: registered without a token.
-    legacy: bool = False
-
-
-@dataclass(frozen=True, slots=True)
 class ControllerGauges:
     """What a metrics scrape reads from the live controller."""
 
@@ -160,6 +146,12 @@ def worker_detail(agent: str, event: WorkerEvent) -> dict[str, object]:
     if event.step is not None:
         detail["step"] = event.step
     return detail
+
+
+def journal_event(record: EventRecord) -> JournalEvent:
+    """A stored journal entry as the model value the query RPCs answer with."""
+    detail = detail_of(record.detail)
+    return JournalEvent(record.seq, record.time, record.job_id, record.cycle, record.kind, detail)
 
 
 def check_job_id(job_id: str) -> str:
@@ -465,9 +457,7 @@ class Controller:
             self._save(job, entries)
         return Reply(Code.OK, f"jobId={job_id}: {len(entries)} worker event(s) journalled")
 
-    def events_after(
-        self, job_id: str, after: int, limit: int, caller: Caller = _ANONYMOUS
-    ) -> tuple[list[EventRecord], State]:
+    def events_after(self, job_id: str, after: int, limit: int, caller: Caller = _ANONYMOUS) -> JournalPage:
         """A job's journal entries after ``after``, oldest first, and the job's state now (who may see it)."""
         job = self._jobs.get(check_job_id(job_id))
         if job is None:
@@ -479,7 +469,8 @@ class Controller:
                 job_id, "reading this job's journal needs its token (TASKD_JOB_TOKEN) or the admin token"
             )
         page = min(limit, EVENTS_PAGE) if limit > 0 else EVENTS_PAGE
-        return self._store.events_after(job.job_id, max(0, after), page), job.machine.state
+        records = self._store.events_after(job.job_id, max(0, after), page)
+        return JournalPage(tuple(journal_event(r) for r in records), job.machine.state)
 
     def gauges(self) -> ControllerGauges:
         """Counts over every job for a metrics scrape (cheap: one pass, no I/O)."""
@@ -517,17 +508,19 @@ class Controller:
             )
             for a in sorted(job.agents.values(), key=lambda a: a.agent_id)
         )
+        policy = job.machine.policy
         return JobStatus(
             job_id=job.job_id,
             state=snap.state,
             cycle=snap.cycle,
-            strategy=snap.strategy,
+            strategy=Strategy(snap.strategy) if snap.strategy else None,
             faults=tuple(FaultRank(r, t) for r, t in sorted(snap.faults.items())),
-            policy=job.machine.policy,
+            strategies=policy.strategies,
+            cycles_used=snap.cycle,
+            max_cycles=policy.max_cycles,
             agents=agents,
-            events=tuple(self._store.events(job.job_id, events)) if events else (),
-            outcome=snap.outcome,
-            expects=job.machine.expects(),
+            events=tuple(journal_event(r) for r in self._store.events(job.job_id, events)) if events else (),
+            outcome=snap.outcome or f"waiting for {job.machine.expects()}",
             legacy=job.claim is not None and job.claim.legacy,
         )
 

@@ -10,13 +10,12 @@ a :class:`~taskd_core.errors.ProtocolError` or
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
 from taskd_core.controller.machine import Reply, StatusReported, StopReported, StrategiesReported
-from taskd_core.controller.runtime import AgentIdentity, Controller, JobStatus, policy_changes
-from taskd_core.controller.store import EventRecord
+from taskd_core.controller.runtime import AgentIdentity, Controller, policy_changes
 from taskd_core.errors import (
     ConfigError,
     DuplicateSubscriberError,
@@ -30,7 +29,8 @@ from taskd_core.rpc import recover_pb2_grpc
 from taskd_core.rpc.convert import (
     check_name,
     fault_ranks_from_pb,
-    fault_ranks_to_pb,
+    job_status_to_pb,
+    journal_page_to_pb,
     parse_rank,
     signal_to_pb,
     worker_event_from_pb,
@@ -142,41 +142,6 @@ def _uuid(text: str) -> str:
 
 def _agent(agent_id: str) -> str:
     return check_name(agent_id, "agentId")
-
-
-def event_views(records: Iterable[EventRecord]) -> list[pb.EventView]:
-    return [
-        pb.EventView(seq=e.seq, time=e.time, cycle=e.cycle, kind=e.kind, detail=e.detail) for e in records
-    ]
-
-
-def job_view(job: JobStatus) -> pb.JobView:
-    agents = [
-        pb.AgentView(
-            agentId=a.agent_id,
-            role=a.role,
-            subscribed=a.subscribed,
-            nodeRank=-1 if a.node_rank is None else a.node_rank,
-            exitState="" if a.exit_code is None else f"exited {a.exit_code}",
-            lastSeen=a.last_seen,
-            progress=a.progress,
-        )
-        for a in job.agents
-    ]
-    return pb.JobView(
-        jobId=job.job_id,
-        state=job.state.value,
-        cycle=job.cycle,
-        strategy=job.strategy,
-        faultRanks=fault_ranks_to_pb(job.faults),
-        cyclesUsed=job.cycle,
-        maxCycles=job.policy.max_cycles,
-        strategies=[s.value for s in job.policy.strategies],
-        agents=agents,
-        events=event_views(job.events),
-        outcome=job.outcome or f"waiting for {job.expects}",
-        legacy=job.legacy,
-    )
 
 
 # protoc generates the servicer base without annotations, so the checker sees Any.
@@ -347,7 +312,7 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
                 raise ProtocolError(
                     f"events must be 0..{MAX_QUERY_EVENTS}, got {request.events}", field="events"
                 )
-            views.extend(job_view(j) for j in self._ctl.status(request.jobId, request.events, caller))
+            views.extend(job_status_to_pb(j) for j in self._ctl.status(request.jobId, request.events, caller))
             return Reply(Code.OK, f"{len(views)} job(s)")
 
         return pb.ControllerStatus(status=_answer(call), jobs=views)
@@ -369,10 +334,9 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
         page = pb.EventPage()
 
         def call() -> Reply:
-            records, state = self._ctl.events_after(request.jobId, request.afterSeq, request.limit, caller)
-            page.events.extend(event_views(records))
-            page.state = state.value
-            return Reply(Code.OK, f"{len(records)} event(s)")
+            found = self._ctl.events_after(request.jobId, request.afterSeq, request.limit, caller)
+            page.MergeFrom(journal_page_to_pb(found))
+            return Reply(Code.OK, f"{len(found.events)} event(s)")
 
         page.status.CopyFrom(_answer(call))
         return page

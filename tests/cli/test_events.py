@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 
 from taskd_core.cli import main
+from taskd_core.testing import wait_until
 
 KEYS = {"schema", "seq", "time", "job", "cycle", "kind", "detail"}
 WAIT = 20.0
@@ -57,16 +57,13 @@ def test_follow_prints_a_fault_as_it_happens_and_ends_with_the_controller(contro
     follower.start()
     seen: list[dict[str, object]] = []
 
-    def wait_for(kind: str) -> None:
-        end = time.monotonic() + WAIT
-        while not any(e["kind"] == kind for e in seen):
-            assert time.monotonic() < end, f"the follower printed no {kind!r} within {WAIT}s: {seen}"
-            seen.extend(lines(capsys.readouterr().out))
-            time.sleep(0.02)
+    def printed(kind: str) -> bool:
+        seen.extend(lines(capsys.readouterr().out))
+        return any(e["kind"] == kind for e in seen)
 
-    wait_for("agent registered")
+    wait_until(lambda: printed("agent registered"), "the follower to print the registration", WAIT)
     agent.fault({0: 1})
-    wait_for("fault")
+    wait_until(lambda: printed("fault"), "the follower to print the fault", WAIT, explain=lambda: str(seen))
     ctl.stop()
     follower.join(WAIT)
     assert codes == [0]

@@ -9,7 +9,8 @@ import pytest
 
 from taskd_core.controller.server import EmbeddedController
 from taskd_core.models import Code
-from tests.conftest import TEST_POLICY, RawAgent, wait_until
+from taskd_core.testing import wait_until
+from tests.conftest import TEST_POLICY, WAIT, RawAgent
 
 JOB = "gone"
 #: Far longer than any test may take: a wait that ends did not run out.
@@ -66,4 +67,4 @@ def test_an_agent_back_within_the_grace_rejoins_the_cycle(slow_waits, make_agent
     b.expect("stopTrain")  # the pending signal again
     assert a.stopped().code == Code.OK and b.stopped().code == Code.OK
     a.expect("globalFault")
-    wait_until(lambda: a.job().state == "wait-strategies", what="the cycle to go on")
+    wait_until(lambda: a.job().state == "wait-strategies", "the cycle to go on", WAIT)

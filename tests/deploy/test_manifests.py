@@ -27,8 +27,8 @@ from kubeflow_schema import problems
 
 from taskd_core.cli import build_parser
 from taskd_core.controller.policy import load_policies
+from taskd_core.testing import free_port
 from tests.conftest import WAIT, ControllerProcess
-from tests.e2e.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

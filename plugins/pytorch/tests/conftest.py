@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from pt_support import WORKERS, Launcher, events, finish, free_port, run_job, wait_for
+from pt_support import WORKERS, Launcher, events, finish, run_job
 
 from taskd_core.launcher.interrupt import StopRequest
+from taskd_core.testing import free_port, wait_until
 
 
 @pytest.fixture
@@ -110,7 +111,7 @@ def etcd_server(tmp_path: Path) -> Iterator[str]:
             stdout=log, stderr=subprocess.STDOUT,
         )
     try:
-        wait_for(lambda: _serves(f"{client}/version"), 60, "etcd to serve")
+        wait_until(lambda: _serves(f"{client}/version"), "etcd to serve", 60)
         yield client.removeprefix("http://")
     finally:
         server.terminate()
