@@ -205,6 +205,8 @@ def _launch(args: argparse.Namespace) -> int:
                 stop=stop,
                 lifeline=lifeline,
                 launcher=launcher,
+                store_host=_store_host(master_host, config.local_addr),
+                job_token=options.node.agent.credentials.token,
             )
             group_rank, store = elastic.join()
             logger.info(
@@ -253,6 +255,22 @@ def _controller_host(backend: str, rdzv_host: str, local_addr: str | None) -> st
     if is_loopback(rdzv_host):
         return "127.0.0.1"
     return local_addr or socket.getfqdn()
+
+
+def _store_host(rdzv_host: str, local_addr: str | None) -> str:
+    """Where the workers' stores listen and every worker reaches them (see :mod:`taskd_pytorch.listen`).
+
+    ``--local-addr`` when given, else the address by which this host reaches
+    the rendezvous: loopback when the whole job runs on this host.
+    """
+    from taskd_pytorch.listen import job_interface  # imports torch: not before it is known to be there
+
+    if local_addr:
+        return local_addr
+    try:
+        return job_interface(rdzv_host)
+    except OSError as exc:
+        raise ConfigError(f"no route from this host to the rendezvous host {rdzv_host!r}: {exc}") from exc
 
 
 def _close_rendezvous(rdzv: RendezvousHandler) -> None:
