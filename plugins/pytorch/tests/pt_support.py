@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 WORKERS = Path(__file__).parent / "workers"
+#: The token the agents of the ``make_agent`` fixture hand their workers (as a one-node taskdrun makes one).
+JOB_TOKEN = "the launch's own token"
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 #: The training job of the DDP tests (``examples/train_ddp.py`` or its live twin) and its options.
 STEPS = 30
