@@ -39,7 +39,10 @@ Each direction then has its own AES-256-GCM key,
 ``client->server``. A frame is its plaintext's length (``!I``, also the
 associated data), the ciphertext and a 16-byte tag; the nonce is the frame's
 number in its direction, so a frame that is changed, dropped, replayed,
-reordered or cut short fails the tag. A :class:`Listener` runs each
+reordered or cut short fails the tag. Bulk data (:meth:`Stream.send_buffers`,
+:meth:`Stream.receive_into`) goes through two 256 KiB buffers per side, a
+thread of the stream moving one over the socket while the other is sealed or
+opened (the cipher holds the GIL, the socket does not). A :class:`Listener` runs each
 handshake in a thread of its own under a short deadline (at most
 :data:`MAX_PENDING` at once), so a silent or hostile connection holds only
 itself, never the clients that prove the key.
@@ -47,6 +50,7 @@ itself, never the clients that prove the key.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -55,7 +59,7 @@ import queue
 import socket
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 
 from cryptography.exceptions import InvalidTag
@@ -171,36 +175,54 @@ class Stream:
     def send_buffers(self, views: Iterable[memoryview]) -> None:
         """Send the bytes of ``views`` in frames of at most :data:`CHUNK` (none spans two views).
 
-        The receiver passes views of the same lengths, in the same order, to :meth:`receive_into`.
+        The receiver passes views of the same lengths, in the same order, to
+        :meth:`receive_into`. A thread of the stream's writes each frame while
+        the next one is sealed (the cipher holds the GIL, a socket write does not).
         """
-        for view in views:
-            flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-            for at in range(0, len(flat), CHUNK):
-                self._frame(flat[at : at + CHUNK])
+        with _Pipeline(self._sock.sendall, f"sending to {self.peer}") as pipe:
+            for part in _frames(views):
+                buf = pipe.free()
+                pipe.put(buf, self._seal(part, buf))
 
     def receive_into(self, views: Iterable[memoryview]) -> None:
-        """Fill ``views`` with what the peer sent through :meth:`send_buffers`, decrypting in place."""
-        for view in views:
-            flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-            for at in range(0, len(flat), CHUNK):
-                part = flat[at : at + CHUNK]
-                size = self._head()
-                if size != len(part):
-                    raise StreamError(
-                        f"{self.peer} sent a {size}-byte frame where {len(part)} bytes were expected"
-                    )
-                self._open(size, part)
+        """Fill ``views`` with what the peer sent through :meth:`send_buffers`, decrypting in place.
+
+        A thread of the stream's reads each frame while the one before is opened.
+        """
+        parts = list(_frames(views))
+        reader = _Reader(self, [len(p) for p in parts])
+        try:
+            for part in parts:
+                buf, sealed = reader.take()
+                self._unseal(sealed, part)
+                reader.release(buf)
+        except StreamError:
+            # Unusable now: the shutdown also ends a read the thread may be blocked in.
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            raise
+        finally:
+            reader.close()
 
     # --- frames ----------------------------------------------------------------------
 
     def _frame(self, data: memoryview) -> None:
-        # Length, ciphertext and tag leave in one write: a separate small write of the
-        # length would wait for the receiver's delayed ACK (Nagle) before every frame.
+        if len(self._scratch) < _FRAME_HEAD.size + len(data) + _TAG:
+            self._scratch = bytearray(_FRAME_HEAD.size + max(len(data), CHUNK) + _TAG)
+        size = self._seal(data, memoryview(self._scratch))
+        try:
+            self._sock.sendall(memoryview(self._scratch)[:size])
+        except OSError as exc:
+            raise StreamError(f"sending to {self.peer} failed: {exc}") from exc
+
+    def _seal(self, data: memoryview, out: memoryview) -> int:
+        """Write ``data``'s frame (length, ciphertext, tag) into ``out``; returns its size.
+
+        The frame leaves in one write: a separate small write of the length would
+        wait for the receiver's delayed ACK (Nagle) before every frame.
+        """
         head = _FRAME_HEAD.pack(len(data))
         end = _FRAME_HEAD.size + len(data) + _TAG
-        if len(self._scratch) < end:
-            self._scratch = bytearray(max(end, _FRAME_HEAD.size + CHUNK + _TAG))
-        out = memoryview(self._scratch)
         out[: _FRAME_HEAD.size] = head
         sealer = Cipher(self._send, modes.GCM(_nonce(self._sent))).encryptor()
         self._sent += 1
@@ -208,10 +230,7 @@ class Stream:
         sealer.update_into(data, out[_FRAME_HEAD.size : end - _TAG])
         sealer.finalize()
         out[end - _TAG : end] = sealer.tag
-        try:
-            self._sock.sendall(out[:end])
-        except OSError as exc:
-            raise StreamError(f"sending to {self.peer} failed: {exc}") from exc
+        return end
 
     def _head(self) -> int:
         (size,) = _FRAME_HEAD.unpack(_recv_exact(self._sock, _FRAME_HEAD.size, self.peer))
@@ -223,6 +242,11 @@ class Stream:
             self._scratch = bytearray(max(size, CHUNK) + _TAG)
         sealed = memoryview(self._scratch)[: size + _TAG]
         _recv_into(self._sock, sealed, self.peer)
+        self._unseal(sealed, into)
+
+    def _unseal(self, sealed: memoryview, into: memoryview) -> None:
+        """Decrypt one received frame (ciphertext and tag) into ``into`` and check its tag."""
+        size = len(sealed) - _TAG
         opener = Cipher(self._receive, modes.GCM(_nonce(self._received))).decryptor()
         self._received += 1
         opener.authenticate_additional_data(_FRAME_HEAD.pack(size))
@@ -234,6 +258,110 @@ class Stream:
                 f"a frame from {self.peer} does not authenticate: it was changed on the way or "
                 "does not come from a holder of the job's key"
             ) from None
+
+
+def _frames(views: Iterable[memoryview]) -> Iterator[memoryview]:
+    """The bulk frames' plaintexts: each view in pieces of at most :data:`CHUNK` bytes."""
+    for view in views:
+        flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        for at in range(0, len(flat), CHUNK):
+            yield flat[at : at + CHUNK]
+
+
+def _buffers() -> list[memoryview]:
+    return [memoryview(bytearray(_FRAME_HEAD.size + CHUNK + _TAG)) for _ in range(2)]
+
+
+class _Pipeline:
+    """Two frame buffers and a thread that writes the sealed ones in order while the caller seals the next."""
+
+    def __init__(self, write: Callable[[memoryview], object], what: str) -> None:
+        self._write = write
+        self._what = what
+        self._free: queue.Queue[memoryview] = queue.Queue()
+        for buf in _buffers():
+            self._free.put(buf)
+        self._full: queue.Queue[tuple[memoryview, int] | None] = queue.Queue()
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="taskd-authstream-send", daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> _Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._full.put(None)
+        self._thread.join()
+        self._raise()
+
+    def free(self) -> memoryview:
+        buf = self._free.get()
+        self._raise()
+        return buf
+
+    def put(self, buf: memoryview, size: int) -> None:
+        self._full.put((buf, size))
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise StreamError(f"{self._what} failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        while (item := self._full.get()) is not None:
+            buf, size = item
+            if self._error is None:
+                try:
+                    self._write(buf[:size])
+                except OSError as exc:
+                    self._error = exc
+            self._free.put(buf)
+
+
+class _Reader:
+    """A thread that reads the frames of the given plaintext sizes into two buffers, one ahead."""
+
+    def __init__(self, stream: Stream, sizes: list[int]) -> None:
+        self._stream = stream
+        self._sizes = sizes
+        self._free: queue.Queue[memoryview | None] = queue.Queue()
+        for buf in _buffers():
+            self._free.put(buf)
+        self._full: queue.Queue[tuple[memoryview, memoryview] | StreamError] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="taskd-authstream-receive", daemon=True)
+        self._thread.start()
+
+    def take(self) -> tuple[memoryview, memoryview]:
+        """The next frame: its buffer and the frame's ciphertext and tag in it."""
+        item = self._full.get()
+        if isinstance(item, StreamError):
+            raise item
+        return item
+
+    def release(self, buf: memoryview) -> None:
+        self._free.put(buf)
+
+    def close(self) -> None:
+        self._free.put(None)  # ends a read loop that waits for a buffer
+        self._thread.join()
+
+    def _run(self) -> None:
+        stream = self._stream
+        for expected in self._sizes:
+            buf = self._free.get()
+            if buf is None:
+                return
+            try:
+                size = stream._head()
+                if size != expected:
+                    raise StreamError(
+                        f"{stream.peer} sent a {size}-byte frame where {expected} bytes were expected"
+                    )
+                sealed = buf[: size + _TAG]
+                _recv_into(stream._sock, sealed, stream.peer)
+            except StreamError as exc:
+                self._full.put(exc)
+                return
+            self._full.put((buf, sealed))
 
 
 def _nonce(number: int) -> bytes:
