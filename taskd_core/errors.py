@@ -197,3 +197,7 @@ class DuplicateSubscriberError(RequestRejected):
 
 class IllegalTransition(TaskdError):
     """The state machine tried a transition its table does not declare: a bug in the controller."""
+
+
+class StreamError(TaskdError):
+    """A stream between two processes of a job broke, timed out, or its peer could not prove the job's key."""

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from pt_support import WORKERS, Launcher, events, finish, run_job
+from pt_support import JOB_TOKEN, WORKERS, Launcher, events, finish, run_job
 
 from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.testing import free_port, wait_until
@@ -31,7 +31,8 @@ def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
     made: list[TaskdElasticAgent] = []
 
     def make(
-        *worker_args: str, nproc: int = 2, script: str = "idle.py", nnodes: int = 1, stop: StopRequest | None = None
+        *worker_args: str, nproc: int = 2, script: str = "idle.py", nnodes: int = 1, stop: StopRequest | None = None,
+        job_token: str = JOB_TOKEN,
     ) -> TaskdElasticAgent:
         handler = get_rendezvous_handler(
             RendezvousParameters(
@@ -46,7 +47,9 @@ def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
             args=("-u", str(WORKERS / script), *worker_args),
             local_addr="127.0.0.1",
         )
-        agent = TaskdElasticAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), stop_timeout=5.0, stop=stop)
+        agent = TaskdElasticAgent(
+            spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), stop_timeout=5.0, stop=stop, job_token=job_token
+        )
         made.append(agent)
         return agent
 

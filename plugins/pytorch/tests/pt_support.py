@@ -13,6 +13,8 @@ from typing import Any
 from taskd_core.testing import free_port, process_running
 
 WORKERS = Path(__file__).parent / "workers"
+#: The token the agents of the ``make_agent`` fixture hand their workers (as a one-node taskdrun makes one).
+JOB_TOKEN = "the launch's own token"
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 #: The training job of the DDP tests (``examples/train_ddp.py`` or its live twin) and its options.
 STEPS = 30

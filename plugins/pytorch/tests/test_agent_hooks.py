@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from pt_support import kill, records
+from pt_support import JOB_TOKEN, kill, records
 
 from taskd_core.errors import LauncherInterrupted, WorkerControlError
 from taskd_core.launcher.interrupt import StopRequest
@@ -90,6 +90,25 @@ def test_live_recovery_is_offered_once_every_local_worker_joined_a_round(make_ag
     assert adapter.await_round(3, timeout=5)
     adapter.restart_all()
     assert channel.current_round() == 0 and "recover-live" not in [s.value for s in adapter.strategies()]
+
+
+def test_the_workers_get_the_launchs_token_and_without_one_no_live_recovery_is_offered(
+    make_agent, out_dir: Path, tmp_path: Path
+) -> None:
+    """The token keys the state hand-over: a launch that has none offers no hand-over nobody could authenticate."""
+    keyed = make_agent(str(out_dir))
+    keyed.restart_all()
+    assert {r["TASKD_JOB_TOKEN"] for r in wait_until(lambda: len(records(out_dir)) == 2 and records(out_dir), "both workers", 30)} == {JOB_TOKEN}
+    keyed.close()
+    bare_out = tmp_path / "bare"
+    bare_out.mkdir()
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(bare_out), job_token="")))
+    adapter.restart_all()
+    (path,) = {r["TASKD_LIVE_DIR"] for r in wait_until(lambda: len(records(bare_out)) == 2 and records(bare_out), "both workers", 30)}
+    channel = LiveChannel(Path(path))
+    channel.mark_joined(0, 0)
+    channel.mark_joined(1, 0)
+    assert "recover-live" not in [s.value for s in adapter.strategies()]
 
 
 def test_restart_list_keeps_other_pids_and_the_same_environment(make_agent, out_dir: Path) -> None:

@@ -22,6 +22,9 @@ from taskd_core.testing import free_port, process_running, wait_until
 
 pytestmark = pytest.mark.slow
 
+#: The job's token, the same on both nodes.
+TOKEN = {"TASKD_JOB_TOKEN": "s3cret"}
+
 
 def current_pids(progress: Path) -> dict[int, int]:
     """Each rank's latest incarnation (the pid of its last ``start`` event)."""
@@ -55,6 +58,7 @@ def test_every_loss_is_repaired_live_and_the_run_matches_a_fault_free_one(
         # The last steps are slow: the controller (and its /metrics) lives as long as the job.
         launch, tmp_path / "live", "--slow-from", "18", "--slow-step-time", "0.5", script="train_live.py",
         max_cycles=8, taskd=("--taskd-flush-seconds", "1", "--taskd-metrics-port", str(metrics)),
+        env=TOKEN,  # keys the state hand-over: a job of several nodes recovers live only with one
     )
     wait_until(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, "every rank to train", 180)
     # Rank 3, then rank 0 (store host and state source of the first start), then one rank of each
@@ -104,7 +108,7 @@ def test_a_round_that_cannot_form_in_time_falls_back_to_a_full_restart(
     nodes, progress, result = run_job(
         launch, tmp_path / "fallback", script="train_live.py",
         # Hang detection would find the stopped rank (/proc state T) and have it replaced live too.
-        taskd=("--taskd-live-timeout", "5", "--taskd-no-hang-detection"),
+        taskd=("--taskd-live-timeout", "5", "--taskd-no-hang-detection"), env=TOKEN,
     )
     wait_until(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, "every rank to train", 180)
     before = current_pids(progress)
@@ -126,10 +130,9 @@ def test_a_ddp_job_is_repaired_live_when_ranks_away_from_the_lost_one_are_blocke
     """``DistributedDataParallel`` reduces inside ``backward()``: with rank 3 lost, rank 1 (whose ring
     neighbours 0 and 2 survive) waits there; with rank 0 stopped, every peer does. The session's DDP
     comm hook leaves that wait when the agent announces the next round, so every healthy rank stays
-    and only the lost one starts again. The job has a token, so a replacement takes the state only
-    from a replica that signs it with that token."""
+    and only the lost one starts again."""
     nodes, progress, result = run_job(
-        launch, tmp_path / "ddp", "--optimizer", "sgd", script="train_live.py", env={"TASKD_JOB_TOKEN": "s3cret"}
+        launch, tmp_path / "ddp", "--optimizer", "sgd", script="train_live.py", env=TOKEN
     )
     wait_until(lambda: len(current_pids(progress)) == 4 and last_step(progress) >= 3, "every rank to train", 180)
     # Rank 3 killed; then rank 0 (the state's usual source) stopped first and killed a moment later.
