@@ -83,9 +83,9 @@ def journal_reader(args: argparse.Namespace) -> Iterator[PageReader]:
     """A :data:`PageReader` for ``args.job`` from ``--state`` or ``--controller``; checks the job exists."""
     if args.state:
         # Imported here: only reading a state file needs the controller's store.
-        from taskd_core.controller.store import Store
+        from taskd_core.controller.store_sqlite import SqliteStore
 
-        store = Store(args.state, readonly=True)
+        store = SqliteStore(args.state, readonly=True)
         try:
             if not store.has_job(args.job):
                 raise TaskdError(

@@ -11,7 +11,8 @@ from taskd_core.cli.status import render
 from taskd_core.controller.machine import JournalEntry
 from taskd_core.controller.runtime import MAX_JOB_ID, Limits
 from taskd_core.controller.service import MAX_QUERY_EVENTS, MAX_RANKS, MAX_STRATEGIES
-from taskd_core.controller.store import ROTATE_EVERY, JobRow, Store
+from taskd_core.controller.store import ROTATE_EVERY, JobRow
+from taskd_core.controller.store_sqlite import SqliteStore as Store
 from taskd_core.models import Code, Credentials
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc.convert import MAX_NAME

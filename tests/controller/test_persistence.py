@@ -9,7 +9,8 @@ import sqlite3
 import pytest
 
 from taskd_core.controller.machine import AgentInfo, JournalEntry, Snapshot
-from taskd_core.controller.store import JobRow, Store, snapshot_to_dict
+from taskd_core.controller.store import JobRow, snapshot_to_dict
+from taskd_core.controller.store_sqlite import SqliteStore as Store
 from taskd_core.errors import ConfigError
 from taskd_core.rpc import recover_pb2 as pb
 
