@@ -60,9 +60,12 @@ def _short(detail: str, most: int = 300) -> str:
 
 def render(status: dict[str, Any]) -> str:
     lines: list[str] = []
+    # Replicas on etcd number their leaders; a lone SQLite controller (generation 0) needs no line.
+    if str(status.get("leaderGeneration", "0")) != "0":
+        lines.append(f"leader {_safe(status.get('leader', ''))} (generation {status['leaderGeneration']})")
     jobs = status.get("jobs", [])
     if not jobs:
-        return "no jobs"
+        return "\n".join([*lines, "no jobs"])
     for job in jobs:
         faults = ", ".join(f"{f['rankId']}:{f['faultType']}" for f in job["faultRanks"]) or "-"
         lines.append(

@@ -7,27 +7,37 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from taskd_core.client.endpoints import Endpoints, controller_addresses
 from taskd_core.errors import ControllerUnavailableError, TaskdError
 from taskd_core.models import Credentials
 from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc import recover_pb2_grpc
-from taskd_core.rpc.security import open_channel
 
 
 def _ask(
     address: str, job_id: str, events: int, timeout: float, credentials: Credentials | None
 ) -> pb.ControllerStatus:
-    with open_channel(address, credentials or Credentials()) as channel:
-        try:
-            reply: pb.ControllerStatus = recover_pb2_grpc.RecoverStub(channel).QueryStatus(
-                pb.StatusQuery(jobId=job_id, events=events), timeout=timeout
-            )
-        except grpc.RpcError as exc:
-            details = (exc.details() or str(exc.code())).splitlines()[0]
-            raise ControllerUnavailableError(address, timeout, ConnectionError(details)) from None
-    if reply.status.code != 0:
-        raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
-    return reply
+    """``address`` may name several replicas (``A,B,C``): the leader answers, a standby says where it is."""
+    endpoints = Endpoints(controller_addresses(address), credentials or Credentials())
+    last = ""
+    try:
+        # Each replica once, and the leader a standby names.
+        for _ in range(len(endpoints.addresses) + 1):
+            tried, stub = endpoints.pick()
+            try:
+                reply: pb.ControllerStatus = stub.QueryStatus(
+                    pb.StatusQuery(jobId=job_id, events=events), timeout=timeout
+                )
+            except grpc.RpcError as exc:
+                last = (exc.details() or str(exc.code())).splitlines()[0]
+                if endpoints.failed(exc, tried):
+                    continue
+                break
+            if reply.status.code != 0:
+                raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
+            return reply
+    finally:
+        endpoints.close()
+    raise ControllerUnavailableError(address, timeout, ConnectionError(last))
 
 
 def query_status(

@@ -171,12 +171,12 @@ class _LeaseKeeper(threading.Thread):
         self.until = until
         self._lost = lost
         self._loop = asyncio.new_event_loop()
-        self._stop = asyncio.Event()
+        self._halt = asyncio.Event()
 
-    def stop(self) -> None:
+    def halt(self) -> None:
         if not self._loop.is_closed():
             try:
-                self._loop.call_soon_threadsafe(self._stop.set)
+                self._loop.call_soon_threadsafe(self._halt.set)
             except RuntimeError:  # the loop closed meanwhile: the thread is ending anyway
                 pass
 
@@ -191,7 +191,7 @@ class _LeaseKeeper(threading.Thread):
         margin = step_down_margin(self._ttl)
         client = EtcdClient(self._target, timeout=interval)
         try:
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 sent = time.monotonic()
                 if sent >= self.until - margin:
                     self._lost("etcd did not renew the lease in time: stepping down before it ends")
@@ -211,7 +211,7 @@ class _LeaseKeeper(threading.Thread):
                 pause = interval if left is not None else min(interval, 0.1)
                 try:
                     await asyncio.wait_for(
-                        self._stop.wait(),
+                        self._halt.wait(),
                         timeout=max(0.0, min(pause, self.until - margin - time.monotonic())),
                     )
                 except TimeoutError:
@@ -273,7 +273,7 @@ class EtcdTerm:
 
     async def end(self) -> None:
         self.lose("the replica stops")
-        self._keeper.stop()
+        self._keeper.halt()
         await asyncio.get_running_loop().run_in_executor(None, self._keeper.join, 5.0)
         await self.store.close()
         # Revoking deletes the leader key at once, so a standby need not wait out the lease.

@@ -176,6 +176,10 @@ _KEEPALIVE = ("/etcdserverpb.Lease/LeaseKeepAlive", epb.LeaseKeepAliveResponse)
 _WATCH = ("/etcdserverpb.Watch/Watch", epb.WatchResponse)
 
 
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
 def _brief(exc: grpc.aio.AioRpcError) -> str:
     details = (exc.details() or "").splitlines()
     return f"{exc.code().name}: {details[0][:200] if details else ''}"
@@ -242,7 +246,7 @@ class EtcdClient:
 
         async def attempt(channel: grpc.aio.Channel, seconds: float) -> _M:
             call = channel.unary_unary(
-                path, request_serializer=Message.SerializeToString, response_deserializer=answer.FromString
+                path, request_serializer=_serialize, response_deserializer=answer.FromString
             )
             response: _M = await call(request, timeout=seconds)
             return response
@@ -257,7 +261,7 @@ class EtcdClient:
 
         async def attempt(channel: grpc.aio.Channel, seconds: float) -> _M | None:
             call = channel.stream_stream(
-                path, request_serializer=Message.SerializeToString, response_deserializer=answer.FromString
+                path, request_serializer=_serialize, response_deserializer=answer.FromString
             )(timeout=seconds)
             try:
                 await call.write(request)
@@ -355,7 +359,7 @@ class EtcdClient:
         deadline = loop.time() + timeout
         path, answer = _WATCH
         call = self._channel(self._current).stream_stream(
-            path, request_serializer=Message.SerializeToString, response_deserializer=answer.FromString
+            path, request_serializer=_serialize, response_deserializer=answer.FromString
         )()
         try:
             await call.write(request)

@@ -120,7 +120,11 @@ class Replica:
     @property
     def leader(self) -> str:
         """The leading replica's address ("" unknown): this one's while it leads."""
-        return self.address if self._controller is not None else self._election.leader
+        if self._controller is not None:
+            return self.address
+        # Until its next campaign looks, a replica that just stopped leading still sees itself.
+        known = self._election.leader
+        return "" if known == self.address else known
 
     @property
     def generation(self) -> int:
@@ -130,7 +134,7 @@ class Replica:
         """The controller while this replica leads; :class:`NotLeaderError` otherwise."""
         term, controller = self._term, self._controller
         if controller is None or term is None or not term.valid():
-            leader = self._election.leader if controller is None else ""
+            leader = self.leader if controller is None else ""
             where = f"the leader is at {leader}" if leader else "no leader is known yet; try another replica"
             raise NotLeaderError(f"controller replica {self.address} stands by: {where}", leader=leader)
         return controller
