@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,13 +49,19 @@ def controller_addresses(value: str | Sequence[str], what: str = "controller add
     return addresses
 
 
-def leader_of(exc: grpc.RpcError) -> str:
-    """The leader a standby replica named in its refusal ("" when none)."""
+def _trailing(exc: grpc.RpcError) -> dict[str, str]:
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    for key, value in trailing or ():
-        if key == LEADER_METADATA:
-            return str(value)
-    return ""
+    return {str(key): str(value) for key, value in trailing or ()}
+
+
+def leader_of(exc: grpc.RpcError) -> str:
+    """The leader a standby replica named in its refusal ("" when none, or not known to it)."""
+    return _trailing(exc).get(LEADER_METADATA, "")
+
+
+def from_standby(exc: grpc.RpcError) -> bool:
+    """Whether a standby replica refused (it always says whom it knows as leader, if only "")."""
+    return LEADER_METADATA in _trailing(exc)
 
 
 class Endpoints:
@@ -68,6 +75,8 @@ class Endpoints:
         self._options = tuple(options)
         self._current = self.addresses[0]
         self._channels: dict[str, grpc.Channel] = {}
+        #: ``time.monotonic()`` of each address's last failure.
+        self._failed_at: dict[str, float] = {}
         self._lock = threading.Lock()
 
     @property
@@ -94,6 +103,7 @@ class Endpoints:
         """A call to ``address`` failed with ``exc``: move on if another replica may answer; True if moved."""
         leader = leader_of(exc)
         with self._lock:
+            self._failed_at[address] = time.monotonic()
             if address != self._current:
                 return True
             if leader and leader != address:
@@ -107,6 +117,27 @@ class Endpoints:
             moved_to = self._current
         logger.info("controller %s did not serve (%s); trying %s", address, exc.code(), moved_to)
         return True
+
+    def pace(self, interval: float) -> float:
+        """Seconds until the current address may be tried again, at most once per ``interval``."""
+        with self._lock:
+            since = time.monotonic() - self._failed_at.get(self._current, -interval)
+        return max(0.0, interval - since)
+
+    def call(self, method: str, request: Any, timeout: float) -> Any:
+        """One unary call (``method`` of the Recover stub) that tries each replica once and the leader
+        a standby names; the last :class:`grpc.RpcError` when none answers."""
+        error: grpc.RpcError | None = None
+        for _ in range(len(self.addresses) + 1):
+            address, stub = self.pick()
+            try:
+                return getattr(stub, method)(request, timeout=timeout)
+            except grpc.RpcError as exc:
+                error = exc
+                if not self.failed(exc, address):
+                    break
+        assert error is not None
+        raise error
 
     def close(self) -> None:
         with self._lock:

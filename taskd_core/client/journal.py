@@ -12,11 +12,10 @@ from typing import Self
 
 import grpc
 
+from taskd_core.client.endpoints import Endpoints, controller_addresses
 from taskd_core.errors import ControllerUnavailableError, TaskdError
 from taskd_core.models import Credentials, JournalEvent
 from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc import recover_pb2_grpc
-from taskd_core.rpc.security import open_channel
 
 #: Journal entries asked for per call.
 PAGE = 1000
@@ -34,10 +33,10 @@ class JournalClient:
     """A controller's journal, page by page; use as a context manager."""
 
     def __init__(self, address: str, credentials: Credentials | None = None, timeout: float = 5.0) -> None:
+        """``address``: the controller, or its replicas comma-separated (the leader answers)."""
         self.address = address
         self.timeout = timeout
-        self._channel = open_channel(address, credentials or Credentials())
-        self._stub = recover_pb2_grpc.RecoverStub(self._channel)
+        self._endpoints = Endpoints(controller_addresses(address), credentials or Credentials())
 
     def page(self, job_id: str, after: int = 0, limit: int = PAGE) -> tuple[list[JournalEvent], str]:
         """Up to ``limit`` entries with ``seq > after``, oldest first, and the job's state.
@@ -45,10 +44,9 @@ class JournalClient:
         :raises ControllerUnavailableError: the controller did not answer in the timeout.
         :raises TaskdError: it refused (400 for a job it does not know).
         """
+        query = pb.EventQuery(jobId=job_id, afterSeq=after, limit=limit)
         try:
-            reply = self._stub.QueryEvents(
-                pb.EventQuery(jobId=job_id, afterSeq=after, limit=limit), timeout=self.timeout
-            )
+            reply = self._endpoints.call("QueryEvents", query, self.timeout)
         except grpc.RpcError as exc:
             raise ControllerUnavailableError(
                 self.address, self.timeout, ConnectionError(exc.details())
@@ -58,7 +56,7 @@ class JournalClient:
         return [_event(job_id, v) for v in reply.events], reply.state
 
     def close(self) -> None:
-        self._channel.close()
+        self._endpoints.close()
 
     def __enter__(self) -> Self:
         return self

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from taskd_core.client.backoff import Backoff
-from taskd_core.client.endpoints import Endpoints, controller_addresses
+from taskd_core.client.endpoints import Endpoints, controller_addresses, from_standby
 from taskd_core.errors import (
     AccessDeniedError,
     ConfigError,
@@ -63,6 +63,11 @@ _CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+#: Least seconds between two tries of one controller replica (several given).
+FOLLOW_INTERVAL = 0.2
+#: Most seconds between tries while standby replicas answer (an election is under way).
+FOLLOW_CAP = 1.0
 
 #: Answers meaning "this controller does not know the job or agent" (it lost
 #: its state, or restarted without any): joining again fixes them.
@@ -249,9 +254,8 @@ class DLRecoverManager:
                 self._raise_if_refused(exc, "Init", address)
                 last = exc
                 logger.debug("Init of job %s failed: %s", self.job_id, exc)
-                if self._moved(exc, address, attempt, until):
-                    continue
-            if not self._backoff.wait(attempt, until, self._closed):
+                self._endpoints.failed(exc, address)
+            if not self._pause(attempt, until, last, address):
                 raise ControllerUnavailableError(self.server_addr, until - started, _brief(last))
             attempt += 1
 
@@ -263,14 +267,30 @@ class DLRecoverManager:
         if exc.code() in _REFUSING_STATUSES:
             raise RegistrationRefusedError(address, rpc, exc.code().name, exc.details() or "") from None
 
-    def _moved(self, exc: grpc.RpcError, address: str, attempt: int, until: float) -> bool:
-        """Whether another replica is to be tried at once (the first few times; then backoff paces it)."""
-        return (
-            self._endpoints.failed(exc, address)
-            and attempt < len(self._endpoints.addresses)
-            and time.monotonic() < until
-            and not self._closed.is_set()
-        )
+    def _pause(self, attempt: int, until: float, last: BaseException | None, address: str) -> bool:
+        """Wait before try ``attempt`` (``last`` failed at ``address``); False once ``until`` passed."""
+        remaining = until - time.monotonic()
+        return remaining > 0 and not self._closed.wait(min(self._delay(attempt, last, address), remaining))
+
+    def _delay(self, attempt: int, last: BaseException | None, address: str) -> float:
+        """Seconds before the next try.
+
+        One controller: capped exponential backoff. Several replicas: a move to
+        another one (or to the leader a standby named) is tried at once, no
+        replica more often than every :data:`FOLLOW_INTERVAL`, backing off only
+        after whole rounds failed; while standbys answer (an election is under
+        way, a new leader serves within its lease) at most :data:`FOLLOW_CAP` apart.
+        """
+        endpoints = self._endpoints
+        if not endpoints.several:
+            return self._backoff.delay(attempt)
+        pace = endpoints.pace(FOLLOW_INTERVAL)
+        if isinstance(last, grpc.RpcError) and from_standby(last):
+            return max(pace, min(self._backoff.delay(attempt), FOLLOW_CAP))
+        if endpoints.current != address:
+            rounds = attempt // len(endpoints.addresses)
+            return max(pace, self._backoff.delay(rounds - 1) if rounds else 0.0)
+        return self._backoff.delay(attempt)
 
     def rejoin(self, deadline: float | None = None) -> None:
         """Init and Register again: what a controller that lost (or never had) the job needs.
@@ -347,7 +367,8 @@ class DLRecoverManager:
         # exactly the connect deadline, however the time splits into attempts.
         lost_since = time.monotonic()
         while not self._closed.is_set():
-            moved = False
+            failure: BaseException | None = None
+            address = self._endpoints.current
             try:
                 self.rejoin(lost_since + self._connect_deadline)
                 address, stub = self._endpoints.pick()
@@ -356,6 +377,12 @@ class DLRecoverManager:
                     self._stream = stream
                 if self._closed.is_set():
                     stream.cancel()
+                # TaskD's controller answers with its headers once it took the stream; others at
+                # their first signal. Until then a refusal may still come (raised below).
+                stream.initial_metadata()
+                if attempt:
+                    logger.info("job %s follows the signals of controller %s again", self.job_id, address)
+                    attempt = 0
                 for message in stream:
                     attempt = 0
                     if self._on_message(message, handler):
@@ -366,7 +393,8 @@ class DLRecoverManager:
                     return
                 self._raise_if_refused(exc, "SubscribeProcessManageSignal", address)
                 logger.warning("signal stream of job %s lost: %s %s", self.job_id, exc.code(), exc.details())
-                moved = self._endpoints.failed(exc, address)
+                self._endpoints.failed(exc, address)
+                failure = exc
             except ControllerUnavailableError as exc:
                 if self._closed.is_set():
                     return
@@ -381,8 +409,7 @@ class DLRecoverManager:
                 lost_since = time.monotonic()
             # Not bounded by the deadline: rejoin() enforces it, and a controller
             # that answers but refuses the stream (ALREADY_EXISTS) must not be hammered.
-            # A standby that named the leader is left at once, once.
-            self._closed.wait(0 if moved and attempt == 0 else self._backoff.delay(attempt))
+            self._closed.wait(self._delay(attempt, failure, address))
             attempt += 1
 
     def _on_message(self, message: pb.ProcessManageSignal, handler: SignalHandler) -> bool:
@@ -460,6 +487,7 @@ class DLRecoverManager:
         code: int = Code.SERVER_INNER_ERROR
         info = f"controller unreachable for {round(patience, 1):g} s"
         retried_other = False
+        last: BaseException | None = None
         while True:
             address, stub = self._endpoints.pick()
             try:
@@ -481,16 +509,17 @@ class DLRecoverManager:
                 self.rejoin(until)
                 continue
             except grpc.RpcError as exc:
+                last = exc
                 logger.warning("%s for job %s failed: %s", name, self.job_id, exc.code())
                 code, info = (
                     Code.SERVER_INNER_ERROR,
                     f"controller unreachable for {round(patience, 1):g} s ({_brief(exc)})",
                 )
-                if self._moved(exc, address, attempt, until):
-                    continue
+                self._endpoints.failed(exc, address)
             except TaskdError as exc:  # joining again failed: the report cannot be taken now
                 code, info = Code.SERVER_INNER_ERROR, str(exc)
-            if not self._backoff.wait(attempt, until, self._closed):
+                last = exc
+            if not self._pause(attempt, until, last, address):
                 break
             attempt += 1
         logger.error("%s for job %s not taken: %s (code %s)", name, self.job_id, info, int(code))

@@ -18,26 +18,18 @@ def _ask(
 ) -> pb.ControllerStatus:
     """``address`` may name several replicas (``A,B,C``): the leader answers, a standby says where it is."""
     endpoints = Endpoints(controller_addresses(address), credentials or Credentials())
-    last = ""
     try:
-        # Each replica once, and the leader a standby names.
-        for _ in range(len(endpoints.addresses) + 1):
-            tried, stub = endpoints.pick()
-            try:
-                reply: pb.ControllerStatus = stub.QueryStatus(
-                    pb.StatusQuery(jobId=job_id, events=events), timeout=timeout
-                )
-            except grpc.RpcError as exc:
-                last = (exc.details() or str(exc.code())).splitlines()[0]
-                if endpoints.failed(exc, tried):
-                    continue
-                break
-            if reply.status.code != 0:
-                raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
-            return reply
+        reply: pb.ControllerStatus = endpoints.call(
+            "QueryStatus", pb.StatusQuery(jobId=job_id, events=events), timeout
+        )
+    except grpc.RpcError as exc:
+        details = (exc.details() or str(exc.code())).splitlines()[0]
+        raise ControllerUnavailableError(address, timeout, ConnectionError(details)) from None
     finally:
         endpoints.close()
-    raise ControllerUnavailableError(address, timeout, ConnectionError(last))
+    if reply.status.code != 0:
+        raise TaskdError(f"controller refused: {reply.status.info} (code {reply.status.code})")
+    return reply
 
 
 def query_status(

@@ -9,8 +9,8 @@ a :class:`~taskd_core.errors.ProtocolError` or
 A replica that does not lead (:class:`~taskd_core.errors.NotLeaderError`)
 answers every RPC with gRPC ``UNAVAILABLE``, the status every client already
 retries, and names the leader in the trailing metadata
-(:data:`~taskd_core.rpc.LEADER_METADATA`, ``HOST:PORT``) when it knows it:
-TaskD's client follows it, a reference client retries as for an outage.
+(:data:`~taskd_core.rpc.LEADER_METADATA`: ``HOST:PORT``, empty while no leader
+is known): TaskD's client follows it, a reference client retries as for an outage.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class Leadership(Protocol):
 
 async def not_leader(context: grpc.aio.ServicerContext, exc: NotLeaderError) -> NoReturn:
     """End the call with UNAVAILABLE, naming the leader where known (the client may follow it)."""
-    metadata = ((LEADER_METADATA, exc.leader),) if exc.leader else ()
+    # Always there, empty when no leader is known yet: it tells a client a replica answered.
+    metadata = ((LEADER_METADATA, exc.leader),)
     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=metadata)
     raise AssertionError("abort() returned")  # it raises; this line keeps the type checker honest
 
@@ -238,6 +239,8 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
             await context.abort(stream_status(exc), str(exc))
             return
         try:
+            # Headers now: the client knows its stream was taken before the first signal.
+            await context.send_initial_metadata(())
             async for signal in sub.signals():
                 yield signal_to_pb(signal)
         finally:
