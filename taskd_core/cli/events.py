@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from taskd_core.cli.connection import add_connection_options, credentials
-from taskd_core.errors import ControllerUnavailableError, TaskdError
+from taskd_core.errors import ConfigError, ControllerUnavailableError, TaskdError
 from taskd_core.models import JournalEvent
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,11 @@ def as_json_line(event: JournalEvent) -> str:
 def journal_reader(args: argparse.Namespace) -> Iterator[PageReader]:
     """A :data:`PageReader` for ``args.job`` from ``--state`` or ``--controller``; checks the job exists."""
     if args.state:
+        if args.state.startswith("etcd://"):
+            raise ConfigError(
+                f"--state {args.state}: an etcd state is read through its controller: give "
+                "--controller HOST:PORT[,HOST:PORT...] (any replica) instead"
+            )
         # Imported here: only reading a state file needs the controller's store.
         from taskd_core.controller.store_sqlite import SqliteStore
 

@@ -350,3 +350,31 @@ def test_replicas_with_the_same_policy_start_side_by_side(replicas, etcd) -> Non
     policy = JobPolicy(strategies=(Strategy.RECOVER, Strategy.EXIT), max_cycles=2)
     group = [replicas(state, defaults=policy) for _ in range(2)]
     assert leader_of(group).generation > 0
+
+
+def test_an_embedded_replica_per_node_keeps_the_job_through_the_loss_of_each(replicas, etcd, make_agent) -> None:
+    """What taskdrun's nodes will do (issue 22): each runs a replica in-process on the job's etcd.
+
+    The replicas go one by one, each while leading; the next always takes over
+    with the job's cycles, and the standbys always name the leader.
+    """
+    state = etcd.url()
+    alive = [replicas(state) for _ in range(3)]
+    for cycle in range(1, 4):
+        leader = leader_of(alive)
+        address = leader.address
+        wait_until(lambda: all(n.leader == address for n in alive), what="the standbys to name the leader")
+        agent = make_agent(leader.address, JOB, "n0").join()
+        assert agent.job().cycle == cycle - 1  # the cycles run under the lost leaders are kept
+        assert agent.fault({0: 1}).code == 0
+        agent.expect("stopTrain")
+        assert agent.stopped().code == 0
+        agent.expect("globalFault")
+        assert agent.strategies(["recover", "exit"]).code == 0
+        agent.expect("changeStrategy", changeStrategy="recover")
+        assert agent.status(0, "recover").code == 0
+        agent.close()
+        if len(alive) > 1:
+            leader.stop()
+            alive.remove(leader)
+    assert alive[0].leading and alive[0].generation > 0
