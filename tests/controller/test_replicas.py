@@ -362,8 +362,7 @@ def test_an_embedded_replica_per_node_keeps_the_job_through_the_loss_of_each(rep
     alive = [replicas(state) for _ in range(3)]
     for cycle in range(1, 4):
         leader = leader_of(alive)
-        address = leader.address
-        wait_until(lambda: all(n.leader == address for n in alive), what="the standbys to name the leader")
+        wait_until(lambda a=leader.address: all(n.leader == a for n in alive), what="the standbys to name the leader")
         agent = make_agent(leader.address, JOB, "n0").join()
         assert agent.job().cycle == cycle - 1  # the cycles run under the lost leaders are kept
         assert agent.fault({0: 1}).code == 0
