@@ -33,12 +33,18 @@ def etcd_binary() -> str:
 
 
 class EtcdServer:
-    """One single-member etcd cluster; with ``tls`` (cert, key, CA) it requires client certificates."""
+    """One single-member etcd cluster; with ``tls`` (cert, key, CA) it requires client certificates.
 
-    def __init__(self, data_dir: Path, tls: tuple[str, str, str] | None = None) -> None:
+    ``client`` (cert, key) is what the readiness check presents; by default the serving pair.
+    """
+
+    def __init__(
+        self, data_dir: Path, tls: tuple[str, str, str] | None = None, client: tuple[str, str] | None = None
+    ) -> None:
         self.exe = etcd_binary()
         self.data_dir = data_dir
         self.tls = tls
+        self.client = client or (tls[:2] if tls else None)
         self.port = free_port()
         self.peer_port = free_port()
         self.log = data_dir.with_suffix(".log")
@@ -76,8 +82,8 @@ class EtcdServer:
         return self
 
     def _answers(self) -> bool:
-        if self.tls:
-            cert, key, ca = self.tls
+        if self.tls and self.client:
+            ca, (cert, key) = self.tls[2], self.client
             creds = grpc.ssl_channel_credentials(Path(ca).read_bytes(), Path(key).read_bytes(), Path(cert).read_bytes())
             channel = grpc.secure_channel(self.endpoint, creds)
         else:

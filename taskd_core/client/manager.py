@@ -299,15 +299,23 @@ class DLRecoverManager:
         :raises RegistrationRefusedError: it refuses this client.
         :raises ControllerUnavailableError: it did not answer before ``deadline``.
         """
-        if not self.init_clusterd(deadline):
-            raise RecoveryDisabledError(self.job_id)
-        address = self._endpoints.current
-        try:
-            status = self.register()
-        except grpc.RpcError as exc:
-            self._raise_if_refused(exc, "Register", address)
-            self._endpoints.failed(exc, address)
-            raise ControllerUnavailableError(address, self._rpc_timeout, _brief(exc)) from None
+        started = time.monotonic()
+        until = started + self._connect_deadline if deadline is None else deadline
+        attempt = 0
+        while True:
+            if not self.init_clusterd(until):
+                raise RecoveryDisabledError(self.job_id)
+            address = self._endpoints.current
+            try:
+                status = self.register()
+                break
+            except grpc.RpcError as exc:
+                # The controller went between the two calls (a fail-over, a restart): join again.
+                self._raise_if_refused(exc, "Register", address)
+                self._endpoints.failed(exc, address)
+                if not self._pause(attempt, until, exc, address):
+                    raise ControllerUnavailableError(address, until - started, _brief(exc)) from None
+                attempt += 1
         if status.code == Code.FORBIDDEN and PERMISSION_DENIED_INFO in status.info:
             raise AccessDeniedError(address, status.info)
         if status.code != Code.OK:

@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from taskd_core.controller.access import AccessRules
 from taskd_core.controller.etcd_client import EtcdTls, is_etcd_url
@@ -57,6 +57,9 @@ from taskd_core.rpc.security import (
 logger = logging.getLogger(__name__)
 
 _KEEPALIVE_MS = 3_000
+#: Health service name that answers SERVING while the process runs as a replica, leading or
+#: standing by (a liveness probe); "" and "Recover" answer SERVING on the leader alone (readiness).
+REPLICA_HEALTH = "taskd.Replica"
 #: Bound on how long the stream of a frozen or vanished agent stays "live" (ping after 3 s, 3 s to answer).
 STREAM_DEAD_AFTER = 2 * _KEEPALIVE_MS / 1000
 
@@ -290,6 +293,7 @@ class ControllerServer:
         if self.config.health_port is not None:
             await self._start_probe_server(self.config.health_port)
         await replica.start(timeout)
+        await self._health.set(REPLICA_HEALTH, health_pb2.HealthCheckResponse.SERVING)
 
     async def _start_probe_server(self, port: int) -> None:
         """The health service alone, in plaintext: it tells only whether the controller serves."""
