@@ -56,9 +56,11 @@ from _common import (  # noqa: E402
     PYTHON,
     REPO,
     Children,
+    exit_on_sigterm,
     free_port,
     machine,
     markdown_table,
+    pid_alive,
     poll_until,
     rss_mib,
     setup_logging,
@@ -424,12 +426,14 @@ def chaos(root: Path, children: Children, etcd: str, kills: int, freezes: int, t
     )
 
     def pids() -> dict[int, int]:
-        found: dict[int, int] = {}
+        """Each rank's newest worker, when it runs."""
+        found: dict[int, tuple[float, int]] = {}
         for path in out.glob("start-*"):
             _, rank, pid = path.name.split("-")
-            if os.path.exists(f"/proc/{pid}"):
-                found[int(rank)] = int(pid)
-        return found
+            started = path.stat().st_mtime
+            if pid_alive(int(pid)) and started >= found.get(int(rank), (0.0, 0))[0]:
+                found[int(rank)] = (started, int(pid))
+        return {rank: pid for rank, (_, pid) in found.items()}
 
     poll_until(lambda: len(pids()) == NPROC or None, 120, "the job to start")
     plan = ["kill"] * kills + ["freeze"] * freezes
@@ -438,7 +442,7 @@ def chaos(root: Path, children: Children, etcd: str, kills: int, freezes: int, t
     restarts_expected: dict[int, int] = dict.fromkeys(range(NPROC), 1)
     for i, kind in enumerate(plan):
         current = leader(replicas, 120)
-        before = pids()
+        before = poll_until(lambda: p if len(p := pids()) == NPROC else None, 120, "every rank running")
         rank = rng.randrange(NPROC)
         os.kill(before[rank], signal.SIGKILL)
         restarts_expected[rank] += 1
@@ -526,6 +530,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
+    exit_on_sigterm()  # a SIGTERMed bench still stops everything it started
+    # The bench's own status reads go to whichever replica leads: their hops are no news.
+    logging.getLogger("taskd_core.client.endpoints").setLevel(logging.WARNING)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     report: dict[str, Any] = {"machine": machine()}
     with tempfile.TemporaryDirectory(prefix="taskd-failover-") as tmp, Children(grace=15.0) as children:

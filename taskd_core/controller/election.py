@@ -273,9 +273,9 @@ class EtcdTerm:
 
     async def end(self) -> None:
         self.lose("the replica stops")
+        await self.store.close()  # while the lease lasts, the writes made so far still land
         self._keeper.halt()
         await asyncio.get_running_loop().run_in_executor(None, self._keeper.join, 5.0)
-        await self.store.close()
         # Revoking deletes the leader key at once, so a standby need not wait out the lease.
         try:
             await self._client.revoke(self._lease, timeout=1.0)

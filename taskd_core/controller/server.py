@@ -43,7 +43,7 @@ from taskd_core.controller.replica import Replica, open_election
 from taskd_core.controller.runtime import LIVE_GRACE, Controller, Limits
 from taskd_core.controller.service import RecoverService
 from taskd_core.controller.store import StateStore
-from taskd_core.errors import ConfigError, NotLeaderError
+from taskd_core.errors import ConfigError, NotLeaderError, TaskdError
 from taskd_core.models import JobPolicy
 from taskd_core.rpc import SERVICE_NAME, recover_pb2_grpc
 from taskd_core.rpc.security import (
@@ -443,6 +443,8 @@ class EmbeddedController:
         except BaseException as exc:  # handed to the constructing thread, which is waiting for it
             if not self._ready.done():
                 self._ready.set_exception(exc)
+            elif isinstance(exc, TaskdError):  # a replica that may not go on (its policy was replaced)
+                logger.error("embedded controller on %s stopped: %s", self.address, exc)
             else:
                 logger.exception("embedded controller failed")
         finally:

@@ -281,6 +281,8 @@ class EtcdStore:
         self._fence = fence
         self.max_events = max_events
         self._queue: collections.deque[_Pending] = collections.deque()
+        #: the batch the writer is sending now.
+        self._inflight: list[_Pending] = []
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._broken = ""
@@ -489,11 +491,13 @@ class EtcdStore:
                 await self._wake.wait()
                 continue
             batch, ops = self._next_batch()
+            self._inflight = batch
             try:
                 await self._send(ops, max(p.next_seq for p in batch))
             except (LeadershipLostError, StateStoreError) as exc:
                 self._break(str(exc), batch)
                 return
+            self._inflight = []
             for pending in batch:
                 if not pending.done.done():
                     pending.done.set_result(None)
@@ -618,14 +622,19 @@ class EtcdStore:
         return self._entries
 
     async def close(self) -> None:
-        """Stop writing; writes still queued fail (a replica closes its store once it no longer leads)."""
+        """Let the writes made so far land while the lease lasts, then stop; what is left fails."""
+        waiting = [*self._inflight, *self._queue]
+        left = self._fence.until() - time.monotonic()
+        if waiting and not self._broken and left > 0:
+            await asyncio.wait([asyncio.shield(waiting[-1].done)], timeout=left)
         if self._writer is not None:
             self._writer.cancel()
             await asyncio.gather(self._writer, return_exceptions=True)
         if not self._broken:
             self._broken = "the store is closed"
         error = LeadershipLostError(self._broken)
-        for pending in self._queue:
+        for pending in [*self._inflight, *self._queue]:
             if not pending.done.done():
                 pending.done.set_exception(error)
+        self._inflight = []
         self._queue.clear()

@@ -25,7 +25,7 @@ from taskd_core.controller.etcd_client import EtcdClient, EtcdTls, parse_etcd_ur
 from taskd_core.controller.machine import JournalEntry
 from taskd_core.controller.policy import PolicyBook
 from taskd_core.controller.replica import open_election
-from taskd_core.controller.server import EmbeddedController
+from taskd_core.controller.server import REPLICA_HEALTH, EmbeddedController
 from taskd_core.controller.store import Commit, JobRow
 from taskd_core.controller.store_etcd import Layout
 from taskd_core.errors import LeadershipLostError
@@ -41,9 +41,10 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def health(address: str) -> int:
+def health(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as channel:
-        return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=WAIT).status)
+        request = health_pb2.HealthCheckRequest(service=service)
+        return int(health_pb2_grpc.HealthStub(channel).Check(request, timeout=WAIT).status)
 
 
 @pytest.fixture
@@ -75,6 +76,8 @@ def test_one_replica_leads_and_the_standbys_name_it(replicas, etcd, make_agent) 
     assert sum(c.leading for c in group) == 1
     assert health(leader.address) == SERVING
     assert [health(c.address) for c in standbys] == [NOT_SERVING, NOT_SERVING]
+    # Alive, all of them: what a liveness probe asks.
+    assert [health(c.address, REPLICA_HEALTH) for c in group] == [SERVING] * 3
     assert all(c.leader == leader.address for c in standbys)
 
     refused = make_agent(standbys[0].address, JOB, "n0")
