@@ -421,7 +421,7 @@ def chaos(root: Path, children: Children, etcd: str, kills: int, freezes: int, t
     run = children.start(
         [PYTHON, "-m", "taskd_core", "run", "--nproc", str(NPROC), "--job-id", CHAOS_JOB, "--controller", addresses,
          "--in-place", "--connect-timeout", "300", "--", PYTHON, str(root / "worker.py"), str(out), str(steps),
-         str(steps), "0.01"],
+         str(steps - 1), "0.01"],
         log=root / "chaos-run.log", cwd=REPO, env={"TASKD_JOB_TOKEN": "chaos-token"},
     )
 
