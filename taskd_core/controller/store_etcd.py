@@ -134,9 +134,14 @@ async def check_prefix(client: EtcdClient, layout: Layout) -> None:
     :raises ConfigError: someone else's data, or another schema version.
     """
     where = client.target.url
-    meta = await client.range(layout.meta)
-    if not meta.kvs:
+    for _ in range(3):  # replicas starting together: the mark another one just wrote is looked at again
+        meta = await client.range(layout.meta)
+        if meta.kvs:
+            _check_meta(where, layout, meta.kvs[0].value)
+            return
         found = await client.range(layout.root, prefix_end(layout.root), limit=3, keys_only=True)
+        if any(kv.key == layout.meta for kv in found.kvs):
+            continue
         if found.kvs:
             keys = ", ".join(repr(kv.key.decode(errors="replace")) for kv in found.kvs)
             raise ConfigError(
@@ -145,9 +150,12 @@ async def check_prefix(client: EtcdClient, layout: Layout) -> None:
             )
         value = _dumps({"app": APP, "schema": SCHEMA, "created": time.time()})
         await client.txn([created_at(layout.meta, 0)], [put(layout.meta, value)])
-        return
+    raise StateStoreError(where, "the prefix kept changing while this replica looked at it")
+
+
+def _check_meta(where: str, layout: Layout, value: bytes) -> None:
     try:
-        data = json_object(meta.kvs[0].value)
+        data = json_object(value)
         app, schema = data.get("app"), data.get("schema")
     except (ValueError, TypeError):
         app, schema = None, None
