@@ -380,3 +380,13 @@ def test_an_embedded_replica_per_node_keeps_the_job_through_the_loss_of_each(rep
             leader.stop()
             alive.remove(leader)
     assert alive[0].leading and alive[0].generation > 0
+
+
+def test_replicas_starting_together_on_an_empty_prefix_all_come_up(replicas, etcd) -> None:
+    """Each marks the prefix or finds the mark another just wrote; none mistakes it for foreign data."""
+    import concurrent.futures
+
+    state = etcd.url()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        group = list(pool.map(lambda _: replicas(state), range(4)))
+    assert sum(c.leading for c in group) == 1 and len({c.leader for c in group}) == 1
