@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -282,7 +283,13 @@ def latency(root: Path, children: Children, etcd: str, cycles: int) -> dict[str,
 
 async def _agents_main(addresses: list[str], job: str, first: int, count: int) -> None:
     """Worker mode: ``count`` agents that follow the leader; prints ``ready``, then a JSON dump on ``dump``."""
-    channels = {a: grpc.aio.insecure_channel(a, options=[("grpc.use_local_subchannel_pool", 1)]) for a in addresses}
+    # A connection per 50 agents and address, as controller_bench does (one per node in real life).
+    channels = {
+        (a, group): grpc.aio.insecure_channel(a, options=[("grpc.use_local_subchannel_pool", 1)])
+        for a in addresses
+        for group in range(count // 50 + 1)
+    }
+    errors: dict[str, int] = {}
     arrivals: dict[str, dict[str, float]] = {}
     subscribed: dict[str, list[float]] = {}
     ready = asyncio.Event()
@@ -295,7 +302,8 @@ async def _agents_main(addresses: list[str], job: str, first: int, count: int) -
         current = addresses[index % len(addresses)]
         marked = False
         while True:
-            stub = recover_pb2_grpc.RecoverStub(channels[current])
+            stub = recover_pb2_grpc.RecoverStub(channels[current, (index - first) // 50])
+            call = None
             try:
                 await stub.Init(info)
                 await stub.Register(info)
@@ -319,9 +327,18 @@ async def _agents_main(addresses: list[str], job: str, first: int, count: int) -
                     elif sig.signalType == "changeStrategy":
                         await stub.ReportRecoverStatus(pb.RecoverStatusRequest(status=pb.Status(), strategy=sig.changeStrategy, **who))
             except grpc.aio.AioRpcError as exc:
-                named = dict(exc.trailing_metadata() or ()).get(LEADER_METADATA, "")
-                current = str(named) if named in channels else addresses[(addresses.index(current) + 1) % len(addresses)]
-                await asyncio.sleep(random.uniform(0.1, 0.2) if LEADER_METADATA in dict(exc.trailing_metadata() or ()) else 0.05)
+                if call is not None:
+                    call.cancel()  # a failed report must not leave the stream open behind the next one
+                errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
+                errors[f"{exc.code().name}: {(exc.details() or '')[:60]}"] = 1
+                trailing = dict(exc.trailing_metadata() or ())
+                named = str(trailing.get(LEADER_METADATA, ""))
+                if exc.code() is grpc.StatusCode.ALREADY_EXISTS:
+                    # The controller has not yet seen the old stream go: as TaskD's client, wait.
+                    await asyncio.sleep(random.uniform(0.5, 1.0))
+                    continue
+                current = named if named in addresses else addresses[(addresses.index(current) + 1) % len(addresses)]
+                await asyncio.sleep(random.uniform(0.1, 0.2) if LEADER_METADATA in trailing else random.uniform(0.05, 0.3))
 
     tasks = [asyncio.create_task(agent(i)) for i in range(first, first + count)]
     await ready.wait()
@@ -329,7 +346,7 @@ async def _agents_main(addresses: list[str], job: str, first: int, count: int) -
     loop = asyncio.get_running_loop()
     while (line := await loop.run_in_executor(None, sys.stdin.readline)).strip() != "quit":
         if line.strip() == "dump":
-            print(json.dumps({"arrivals": arrivals, "subscribed": subscribed}), flush=True)
+            print(json.dumps({"arrivals": arrivals, "subscribed": subscribed, "errors": errors}), flush=True)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -356,14 +373,16 @@ def scale(root: Path, children: Children, etcd: str, agents: int, procs: int, tt
     joined_s = time.monotonic() - t_join
 
     def dump() -> dict[str, Any]:
-        merged: dict[str, Any] = {"arrivals": {}, "subscribed": {}}
+        merged: dict[str, Any] = {"arrivals": {}, "subscribed": {}, "errors": {}}
         for w in workers:
             assert w.stdin is not None and w.stdout is not None
             w.stdin.write("dump\n")
             w.stdin.flush()
             data = json.loads(w.stdout.readline())
-            for key in merged:
-                merged[key].update(data[key])
+            merged["arrivals"].update(data["arrivals"])
+            merged["subscribed"].update(data["subscribed"])
+            for code, n in data["errors"].items():
+                merged["errors"][code] = merged["errors"].get(code, 0) + n
         return merged
 
     try:
@@ -402,7 +421,7 @@ def scale(root: Path, children: Children, etcd: str, agents: int, procs: int, tt
             "fault_to_stop_train_s": summarize(stop).as_dict(), "stop_train_received": len(stop),
             "leader_rss_mib": round(rss, 1), "etcd_db_mib": round(db / 2**20, 2),
             "kill_to_every_agent_following_s": round(max(follow), 2) if follow else None,
-            "followed": len(follow), "follow_s": summarize(follow).as_dict()}
+            "followed": len(follow), "follow_s": summarize(follow).as_dict(), "agent_errors": got["errors"]}
 
 
 # --- chaos ---------------------------------------------------------------------------------------------
@@ -527,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lease-ttl", type=int, default=2)
     parser.add_argument("--seed", type=int, default=23)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--workdir", type=Path, help="keep the logs and data here (default: a temporary dir)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
@@ -535,8 +555,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("taskd_core.client.endpoints").setLevel(logging.WARNING)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     report: dict[str, Any] = {"machine": machine()}
-    with tempfile.TemporaryDirectory(prefix="taskd-failover-") as tmp, Children(grace=15.0) as children:
-        root = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="taskd-failover-")))
+        root.mkdir(parents=True, exist_ok=True)
+        children = stack.enter_context(Children(grace=15.0))
         etcd = start_etcd(children, root)
         if "failover" in parts:
             report["failover"] = failover(root, children, etcd, args.failovers, args.lease_ttl)
