@@ -201,3 +201,37 @@ class IllegalTransition(TaskdError):
 
 class StreamError(TaskdError):
     """A stream between two processes of a job broke, timed out, or its peer could not prove the job's key."""
+
+
+class NotLeaderError(TaskdError):
+    """This controller replica does not lead: another one serves (``leader``: its address, or "")."""
+
+    def __init__(self, message: str, *, leader: str = "") -> None:
+        super().__init__(message)
+        self.leader = leader
+
+
+class LeadershipLostError(NotLeaderError):
+    """A leading replica may no longer write: its lease expired or another replica took over."""
+
+
+class StateStoreError(TaskdError):
+    """The controller's state store (etcd) refused a request."""
+
+    def __init__(self, where: str, what: str, cause: str = "", fix: str = "see etcd's log") -> None:
+        super().__init__(f"{where}: {what}{f' ({cause})' if cause else ''}; {fix}")
+        self.where = where
+        self.cause = cause
+
+
+class StateUnavailableError(StateStoreError):
+    """The controller's state store (etcd) did not answer in time."""
+
+    def __init__(self, where: str, what: str, cause: str = "") -> None:
+        super().__init__(
+            where,
+            what,
+            cause,
+            "check that etcd runs there, that the address is right and, if it serves TLS, "
+            "the --etcd-cacert/--etcd-cert/--etcd-key files",
+        )

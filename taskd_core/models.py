@@ -388,16 +388,24 @@ class JobStatus:
 
 @dataclass(frozen=True, slots=True)
 class ControllerStatus:
-    """A controller's whole answer to a status query: the jobs the caller may see.
+    """A controller's whole answer to a status query: the jobs the caller may see, and who leads.
 
-    Facts about the controller itself (which replica leads, say) belong here, beside the jobs.
+    ``leader`` is the address of the replica that leads (as it advertises itself) and
+    ``leader_generation`` its term's number; a lone controller on SQLite leads for good: 0.
     """
 
     jobs: tuple[JobStatus, ...]
+    leader: str = ""
+    leader_generation: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """What ``taskd status --json`` prints (schema version 1, docs/events.md)."""
-        return {"schema": 1, "jobs": [job.to_json() for job in self.jobs]}
+        return {
+            "schema": 1,
+            "leader": self.leader,
+            "leader_generation": self.leader_generation,
+            "jobs": [job.to_json() for job in self.jobs],
+        }
 
 
 @dataclass(frozen=True, slots=True)

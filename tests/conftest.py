@@ -31,6 +31,7 @@ from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
 from taskd_core.rpc.security import ServerTls, open_channel
 from taskd_core.testing import wait_until
+from tests.etcd_server import EtcdServer
 
 #: Generous ceiling for anything a test waits for; never an assertion on speed.
 WAIT = 20.0
@@ -268,7 +269,7 @@ def make_agent() -> Iterator[Callable[..., RawAgent]]:
 class ControllerProcess:
     """``python -m taskd_core controller`` as a child process, its output in a log file."""
 
-    def __init__(self, state: Path, args: tuple[str, ...], log: Path) -> None:
+    def __init__(self, state: Path | str, args: tuple[str, ...], log: Path) -> None:
         port_file = log.with_suffix(".port")
         self.log = log
         with open(log, "w") as out:
@@ -297,6 +298,23 @@ class ControllerProcess:
             unless=lambda: self.proc.poll() is not None and f"controller exited at start:\n{log.read_text()}",
         )
 
+    def health(self) -> int:
+        """The health service's answer (SERVING only on a leading replica); -1 when it does not answer."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status)
+            except grpc.RpcError:
+                return -1
+
+    def wait_serving(self, timeout: float = 3 * WAIT) -> ControllerProcess:
+        """Wait until this replica leads (an etcd state's replica may first stand by)."""
+        from grpc_health.v1 import health_pb2
+
+        wait_until(lambda: self.health() == health_pb2.HealthCheckResponse.SERVING, "the replica to lead", timeout)
+        return self
+
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(WAIT)
@@ -315,7 +333,7 @@ def controller_process(tmp_path: Path) -> Iterator[Callable[..., ControllerProce
     """
     started: list[ControllerProcess] = []
 
-    def start(state: Path, *args: str) -> ControllerProcess:
+    def start(state: Path | str, *args: str) -> ControllerProcess:
         started.append(ControllerProcess(state, args, tmp_path / f"controller-{len(started)}.log"))
         return started[-1]
 
@@ -366,3 +384,22 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         str(root / "client.key"),
         str(root / "other-ca.pem"),
     )
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the session (tests keep apart by prefix: ``etcd.url()`` makes a fresh one)."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def state_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A ``--state`` for each backend: a SQLite file, and a fresh prefix on the session's etcd."""
+    if request.param == "sqlite":
+        return str(tmp_path / "state.db")
+    server: EtcdServer = request.getfixturevalue("etcd")
+    return server.url()

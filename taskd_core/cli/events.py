@@ -21,7 +21,7 @@ from typing import Any
 
 from taskd_core.cli.connection import add_connection_options, credentials
 from taskd_core.client.query import PAGE, QueryClient
-from taskd_core.errors import ControllerUnavailableError, TaskdError
+from taskd_core.errors import ConfigError, ControllerUnavailableError, TaskdError
 from taskd_core.models import JournalEvent
 
 logger = logging.getLogger(__name__)
@@ -83,11 +83,16 @@ def as_json_line(event: JournalEvent) -> str:
 def journal_reader(args: argparse.Namespace) -> Iterator[PageReader]:
     """A :data:`PageReader` for ``args.job`` from ``--state`` or ``--controller``; checks the job exists."""
     if args.state:
+        if args.state.startswith("etcd://"):
+            raise ConfigError(
+                f"--state {args.state}: an etcd state is read through its controller: give "
+                "--controller HOST:PORT[,HOST:PORT...] (any replica) instead"
+            )
         # Imported here: only reading a state file needs the controller's store.
         from taskd_core.controller.runtime import journal_event
-        from taskd_core.controller.store import Store
+        from taskd_core.controller.store_sqlite import SqliteStore
 
-        store = Store(args.state, readonly=True)
+        store = SqliteStore(args.state, readonly=True)
         try:
             if not store.has_job(args.job):
                 raise TaskdError(

@@ -69,8 +69,11 @@ def _detail(event: JournalEvent) -> str:
 
 def render(status: ControllerStatus) -> str:
     lines: list[str] = []
+    # Replicas on etcd number their leaders; a lone SQLite controller (generation 0) needs no line.
+    if status.leader_generation:
+        lines.append(f"leader {_safe(status.leader)} (generation {status.leader_generation})")
     if not status.jobs:
-        return "no jobs"
+        return "\n".join([*lines, "no jobs"])
     for job in status.jobs:
         faults = ", ".join(f"{f.rank}:{f.fault_type.value}" for f in job.faults) or "-"
         legacy = "  (legacy: registered without a token)" if job.legacy else ""

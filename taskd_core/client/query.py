@@ -7,7 +7,7 @@ and :class:`~taskd_core.models.JournalPage`, never protobuf. ``taskd status``,
 ``taskd events``, ``taskd timeline``, the launchers and the benchmarks use it;
 so can an adapter's own tests and tools::
 
-    with QueryClient("127.0.0.1:8899") as controller:
+    with QueryClient("127.0.0.1:8899") as controller:   # or "A:8899,B:8899,C:8899": the leader answers
         job = controller.job("my-job", events=20)
         print(job.state, [a.agent_id for a in job.agents], [e.kind for e in job.events])
 
@@ -20,21 +20,16 @@ by default TLS files and the job token come from ``TASKD_TLS_CA`` /
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Self
 
 import grpc
 
+from taskd_core.client.endpoints import Endpoints, controller_addresses
 from taskd_core.errors import ControllerUnavailableError, QueryRefusedError
 from taskd_core.models import Code, ControllerStatus, Credentials, JobStatus, JournalPage
 from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc import recover_pb2_grpc
 from taskd_core.rpc.convert import controller_status_from_pb, journal_page_from_pb
-from taskd_core.rpc.security import open_channel
-
-#: The answers of the query RPCs: each carries its ``Status``.
-R = TypeVar("R", pb.ControllerStatus, pb.EventPage)
 
 #: Journal entries asked for per ``QueryEvents`` call (the controller's own page size).
 PAGE = 1000
@@ -52,9 +47,10 @@ _REFUSALS = frozenset(
 
 
 class QueryClient:
-    """One controller's status and journal over one channel; use as a context manager.
+    """One controller's status and journal; use as a context manager.
 
-    :param address: ``HOST:PORT`` of the controller.
+    :param address: ``HOST:PORT`` of the controller, or its replicas comma-separated (``A,B,C``):
+        the leader answers, a standby names it and the call follows.
     :param credentials: what to present; by default from the environment (see the module).
     :param timeout: seconds each call may take.
     """
@@ -62,8 +58,9 @@ class QueryClient:
     def __init__(self, address: str, credentials: Credentials | None = None, *, timeout: float = 5.0) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = open_channel(address, credentials or Credentials.from_env(os.environ))
-        self._stub = recover_pb2_grpc.RecoverStub(self._channel)
+        self._endpoints = Endpoints(
+            controller_addresses(address), credentials or Credentials.from_env(os.environ)
+        )
 
     def status(self, job_id: str = "", events: int = 0) -> ControllerStatus:
         """Every job the caller may see (or only ``job_id``), each with its newest ``events`` entries.
@@ -73,7 +70,7 @@ class QueryClient:
         :raises ProtocolError: the answer holds values no TaskD controller sends.
         """
         query = pb.StatusQuery(jobId=job_id, events=events)
-        reply = self._call("QueryStatus", lambda: self._stub.QueryStatus(query, timeout=self.timeout))
+        reply = self._call("QueryStatus", query)
         return controller_status_from_pb(reply)
 
     def job(self, job_id: str, events: int = 0) -> JobStatus:
@@ -89,16 +86,16 @@ class QueryClient:
         Raises as :meth:`status` does.
         """
         query = pb.EventQuery(jobId=job_id, afterSeq=after, limit=limit)
-        reply = self._call("QueryEvents", lambda: self._stub.QueryEvents(query, timeout=self.timeout))
+        reply = self._call("QueryEvents", query)
         return journal_page_from_pb(job_id, reply)
 
     def ended_agents(self, job_id: str) -> int:
         """How many agents of ``job_id`` have reported their end; raises as :meth:`status`."""
         return sum(1 for agent in self.job(job_id).agents if agent.exit_code is not None)
 
-    def _call(self, rpc: str, call: Callable[[], R]) -> R:
+    def _call(self, rpc: str, query: pb.StatusQuery | pb.EventQuery) -> Any:
         try:
-            reply = call()
+            reply = self._endpoints.call(rpc, query, self.timeout)
         except grpc.RpcError as exc:
             details = (exc.details() or str(exc.code())).splitlines()[0][:200]
             if exc.code() in _REFUSALS:
@@ -109,7 +106,7 @@ class QueryClient:
         return reply
 
     def close(self) -> None:
-        self._channel.close()
+        self._endpoints.close()
 
     def __enter__(self) -> Self:
         return self

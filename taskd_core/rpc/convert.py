@@ -346,4 +346,8 @@ def job_status_from_pb(view: pb.JobView) -> JobStatus:
 
 
 def controller_status_from_pb(reply: pb.ControllerStatus) -> ControllerStatus:
-    return ControllerStatus(tuple(job_status_from_pb(j) for j in reply.jobs))
+    return ControllerStatus(
+        tuple(job_status_from_pb(j) for j in reply.jobs),
+        leader=reply.leader,
+        leader_generation=reply.leaderGeneration,
+    )

@@ -94,6 +94,8 @@ def test_a_missing_controller_or_state_file_or_job_exits_2(tmp_path, controller_
     controller_factory(state=str(state))
     assert main(["events", "j", "--state", str(state)]) == 2
     assert "not in state file" in caplog.records[-1].getMessage()
+    assert main(["events", "j", "--state", "etcd://127.0.0.1:2379/taskd"]) == 2
+    assert "read through its controller" in caplog.records[-1].getMessage()
 
 
 def test_a_job_with_a_token_shows_its_journal_only_to_its_token(controller, make_agent, monkeypatch, caplog, capsys):

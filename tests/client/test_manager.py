@@ -387,3 +387,73 @@ def test_module_functions_need_an_open_manager() -> None:
 
     with pytest.raises(TaskdError, match="no DLRecoverManager is open"):
         recover_manager.report_process_fault({0: 1})
+
+
+@pytest.fixture
+def replica_pair(etcd) -> Iterator[tuple[EmbeddedController, EmbeddedController]]:
+    """Two controller replicas on one etcd prefix: (the leader, the standby)."""
+    state = etcd.url()
+    policy = JobPolicy(flush_seconds=0.0, report_timeout=120.0, expected_agents=2)
+    group = [EmbeddedController(state=state, defaults=policy) for _ in range(2)]
+    try:
+        (leader,) = [c for c in group if c.leading]
+        yield leader, next(c for c in group if c is not leader)
+    finally:
+        for ctl in group:
+            ctl.stop()
+
+
+def test_a_manager_given_every_replica_follows_the_leader(replica_pair) -> None:
+    leader, standby = replica_pair
+    manager, recorder = make_manager(f"{standby.address},{leader.address}", "job-follow", agent_id="a1")
+    other, _ = make_manager([leader.address, standby.address], "job-follow", agent_id="a2")
+    threads = [subscribe(manager), subscribe(other)]
+    try:
+        assert manager.init_clusterd() and other.init_clusterd()
+        assert manager.controller == leader.address
+        assert manager.report_process_fault({0: 1}) == Code.OK
+        assert recorder.next(SignalType.CHANGE_STRATEGY).change_strategy == "recover"
+    finally:
+        manager.close()
+        other.close()
+        for thread in threads:
+            thread.join(timeout=30)
+
+
+def test_a_fail_over_mid_cycle_looks_like_an_outage(replica_pair) -> None:
+    """The leader goes while an agent carries out stopTrain: its report waits and goes to the new leader.
+
+    Each agent executes each signal once (the new leader re-sends stopTrain
+    under the same number), and the cycle ends as it would have.
+    """
+    leader, standby = replica_pair
+    addresses = f"{leader.address},{standby.address}"
+    a1, rec1 = make_manager(addresses, "job-failover", agent_id="a1")
+    a2, rec2 = make_manager(addresses, "job-failover", agent_id="a2")
+    release = rec2.hold = threading.Event()
+    threads = [subscribe(a1), subscribe(a2)]
+    try:
+        assert a1.init_clusterd() and a2.init_clusterd()
+        assert a1.register().code == Code.OK and a2.register().code == Code.OK
+        assert a1.report_process_fault({0: 1}) == Code.OK
+        rec1.next(SignalType.STOP_TRAIN)
+        assert rec2.busy.wait(60)
+        leader.stop()
+        assert standby.wait_leading(60)
+        release.set()
+        assert rec1.next(SignalType.CHANGE_STRATEGY).change_strategy == "recover"
+        assert rec2.next(SignalType.CHANGE_STRATEGY).change_strategy == "recover"
+        assert rec1.stops == 1 and rec2.stops == 1
+        assert a1.controller == a2.controller == standby.address
+    finally:
+        release.set()
+        a1.close()
+        a2.close()
+        for thread in threads:
+            thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("addresses", ["", " , ", "no-port", "host:0", "a:1,b"])
+def test_a_bad_controller_address_list_is_refused_at_once(addresses: str) -> None:
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        DLRecoverManager(pb.ClientInfo(jobId="j", role="r"), addresses)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sqlite3
-
 import grpc
 import pytest
 
 from taskd_core.cli.status import render
-from taskd_core.controller.machine import JournalEntry
 from taskd_core.controller.runtime import MAX_JOB_ID, Limits
 from taskd_core.controller.service import MAX_QUERY_EVENTS, MAX_RANKS, MAX_STRATEGIES
-from taskd_core.controller.store import ROTATE_EVERY, JobRow, Store
 from taskd_core.models import (
     AgentStatus,
     Code,
@@ -145,22 +141,6 @@ def test_query_events_and_message_size_are_bounded(controller, make_agent) -> No
     with pytest.raises(grpc.RpcError) as raw:
         agent.stub.Init(huge, timeout=10)
     assert raw.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-def test_journal_rotation_keeps_each_job_under_its_cap(tmp_path) -> None:
-    path = tmp_path / "state.db"
-    store = Store(str(path), max_events=100)
-    row = JobRow(JOB, True, {}, {})
-    other = JobRow("other", True, {}, {})
-    for n in range(1000):
-        store.commit(row, [JournalEntry("e", 0, {"n": n})], now=float(n))
-    store.commit(other, [JournalEntry("e", 0, {})], now=0.0)
-    kept = store.events(JOB, 10_000)
-    assert 100 <= len(kept) < 100 + ROTATE_EVERY
-    assert kept[-1].detail == '{"n": 999}'
-    assert len(store.events("other", 10)) == 1
-    store.close()
-    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM events").fetchone()[0] == len(kept) + 1
 
 
 def test_status_output_escapes_control_characters() -> None:
