@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ms_support import alive, wait_until
+
+from taskd_core.testing import descendants, free_port, process_running, wait_until
 
 # A missing MindSpore is a broken install (scripts/env.sh installs it), never a reason to skip.
 try:
@@ -37,12 +38,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.py"
 MSRUN = Path(sys.executable).with_name("msrun")
 STEPS = 30
 SERVER_NAME = "taskd-forksrv"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -63,29 +58,11 @@ def _pids_mentioning(text: str) -> list[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
             try:
-                if text in proc.joinpath("cmdline").read_bytes().decode(errors="replace") and alive(int(proc.name)):
+                if text in proc.joinpath("cmdline").read_bytes().decode(errors="replace") and process_running(int(proc.name)):
                     found.append(int(proc.name))
             except OSError:
                 continue
     return found
-
-
-def _descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (forked workers show the fork server's command line, not the job's)."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                children.setdefault(_stat(int(proc.name))[1], []).append(int(proc.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if alive(child):
-                out.append(child)
-                todo.append(child)
-    return out
 
 
 @dataclass
@@ -109,13 +86,13 @@ class MsrunJob:
         return 2 * self.nnodes
 
     def start(self) -> None:
-        port = _free_port()
+        port = free_port()
         env = dict(
             os.environ,
             # msrun starts every process with the `python` found first on PATH.
             PATH=f"{MSRUN.parent}{os.pathsep}{os.environ.get('PATH', '')}",
             MS_ENABLE_TFT="{ARF:1}",
-            TASKD_CONTROLLER_PORT=str(_free_port()),
+            TASKD_CONTROLLER_PORT=str(free_port()),
             TASKD_JOB_ID=f"ms-{port}",
             TASKD_STOP_TIMEOUT="10",
             TASKD_SCHEDULER_GRACE="30",
@@ -133,7 +110,7 @@ class MsrunJob:
                 self.nodes.append(subprocess.Popen(cmd, env=env, cwd=self.root, stdout=log,
                                                    stderr=subprocess.STDOUT, start_new_session=True))
             if rank == 0 and self.nnodes > 1:
-                wait_until(lambda: _listening(port), timeout=60, what="node 0's scheduler")
+                wait_until(lambda: _listening(port), deadline=60, what="node 0's scheduler")
 
     def events(self, kind: str = "step") -> list[dict[str, Any]]:
         path = self.out / "progress.jsonl"
@@ -149,7 +126,7 @@ class MsrunJob:
         def reached() -> bool:
             return any(p["step"] >= step and all(p[k] == v for k, v in where.items()) for p in self.events())
 
-        wait_until(reached, timeout=timeout, what=f"step {step} {where}")
+        wait_until(reached, deadline=timeout, what=f"step {step} {where}")
 
     def wait_new_pids(self, ranks: list[int], old: set[int], timeout: float = 300.0) -> dict[int, int]:
         """Each rank's pid once it completed a step in a process not in ``old``."""
@@ -158,18 +135,18 @@ class MsrunJob:
             new = {p["rank"]: p["pid"] for p in self.events() if p["pid"] not in old}
             return new if all(r in new for r in ranks) else None
 
-        wait_until(lambda: stepped() is not None, timeout=timeout, what=f"ranks {ranks} stepping in new processes")
+        wait_until(lambda: stepped() is not None, deadline=timeout, what=f"ranks {ranks} stepping in new processes")
         found = stepped()
         assert found is not None
         return found
 
     def fork_servers(self) -> list[int]:
         self.watch()
-        return [p for p in _descendants(self.nodes[0].pid) if _stat(p)[0] == SERVER_NAME]
+        return [p for p in descendants(self.nodes[0].pid) if _stat(p)[0] == SERVER_NAME]
 
     def watch(self) -> None:
         for node in self.nodes:
-            self.seen.update(_descendants(node.pid))
+            self.seen.update(descendants(node.pid))
 
     def exit_codes(self, timeout: float = 400.0) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -202,9 +179,9 @@ def job(tmp_path: Path) -> Iterator[MsrunJob]:
 
 def _assert_nothing_left(job: MsrunJob) -> None:
     def gone() -> bool:
-        return not _pids_mentioning(str(job.root)) and not any(alive(p) for p in job.seen)
+        return not _pids_mentioning(str(job.root)) and not any(process_running(p) for p in job.seen)
 
-    wait_until(gone, timeout=10, what="every job process (workers, scheduler, fork server) to end")
+    wait_until(gone, deadline=10, what="every job process (workers, scheduler, fork server) to end")
 
 
 def test_sigkilled_worker_is_recovered_and_training_resumes(job: MsrunJob) -> None:
@@ -252,7 +229,7 @@ def test_faults_beyond_the_budget_give_the_job_up(job: MsrunJob) -> None:
     job.start()
     job.wait_step(3)
     os.kill(job.pid_of(1), signal.SIGKILL)
-    wait_until(lambda: any(p["restart"] == 1 and p["rank"] == 1 for p in job.events()), timeout=300,
+    wait_until(lambda: any(p["restart"] == 1 and p["rank"] == 1 for p in job.events()), deadline=300,
                what="rank 1 restarted")
     assert all(n.poll() is None for n in job.nodes), "the first fault alone must not end the job"
     job.watch()
@@ -294,7 +271,7 @@ def test_one_node_survives_its_ranks_and_its_fork_server_keeping_the_users_heart
     job.wait_new_pids([0, 1], old)
     msrun = job.nodes[0].pid
     assert any(e["ppid"] == msrun for e in job.events("start") if e["pid"] not in started), "no exec'd worker"
-    wait_until(lambda: job.fork_servers() and job.fork_servers() != servers, timeout=120, what="a new fork server")
+    wait_until(lambda: job.fork_servers() and job.fork_servers() != servers, deadline=120, what="a new fork server")
 
     last = max(p["step"] for p in job.events())
     stop.write_text(str(last + 30))

@@ -14,11 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ms_support import WORKER, FakeMsrun, alive, wait_until
+from ms_support import WORKER, FakeMsrun
 
 from taskd_core.errors import ConfigError
 from taskd_core.forkserver import ForkServerSettings
 from taskd_core.forkserver.client import ForkedProcess
+from taskd_core.testing import process_running, wait_until
 from taskd_mindspore.callbacks import CallbackRegistry, MsrunCallbacks
 from taskd_mindspore.scheduler import Scheduler, find_scheduler
 from taskd_mindspore.warm import (
@@ -123,9 +124,9 @@ def test_a_forked_scheduler_is_replaced_from_the_command_msrun_used(tmp_path: Pa
     scheduler = Scheduler(start=warm.start_scheduler)
     try:
         wait_until(lambda: find_scheduler(os.getpid()) is not None, what="msrun's scheduler")
-        assert scheduler.restart(10.0) and not alive(original.pid)  # and reaped: its Popen sees no status
+        assert scheduler.restart(10.0) and not process_running(original.pid)  # and reaped: its Popen sees no status
         first = scheduler._own
-        assert isinstance(first, ForkedProcess) and alive(first.pid)
+        assert isinstance(first, ForkedProcess) and process_running(first.pid)
         assert scheduler.restart(10.0)
         second = scheduler._own
         assert isinstance(second, ForkedProcess) and second.pid != first.pid and first.poll() == -9
@@ -133,7 +134,7 @@ def test_a_forked_scheduler_is_replaced_from_the_command_msrun_used(tmp_path: Pa
         second.wait(10)
         assert scheduler.restart(10.0)
         third = scheduler._own
-        assert third is not None and third.pid != second.pid and alive(third.pid)
+        assert third is not None and third.pid != second.pid and process_running(third.pid)
         (tmp_path / "release").touch()
         scheduler.finish(30.0, 10.0)
         assert third.poll() == 0
