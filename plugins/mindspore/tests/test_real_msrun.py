@@ -240,9 +240,11 @@ def test_faults_beyond_the_budget_give_the_job_up(job: MsrunJob) -> None:
 
 
 def test_one_node_survives_its_ranks_and_its_fork_server_keeping_the_users_heartbeat(job: MsrunJob) -> None:
-    """One node, one job, in turn: a script that forks by itself; SIGKILL of rank 1, then of both ranks, then of
-    a rank and the fork server together (the restart finds no server: msrun's own start; a new server comes up);
-    the heartbeat bounds the user set are the ones every worker sees; the job ends at the stop step, exit 0."""
+    """One node, one job, in turn: a script that forks by itself; SIGKILL of a rank and the fork server together
+    (the restart finds no server ready: msrun's own start; a new server comes up), then of rank 1, then of both
+    ranks; the heartbeat bounds the user set are the ones every worker sees; the job ends at the stop step, exit 0.
+    The server goes first: a first failure in a row is restarted at once (later ones after a crash-loop backoff,
+    which a new server may outlast)."""
     job.nnodes = 1
     stop = job.root / "stop-at"
     job.env.update(MS_RETRY_INTERVAL_LOWER="1", MS_RETRY_INTERVAL_UPPER="2", TASKD_MAX_CYCLES="10")
@@ -251,27 +253,27 @@ def test_one_node_survives_its_ranks_and_its_fork_server_keeping_the_users_heart
     job.wait_step(3, rank=1)
     children = job.events("child")
     assert sorted(c["rank"] for c in children) == [0, 1] and all(c["value"] == 10.0 for c in children)
+    msrun = job.nodes[0].pid
+    assert {e["ppid"] for e in job.events("start")} == set(job.fork_servers())  # forked from the first start
+
+    # The fork server dies with a rank (its forked workers with it): the restart finds no server ready.
+    servers = job.fork_servers()
+    old = {p["pid"] for p in job.events()}
+    started = {e["pid"] for e in job.events("start")}
+    os.kill(job.pid_of(0), signal.SIGKILL)
+    os.kill(servers[0], signal.SIGKILL)
+    job.wait_new_pids([0, 1], old)
+    assert {e["ppid"] for e in job.events("start") if e["pid"] not in started} == {msrun}, "not msrun's own start"
+    wait_until(lambda: job.fork_servers() and job.fork_servers() != servers, deadline=120, what="a new fork server")
 
     old = {p["pid"] for p in job.events()}
     os.kill(job.pid_of(1), signal.SIGKILL)
     job.wait_new_pids([0, 1], old)
 
     old = {p["pid"] for p in job.events()}
-    servers = job.fork_servers()
-    assert len(servers) == 1
     for rank in (0, 1):
         os.kill(job.pid_of(rank), signal.SIGKILL)
     job.wait_new_pids([0, 1], old)
-
-    # The fork server dies with a rank: the restart finds no server ready (its replacement preloads).
-    old = {p["pid"] for p in job.events()}
-    started = {e["pid"] for e in job.events("start")}
-    os.kill(job.pid_of(0), signal.SIGKILL)
-    os.kill(servers[0], signal.SIGKILL)
-    job.wait_new_pids([0, 1], old)
-    msrun = job.nodes[0].pid
-    assert any(e["ppid"] == msrun for e in job.events("start") if e["pid"] not in started), "no exec'd worker"
-    wait_until(lambda: job.fork_servers() and job.fork_servers() != servers, deadline=120, what="a new fork server")
 
     last = max(p["step"] for p in job.events())
     stop.write_text(str(last + 30))
