@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from taskd_core.forkserver._server import SERVER_NAME
+from taskd_core.forkserver._wire import SERVER_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_DDP = REPO / "examples" / "train_ddp.py"
