@@ -280,6 +280,7 @@ class ForkedProcess:
         if self._pidfd is not None:
             code = _zombie_code(self.pid, self._pidfd)
             if code is not None:
+                self.server.note_unreaped()
                 return code
         # Reaped: the server's word is on its way, unless the server is gone or sick.
         code = self.server.exit_code(self.pid, _STATUS_GRACE)
@@ -358,6 +359,8 @@ class ForkServer:
         self.learned: list[str] = []
         #: whether the server announced imports it has not finished (it reads no request meanwhile).
         self.importing = False
+        #: when the server was first seen stopped (``T``), None while it runs.
+        self._stopped_since: float | None = None
         self._exits: dict[int, int] = {}
         self._replies: dict[int, wire.Spawned | wire.Failed] = {}
         self._waiting: set[int] = set()
@@ -423,20 +426,34 @@ class ForkServer:
 
         A server that stays stopped for :data:`STOPPED_BOUND` meanwhile is declared unhealthy.
         """
-        stopped_since: float | None = None
         while not done():
             now = time.monotonic()
-            if not self.usable or now >= until:
+            if not self.usable or now >= until or not self._check_health(now):
                 return False
-            if _stopped(self.pid):
-                stopped_since = now if stopped_since is None else stopped_since
-                if now - stopped_since >= STOPPED_BOUND:
-                    self._declare_unhealthy(f"stopped for {STOPPED_BOUND:g}s (state T in /proc)")
-                    return False
-            else:
-                stopped_since = None
             self._cond.wait(min(_HEALTH_POLL, until - now))
         return True
+
+    def _check_health(self, now: float) -> bool:
+        """Whether the server may still answer (holding ``_cond``): not stopped for too long.
+
+        How long it has been stopped counts from the first time anyone saw it stopped (a worker's
+        death it did not reap, say), so a restart that follows does not wait the bound again.
+        """
+        if not _stopped(self.pid):
+            self._stopped_since = None
+            return True
+        if self._stopped_since is None:
+            self._stopped_since = now
+        if now - self._stopped_since < STOPPED_BOUND:
+            return True
+        self._declare_unhealthy(f"stopped for {now - self._stopped_since:.1f}s (state T in /proc)")
+        return False
+
+    def note_unreaped(self) -> None:
+        """A worker died and the server has not reaped it: start counting a stop now."""
+        with self._cond:
+            if self.usable:
+                self._check_health(time.monotonic())
 
     def _declare_unhealthy(self, why: str) -> None:
         """Kill the server and its process group; its reader then sees it dead and a new one starts."""

@@ -1,0 +1,129 @@
+"""What the server imports when: only what the first workers need before forking them, the rest after.
+
+And the fork hook modules a framework uses to run its own code around each fork.
+Real servers and workers; each worker reports what it finds in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from taskd_core.forkserver.client import (
+    TORCH_FIRST,
+    ForkedProcess,
+    ForkLauncher,
+    ForkServer,
+    ForkServerSettings,
+    PythonCommand,
+)
+from taskd_core.testing import wait_until
+
+WAIT = 120.0
+REPORT = "import json, sys; print(json.dumps(sorted(m for m in sys.argv[1:] if m in sys.modules)))\n"
+
+
+def _modules_of(launcher: ForkLauncher | ForkServer, argv: list[str], log: Path) -> tuple[bool, list[str]]:
+    with open(log, "wb") as out:
+        if isinstance(launcher, ForkServer):
+            proc: subprocess.Popen[bytes] | ForkedProcess = launcher.spawn(
+                _command(argv), argv, dict(os.environ), os.getcwd(), [0, out.fileno(), 2]
+            )
+        else:
+            proc = launcher.start(argv, dict(os.environ), stdout=out)
+        assert proc.wait(WAIT) == 0
+    return isinstance(proc, ForkedProcess), json.loads(log.read_text())
+
+
+def _command(argv: list[str]) -> PythonCommand:
+    command = PythonCommand.parse(argv, os.getcwd(), os.environ.get("PATH"))
+    assert command is not None
+    return command
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ForkServer]:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    settings = ForkServerSettings(preload=(), learn=False)
+    made = ForkServer(_command([sys.executable, str(script)]), settings, (), {}, later=("xml.dom.minidom",))
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def test_what_comes_later_is_imported_only_after_the_first_fork(tmp_path: Path, server: ForkServer) -> None:
+    argv = [sys.executable, str(tmp_path / "report.py"), "xml.dom.minidom"]
+    assert server.wait_ready(WAIT)
+
+    first = _modules_of(server, argv, tmp_path / "first.log")
+    wait_until(lambda: "xml.dom.minidom" in server.learned, what="the server to import what comes later")
+    second = _modules_of(server, argv, tmp_path / "second.log")
+
+    assert first == (True, []) and second == (True, ["xml.dom.minidom"])
+
+
+@pytest.mark.slow
+def test_a_torch_job_is_forked_once_torch_is_imported_and_dynamo_follows(tmp_path: Path) -> None:
+    script = tmp_path / "report.py"
+    script.write_text("import torch\n" + REPORT)
+    argv = [sys.executable, str(script), "torch", "torch._dynamo"]
+    launcher = ForkLauncher(argv, ForkServerSettings(learn=False, ready_timeout=WAIT))
+    try:
+        server = launcher.server
+        assert server is not None
+        first = _modules_of(launcher, argv, tmp_path / "first.log")
+        assert server.preloaded == list(TORCH_FIRST)
+        wait_until(
+            lambda: "torch._dynamo" in server.learned, what="torch._dynamo in the server", deadline=WAIT
+        )
+        second = _modules_of(launcher, argv, tmp_path / "second.log")
+    finally:
+        launcher.close()
+
+    assert first == (True, ["torch"]) and second == (True, ["torch", "torch._dynamo"])
+
+
+def test_fork_hook_modules_run_around_every_fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "myhooks.py").write_text(
+        "import os\n"
+        f"DIR = {str(tmp_path)!r}\n"
+        "os.register_at_fork(after_in_child=lambda: open(os.path.join(DIR, f'child-{os.getpid()}'), 'w').close())\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    script = tmp_path / "w.py"
+    script.write_text("import os; print(os.getpid())")
+    argv = [sys.executable, str(script)]
+    launcher = ForkLauncher(
+        argv, ForkServerSettings(preload=(), learn=False, ready_timeout=WAIT, hooks=("myhooks",))
+    )
+    try:
+        with open(tmp_path / "out.log", "wb") as out:
+            worker = launcher.start(argv, dict(os.environ), stdout=out)
+            assert isinstance(worker, ForkedProcess) and worker.wait(WAIT) == 0
+    finally:
+        launcher.close()
+
+    assert (tmp_path / f"child-{worker.pid}").exists()
+
+
+def test_a_fork_hook_that_cannot_be_imported_makes_every_worker_exec(tmp_path: Path) -> None:
+    script = tmp_path / "w.py"
+    script.write_text("import sys; sys.exit(3)")
+    argv = [sys.executable, str(script)]
+    launcher = ForkLauncher(
+        argv, ForkServerSettings(preload=(), learn=False, ready_timeout=WAIT, hooks=("no_such_hooks",))
+    )
+    try:
+        worker = launcher.start(argv, dict(os.environ))
+        assert isinstance(worker, subprocess.Popen) and worker.wait(WAIT) == 3
+        assert launcher.server is not None and "no_such_hooks" in launcher.server.reason
+    finally:
+        launcher.close()
