@@ -430,6 +430,7 @@ class ProgressWatcher:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout=self.config.stack_timeout + 5.0)
         with self._lock:
@@ -457,6 +458,16 @@ class ProgressWatcher:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+    def _wake(self) -> None:
+        """End the watch thread's wait for its next scan now: idle, it waits a second, on every job's exit."""
+        if self.socket_path is None:
+            return
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as wake:
+            try:
+                wake.sendto(b"", self.socket_path)  # an empty datagram is no message
+            except OSError:
+                pass  # queue full or socket gone: the thread wakes on its own within its wait
 
     # --- the agent's side -------------------------------------------------------------------
 

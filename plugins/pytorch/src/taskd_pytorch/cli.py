@@ -46,6 +46,8 @@ from taskd_pytorch.adapter import require_torch
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
 
+    from taskd_core.forkserver.client import ForkLauncher
+
 logger = logging.getLogger(__name__)
 
 #: torchrun's static rendezvous port when none is given.
@@ -68,9 +70,37 @@ def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
         args.master_port = _TORCHRUN_MASTER_PORT
 
 
+#: Options after which the workers' interpreter is not known before torch's parser ran, or no fork
+#: server is wanted (function entry points start through multiprocessing); prefixes, as argparse
+#: takes abbreviations. A script argument that looks like one only costs the early start.
+_NOT_EARLY = ("--taskd-no-f", "--taskd-fork-server-p", "--no-p", "--no_p", "--run-p", "--run_p", "-h", "--he")
+
+
+def _early_fork_launcher(argv: Sequence[str]) -> ForkLauncher | None:
+    """The node's fork server, started before anything else, so that it imports torch while taskdrun does.
+
+    torchrun runs every script as ``sys.executable -u``; which script only its parser says, and
+    that parser imports torch (2 s): a server started after it made the first workers wait.
+    """
+    if any(arg.startswith(_NOT_EARLY) for arg in argv):
+        return None
+    from taskd_core.forkserver.client import ForkLauncher, ForkServerSettings
+
+    return ForkLauncher.for_interpreter(sys.executable, ("-u",), ForkServerSettings(), imports_torch=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Before anything imports grpc: torch starts workers beside the agent's gRPC threads.
     disable_grpc_fork_handlers()
+    early = _early_fork_launcher(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv, early)
+    finally:
+        if early is not None:
+            early.close()  # a no-op when _launch took it over (and closed it)
+
+
+def _main(argv: Sequence[str] | None, early: ForkLauncher | None) -> int:
     try:
         require_torch()
     except FrameworkMissingError as exc:
@@ -90,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--taskd-log-level: unknown level {args.taskd_log_level!r}")
     try:
-        return _launch(args)
+        return _launch(args, early)
     except ConfigError as exc:
         parser.error(str(exc))
     except TaskdError as exc:
@@ -113,7 +143,7 @@ def console_main() -> NoReturn:
     os._exit(code)
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, early: ForkLauncher | None = None) -> int:
     # Imported here: `taskdrun --help` and option errors need neither the agent nor torch's launcher.
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -122,7 +152,7 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.run import config_from_args
 
     from taskd_core.agent.node_agent import Outcome
-    from taskd_core.forkserver.client import TORCH_PRELOAD, ForkLauncher
+    from taskd_core.forkserver.client import ForkLauncher
     from taskd_core.forkserver.lifeline import Lifeline
     from taskd_core.launcher.node import run_node_agent
     from taskd_core.plugins import load_adapter
@@ -154,10 +184,14 @@ def _launch(args: argparse.Namespace) -> int:
     launcher = None
     forks = options.node.fork_server
     if forks.enabled and isinstance(entrypoint, str):
-        # Started now, so that the server preloads torch while the rendezvous and the agent get going.
-        if forks.preload is None:  # the script may import torch through its own modules: always preload it
-            forks = replace(forks, preload=TORCH_PRELOAD)
-        launcher = ForkLauncher([entrypoint, *entry_args], forks)
+        # The script may import torch through its own modules: always preload it. The server preloads
+        # while the rendezvous and the agent get going (the early one since taskdrun started).
+        if early is not None and early.settings == forks:
+            launcher = early
+        else:
+            launcher = ForkLauncher([entrypoint, *entry_args], forks, imports_torch=True)
+    if early is not None and early is not launcher:
+        early.close()
     # Installed before the rendezvous: a signal must end taskdrun in every phase, not only once workers run.
     with forward_stop_signals(stop, "taskdrun", STOP_SIGNALS):
         try:
