@@ -89,10 +89,33 @@ def _early_fork_launcher(argv: Sequence[str]) -> ForkLauncher | None:
     return ForkLauncher.for_interpreter(sys.executable, ("-u",), ForkServerSettings(), imports_torch=True)
 
 
+def _configure_logging(level: str) -> bool:
+    """taskdrun's log at ``level``; False when that is no level's name."""
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        return False
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s")
+    logging.getLogger().setLevel(level.upper())
+    return True
+
+
+def _early_log_level(argv: Sequence[str]) -> str:
+    """``--taskd-log-level`` as far as it can be told before torch's parser ran (it is set again after)."""
+    level = os.environ.get("TASKD_LOG_LEVEL", "INFO")
+    for i, arg in enumerate(argv):
+        if arg == "--taskd-log-level" and i + 1 < len(argv):
+            level = argv[i + 1]
+        elif arg.startswith("--taskd-log-level="):
+            level = arg.partition("=")[2]
+    return level
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Before anything imports grpc: torch starts workers beside the agent's gRPC threads.
     disable_grpc_fork_handlers()
-    early = _early_fork_launcher(sys.argv[1:] if argv is None else argv)
+    given = sys.argv[1:] if argv is None else argv
+    # Before the fork server starts, so that what it says (when it is ready, say) is in the log.
+    _configure_logging(_early_log_level(given))
+    early = _early_fork_launcher(given)
     try:
         return _main(argv, early)
     finally:
@@ -111,13 +134,7 @@ def _main(argv: Sequence[str] | None, early: ForkLauncher | None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        logging.basicConfig(
-            level=args.taskd_log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s",
-            stream=sys.stderr,
-        )
-    except ValueError:
+    if not _configure_logging(args.taskd_log_level):
         parser.error(f"--taskd-log-level: unknown level {args.taskd_log_level!r}")
     try:
         return _launch(args, early)
