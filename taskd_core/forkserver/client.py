@@ -307,7 +307,11 @@ class ForkedProcess:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            self.server.exit_code(self.pid, 0.05 if remaining is None else min(remaining, 0.05))
+            step = 0.05 if remaining is None else min(remaining, 0.05)
+            if self.server.usable:
+                self.server.exit_code(self.pid, step)  # returns as soon as the server reaps it
+            else:
+                time.sleep(step)  # nobody will say: the pidfd, looked at by poll(), tells
         assert self.returncode is not None
         return self.returncode
 
