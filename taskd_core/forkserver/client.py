@@ -548,11 +548,9 @@ class ForkServer:
         """Fork a worker running ``command``; :class:`ForkServerError` when the server cannot."""
         if command.interpreter != self.job.interpreter or command.flags != self.job.flags:
             raise ForkServerError(f"{' '.join(argv[:2])} is not this server's interpreter and flags")
-        differ = sorted(k for k in _startup_env(env).items() ^ _startup_env(self.env).items())
-        if differ:
-            raise ForkServerError(
-                f"the worker's startup environment differs from the server's ({differ[0][0]})"
-            )
+        differ = self.startup_difference(env)
+        if differ is not None:
+            raise ForkServerError(f"the worker's startup environment differs from the server's ({differ})")
         with self._cond:
             if self._state is not ServerState.READY:
                 raise ForkServerError(f"fork server is {self._state.value}")
@@ -582,6 +580,11 @@ class ForkServer:
         if isinstance(reply, wire.Failed):
             raise ForkServerError(f"the fork server could not fork: {reply.reason}")
         return ForkedProcess(self, reply.pid, argv)
+
+    def startup_difference(self, env: Mapping[str, str]) -> str | None:
+        """A variable read at interpreter start or preload whose value in ``env`` is not the server's."""
+        differ = sorted(name for name, _ in _startup_env(env).items() ^ _startup_env(self.env).items())
+        return differ[0] if differ else None
 
     def exit_code(self, pid: int, timeout: float) -> int | None:
         """The exit code of forked worker ``pid`` if the server reaped it (waiting up to ``timeout``)."""
@@ -695,6 +698,11 @@ class ForkLauncher:
             torch_job = job.imports_torch(cwd or os.getcwd()) if imports_torch is None else imports_torch
             self._first, self._later = _stages(settings.preload, torch_job)
             self._replace()
+
+    def fits(self, env: Mapping[str, str]) -> bool:
+        """Whether workers started with environment ``env`` can be forked from this launcher's server."""
+        server = self.server
+        return server is not None and server.startup_difference(env) is None
 
     def _replace(self) -> None:
         """Start a new server (it preloads in the background), keeping what the last one learned."""

@@ -76,17 +76,37 @@ def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
 _NOT_EARLY = ("--taskd-no-f", "--taskd-fork-server-p", "--no-p", "--no_p", "--run-p", "--run_p", "-h", "--he")
 
 
+def _option(argv: Sequence[str], *names: str) -> str | None:
+    """The last value of option ``names`` in ``argv`` (``--name V``, ``--name=V``), as a scan tells it."""
+    value = None
+    for i, arg in enumerate(argv):
+        name, eq, given = arg.partition("=")
+        if name in names:
+            value = given if eq else argv[i + 1] if i + 1 < len(argv) else value
+    return value
+
+
 def _early_fork_launcher(argv: Sequence[str]) -> ForkLauncher | None:
     """The node's fork server, started before anything else, so that it imports torch while taskdrun does.
 
     torchrun runs every script as ``sys.executable -u``; which script only its parser says, and
-    that parser imports torch (2 s): a server started after it made the first workers wait.
+    that parser imports torch (2 s): a server started after it made the first workers wait. The
+    server gets the startup environment torch then gives the workers (``OMP_NUM_THREADS=1`` for more
+    than one per node); :func:`_launch` starts another if it guessed wrong.
     """
     if any(arg.startswith(_NOT_EARLY) for arg in argv):
         return None
+    env = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        nproc = _option(argv, "--nproc-per-node", "--nproc_per_node") or "1"
+        if not nproc.isdigit():
+            return None  # auto, cpu, gpu: what torch makes of it is known once it ran
+        env = {"OMP_NUM_THREADS": "1"} if int(nproc) > 1 else {}
     from taskd_core.forkserver.client import ForkLauncher, ForkServerSettings
 
-    return ForkLauncher.for_interpreter(sys.executable, ("-u",), ForkServerSettings(), imports_torch=True)
+    return ForkLauncher.for_interpreter(
+        sys.executable, ("-u",), ForkServerSettings(), imports_torch=True, env=env
+    )
 
 
 def _configure_logging(level: str) -> bool:
@@ -98,23 +118,12 @@ def _configure_logging(level: str) -> bool:
     return True
 
 
-def _early_log_level(argv: Sequence[str]) -> str:
-    """``--taskd-log-level`` as far as it can be told before torch's parser ran (it is set again after)."""
-    level = os.environ.get("TASKD_LOG_LEVEL", "INFO")
-    for i, arg in enumerate(argv):
-        if arg == "--taskd-log-level" and i + 1 < len(argv):
-            level = argv[i + 1]
-        elif arg.startswith("--taskd-log-level="):
-            level = arg.partition("=")[2]
-    return level
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     # Before anything imports grpc: torch starts workers beside the agent's gRPC threads.
     disable_grpc_fork_handlers()
     given = sys.argv[1:] if argv is None else argv
     # Before the fork server starts, so that what it says (when it is ready, say) is in the log.
-    _configure_logging(_early_log_level(given))
+    _configure_logging(_option(given, "--taskd-log-level") or os.environ.get("TASKD_LOG_LEVEL", "INFO"))
     early = _early_fork_launcher(given)
     try:
         return _main(argv, early)
@@ -203,11 +212,12 @@ def _launch(args: argparse.Namespace, early: ForkLauncher | None = None) -> int:
     if forks.enabled and isinstance(entrypoint, str):
         # The script may import torch through its own modules: always preload it. The server preloads
         # while the rendezvous and the agent get going (the early one since taskdrun started).
-        if early is not None and early.settings == forks:
+        if early is not None and early.settings == forks and early.fits(os.environ):
             launcher = early
         else:
             launcher = ForkLauncher([entrypoint, *entry_args], forks, imports_torch=True)
     if early is not None and early is not launcher:
+        logger.info("the fork server started with taskdrun does not fit these workers: starting another")
         early.close()
     # Installed before the rendezvous: a signal must end taskdrun in every phase, not only once workers run.
     with forward_stop_signals(stop, "taskdrun", STOP_SIGNALS):
