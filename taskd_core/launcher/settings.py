@@ -552,9 +552,9 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "", *, publi
     warm.add_argument(
         f"{p}fork-server-preload", type=argtype(parse_modules), default=None, metavar="MODULES",
         help="modules the fork server imports before its first fork, comma separated, '' for none (default: "
-        f"torch, then {','.join(m for m in TORCH_PRELOAD if m != 'torch')} once the first workers run; taskd run: "
-        "those if the script imports torch, else none; modules not installed are skipped, and the server "
-        "also imports the installed modules the workers imported)",
+        f"torch, then {','.join(m for m in TORCH_PRELOAD if m != 'torch')} once the first workers run; taskd "
+        "run: those if the script imports torch, else none; modules not installed are skipped, and the "
+        "server also imports the installed modules the workers imported)",
     )
     policy = JobPolicy()
     pol = parser.add_argument_group("recovery policy (embedded controller only)")
