@@ -19,10 +19,11 @@ for a torch job) before it forks them, and the rest of the framework once
 they run, so the first workers start no later than exec'd ones would.
 
 Faults: a server that died, refused to serve or was declared unhealthy (it
-stayed stopped, ``T`` in ``/proc``, for :data:`STOPPED_BOUND` seconds, or left
-a request unanswered past its deadline while not importing) is killed with
-its whole process group and replaced in the background; meanwhile every start
-execs, and no worker waits on it. Deaths of forked workers reach the agent
+stayed stopped, ``T`` in ``/proc``, for :data:`STOPPED_BOUND` seconds, or stayed
+silent for :data:`ANSWER_BOUND` seconds while a request waited and it had not
+said it was importing a module) is killed with its whole process group and
+replaced in the background; meanwhile every start execs, and no worker waits on
+it. Deaths of forked workers reach the agent
 through pidfds as for any worker; their exit status comes from the server,
 which reaps them, or, when the server is slow to say, from the zombie's own
 ``/proc/<pid>/stat``.
@@ -77,11 +78,14 @@ _FLAGS_WITH_ARG = frozenset("WX")
 _STARTUP_ENV_PREFIXES = ("PYTHON", "LD_")
 _TORCH_IMPORT = re.compile(r"^\s*(import|from)\s+torch\b", re.MULTILINE)
 _STARTUP_ENV = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"})
-#: Seconds the server has to read a fork request (it may be importing a module); past that the worker
-#: is started by exec and the server refuses the request when it reads it.
-_SPAWN_DEADLINE = 3.0
-#: Seconds past the deadline for the answer to arrive; a server that has not answered by then, and is
-#: not importing, is unhealthy.
+#: Seconds a server that is not importing may stay silent while a fork request waits: then it is
+#: unhealthy. One that said it imports a module is waited for (the forked worker gets the module;
+#: an exec'd one would import it itself, beside the server's import, on the same cores).
+ANSWER_BOUND = 3.0
+#: Seconds the server has to read a fork request at all; past that the worker is started by exec and
+#: the server refuses the request when it reads it.
+_SPAWN_DEADLINE = 30.0
+#: Seconds past the deadline for the answer to arrive.
 _REPLY_MARGIN = 1.0
 #: Seconds to wait for the exit status of a forked worker that is dead and already reaped.
 _STATUS_GRACE = 1.0
@@ -365,6 +369,8 @@ class ForkServer:
         self.importing = False
         #: when the server was first seen stopped (``T``), None while it runs.
         self._stopped_since: float | None = None
+        #: when the server last said anything.
+        self._last_heard = time.monotonic()
         self._exits: dict[int, int] = {}
         self._replies: dict[int, wire.Spawned | wire.Failed] = {}
         self._waiting: set[int] = set()
@@ -497,6 +503,7 @@ class ForkServer:
 
     def _on_message(self, message: wire.Message, started: float) -> None:
         with self._cond:
+            self._last_heard = time.monotonic()
             match message:
                 case wire.Ready():
                     self._state = ServerState.READY
@@ -560,22 +567,31 @@ class ForkServer:
             self._next_id += 1
             request_id = self._next_id
             self._waiting.add(request_id)
-        deadline = time.monotonic() + _SPAWN_DEADLINE
+        sent = time.monotonic()
+        deadline = sent + _SPAWN_DEADLINE
+
+        def silent() -> bool:
+            return not self.importing and time.monotonic() - max(sent, self._last_heard) > ANSWER_BOUND
+
         try:
             with self._send_lock:
                 wire.send(self.sock, command.request(argv, cwd, dict(env), request_id, deadline), stdio)
             with self._cond:
-                self._wait(lambda: request_id in self._replies, deadline + _REPLY_MARGIN)
+                self._wait(lambda: request_id in self._replies or silent(), deadline + _REPLY_MARGIN)
                 reply = self._replies.pop(request_id, None)
                 if reply is None and self.usable and not self.importing:
-                    self._declare_unhealthy(f"no answer to a fork request within {_SPAWN_DEADLINE:g}s")
+                    self._declare_unhealthy(f"silent for {ANSWER_BOUND:g}s while a fork request waited")
         except OSError as exc:
             raise ForkServerError(f"cannot reach the fork server: {exc}") from exc
         finally:
             with self._cond:
                 self._waiting.discard(request_id)
         if reply is None:
-            why = "busy importing" if self.usable else f"{self._state.value} {self.reason}".strip()
+            why = (
+                f"importing for {_SPAWN_DEADLINE:g}s"
+                if self.usable
+                else f"{self._state.value}: {self.reason}"
+            )
             raise ForkServerError(f"the fork server did not answer ({why})")
         if isinstance(reply, wire.Failed):
             raise ForkServerError(f"the fork server could not fork: {reply.reason}")
