@@ -13,7 +13,7 @@ import math
 import signal as signals
 from dataclasses import dataclass, field
 
-from taskd_core.agent.hangs.watcher import ProgressConfig
+from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.errors import ConfigError
 from taskd_core.models import Credentials
 

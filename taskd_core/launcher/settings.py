@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff, check_seconds
-from taskd_core.agent.hangs.watcher import ProgressConfig
+from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.forkserver.client import TORCH_PRELOAD, ForkServerSettings
