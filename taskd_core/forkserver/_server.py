@@ -16,9 +16,9 @@ installed modules its workers reported importing (``--learn``), one module at
 a time, between requests. A batch is announced (:class:`~_wire.Importing`) and
 closed (:class:`~_wire.Imported`): meanwhile the server answers nothing, and a
 request whose deadline passed by the time it is read is refused, never forked
-late. ``--hooks`` names modules imported right after the first stage whose
-import registers the framework's fork handlers (``os.register_at_fork``); one
-that fails to import makes the server refuse to serve.
+late. ``--hooks`` names modules imported right after the first stage that
+prepare the framework for the server's own forks (:class:`ForkHooks`); one that
+fails to import makes the server refuse to serve.
 
 A forked child becomes what ``python [flags] script.py ARGS`` / ``python
 [flags] -m module ARGS`` would have been: its own session and process group,
@@ -54,7 +54,7 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -152,6 +152,31 @@ class FreshState:
 
 
 @dataclass(frozen=True)
+class ForkHooks:
+    """The framework's code around each fork of a worker (MindSpore's ``fork_utils``, say).
+
+    A hook module defines any of ``before_fork()`` (in the server, before it forks),
+    ``after_fork_in_parent()`` (in the server, after) and ``after_fork_in_child()``
+    (first thing in the child). Unlike ``os.register_at_fork`` handlers they run
+    around the server's forks only, not around those the workers make.
+    """
+
+    before: tuple[Callable[[], object], ...] = ()
+    parent: tuple[Callable[[], object], ...] = ()
+    child: tuple[Callable[[], object], ...] = ()
+
+    @classmethod
+    def load(cls, names: Sequence[str]) -> ForkHooks:
+        """Import the hook modules; the error of one that cannot be imported propagates."""
+        modules = [importlib.import_module(name) for name in names]
+
+        def named(attr: str) -> tuple[Callable[[], object], ...]:
+            return tuple(getattr(m, attr) for m in modules if callable(getattr(m, attr, None)))
+
+        return cls(named("before_fork"), named("after_fork_in_parent"), named("after_fork_in_child"))
+
+
+@dataclass(frozen=True)
 class ChildJob:
     """What a forked child runs, handed from the server loop up to :func:`main` in the child."""
 
@@ -162,6 +187,18 @@ class ChildJob:
     server_pid: int
     #: the server's descriptors the child must not keep.
     server_fds: tuple[int, ...]
+    #: why a fork hook failed in the child (the worker then says so and exits 1).
+    hook_error: str | None = None
+
+
+def _run_hooks(hooks: Sequence[Callable[[], object]]) -> str | None:
+    """Run ``hooks``; the first one's error, as a line, or None."""
+    for hook in hooks:
+        try:
+            hook()
+        except Exception as exc:  # noqa: BLE001 - reported to whoever waits on this fork
+            return f"fork hook {getattr(hook, '__module__', '?')}.{getattr(hook, '__name__', '?')}: {exc!r}"
+    return None
 
 
 def _close(fds: Sequence[int]) -> None:
@@ -172,10 +209,18 @@ def _close(fds: Sequence[int]) -> None:
 class Server:
     """The loop: fork on request, reap children, import while idle, exit with the control socket."""
 
-    def __init__(self, control: socket.socket, fresh: FreshState, learn: bool, later: Sequence[str]) -> None:
+    def __init__(
+        self,
+        control: socket.socket,
+        fresh: FreshState,
+        learn: bool,
+        later: Sequence[str],
+        hooks: ForkHooks = ForkHooks(),  # noqa: B008 - frozen
+    ) -> None:
         self.control = control
         self.fresh = fresh
         self.learn = learn
+        self.hooks = hooks
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.learning: dict[int, bytearray] = {}  # read end of a child's module report -> pending bytes
         #: modules to import while nothing else is asked for (an ordered set).
@@ -237,15 +282,21 @@ class Server:
         sys.stdout.flush()
         sys.stderr.flush()
         server_pid = os.getpid()  # taken before the fork: the child's getppid() may already be another
+        refused = _run_hooks(self.hooks.before)
         try:
+            if refused is not None:
+                raise OSError(refused)
             pid = os.fork()
         except OSError as exc:
             _close([*fds, *(x for x in (learn_r, learn_w) if x is not None)])
+            _run_hooks(self.hooks.parent)
             wire.send(self.control, wire.Failed(message.id, str(exc)))
             return None
         if pid == 0:
+            failed = _run_hooks(self.hooks.child)
             own = (self.control.fileno(), *self.children, *self.learning, *([learn_r] if learn_r else []))
-            return ChildJob(message, (fds[0], fds[1], fds[2]), learn_w, self.fresh, server_pid, own)
+            return ChildJob(message, (fds[0], fds[1], fds[2]), learn_w, self.fresh, server_pid, own, failed)
+        _run_hooks(self.hooks.parent)
         _close(fds)
         self.forked = True
         pidfd = os.pidfd_open(pid)
@@ -457,6 +508,9 @@ def _trim(exc: BaseException) -> types.TracebackType | None:
 def run_child(job: ChildJob) -> int:
     """The worker's whole life; ends the process the way the interpreter would."""
     _become_worker(job)
+    if job.hook_error is not None:
+        print(f"taskd fork server: {job.hook_error}", file=sys.stderr)
+        return 1
     try:
         _run_main(job.request)
     except SystemExit:
@@ -491,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fd", type=int, required=True, help="the control socket inherited from the agent")
     p.add_argument("--preload", default="", help="modules to import before serving, comma separated")
     p.add_argument("--later", default="", help="modules to import once the first workers are forked")
-    p.add_argument("--hooks", default="", help="modules whose import registers the framework's fork handlers")
+    p.add_argument("--hooks", default="", help="modules with the framework's code around each fork")
     p.add_argument("--learn", action="store_true", help="also import the installed modules workers import")
     args = p.parse_args(argv)
     fresh = FreshState.now()
@@ -511,12 +565,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _start_serving(control: socket.socket, args: argparse.Namespace, fresh: FreshState) -> ChildJob | None:
     """Preload, say ready and serve: None once the agent is gone, in a forked child its job."""
     done, failed = preload(_names(args.preload))
-    for hook in _names(args.hooks):
-        try:
-            importlib.import_module(hook)
-        except BaseException as exc:  # noqa: BLE001 - without its fork handlers, a fork is unsafe
-            wire.send(control, wire.Refused(f"fork hook module {hook} failed: {type(exc).__name__}: {exc}"))
-            _end_server(1)
+    try:
+        hooks = ForkHooks.load(_names(args.hooks))
+    except BaseException as exc:  # noqa: BLE001 - without the framework's hooks, a fork is unsafe
+        wire.send(control, wire.Refused(f"a fork hook module failed to import: {type(exc).__name__}: {exc}"))
+        _end_server(1)
     unsafe = device_in_use()
     if unsafe:
         wire.send(control, wire.Refused(f"{unsafe} was initialised while preloading"))
@@ -526,7 +579,7 @@ def _start_serving(control: socket.socket, args: argparse.Namespace, fresh: Fres
     )
     gc.freeze()  # objects from the preload are shared copy-on-write; the collector must not touch them
     wire.send(control, wire.Ready(os.getpid(), tuple(done), failed))
-    server = Server(control, fresh, args.learn, _names(args.later))
+    server = Server(control, fresh, args.learn, _names(args.later), hooks)
     try:
         return server.serve()
     except (BrokenPipeError, ConnectionResetError):

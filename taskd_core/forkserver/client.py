@@ -125,9 +125,11 @@ class ForkServerSettings:
     learn: bool = True
     #: seconds the first start waits for the server to finish preloading before it execs instead.
     ready_timeout: float = 120.0
-    #: modules the server imports right after its preload whose import registers the framework's fork
-    #: handlers (``os.register_at_fork``: before the fork, in the parent, in the child); if one cannot
-    #: be imported the server refuses to serve and every worker starts by exec.
+    #: modules the server imports right after its preload, with the framework's code around each of its
+    #: forks: any of ``before_fork()``, ``after_fork_in_parent()``, ``after_fork_in_child()`` (run around
+    #: the server's forks only, not those the workers make). If one cannot be imported the server refuses
+    #: to serve and every worker starts by exec; a ``before_fork`` that raises makes that start exec; an
+    #: ``after_fork_in_child`` that raises ends the worker with exit code 1 and the error on its stderr.
     hooks: tuple[str, ...] = ()
 
 

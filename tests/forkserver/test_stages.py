@@ -91,27 +91,62 @@ def test_a_torch_job_is_forked_once_torch_is_imported_and_dynamo_follows(tmp_pat
     assert first == (True, ["torch"]) and second == (True, ["torch", "torch._dynamo"])
 
 
-def test_fork_hook_modules_run_around_every_fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fork_hooks_run_around_the_servers_forks_and_not_the_workers_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "myhooks.py").write_text(
         "import os\n"
         f"DIR = {str(tmp_path)!r}\n"
-        "os.register_at_fork(after_in_child=lambda: open(os.path.join(DIR, f'child-{os.getpid()}'), 'w').close())\n"
+        "def mark(what):\n"
+        "    open(os.path.join(DIR, f'{what}-{os.getpid()}'), 'w').close()\n"
+        "def before_fork():\n"
+        "    mark('before')\n"
+        "def after_fork_in_parent():\n"
+        "    mark('parent')\n"
+        "def after_fork_in_child():\n"
+        "    mark('child')\n"
     )
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     script = tmp_path / "w.py"
-    script.write_text("import os; print(os.getpid())")
+    # The worker forks a child of its own: no hook may run around that one.
+    script.write_text("import os, sys\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\n")
     argv = [sys.executable, str(script)]
-    launcher = ForkLauncher(
-        argv, ForkServerSettings(preload=(), learn=False, ready_timeout=WAIT, hooks=("myhooks",))
-    )
+    settings = ForkServerSettings(preload=(), learn=False, ready_timeout=WAIT, hooks=("myhooks",))
+    launcher = ForkLauncher(argv, settings)
     try:
-        with open(tmp_path / "out.log", "wb") as out:
-            worker = launcher.start(argv, dict(os.environ), stdout=out)
-            assert isinstance(worker, ForkedProcess) and worker.wait(WAIT) == 0
+        worker = launcher.start(argv, dict(os.environ))
+        assert isinstance(worker, ForkedProcess) and worker.wait(WAIT) == 0
+        server = launcher.server
+        assert server is not None
+        marks = sorted(
+            p.name for p in tmp_path.iterdir() if p.name.split("-")[0] in ("before", "parent", "child")
+        )
     finally:
         launcher.close()
 
-    assert (tmp_path / f"child-{worker.pid}").exists()
+    assert marks == sorted([f"before-{server.pid}", f"parent-{server.pid}", f"child-{worker.pid}"])
+
+
+def test_a_child_fork_hook_that_fails_ends_the_worker_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "badhooks.py").write_text("def after_fork_in_child():\n    raise RuntimeError('no device')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    script = tmp_path / "w.py"
+    script.write_text("print('ran')")
+    argv = [sys.executable, str(script)]
+    launcher = ForkLauncher(
+        argv, ForkServerSettings(preload=(), learn=False, ready_timeout=WAIT, hooks=("badhooks",))
+    )
+    try:
+        with open(tmp_path / "out.log", "wb") as out:
+            worker = launcher.start(argv, dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+            assert isinstance(worker, ForkedProcess) and worker.wait(WAIT) == 1
+    finally:
+        launcher.close()
+
+    output = (tmp_path / "out.log").read_text()
+    assert "badhooks.after_fork_in_child" in output and "no device" in output and "ran" not in output
 
 
 def test_a_fork_hook_that_cannot_be_imported_makes_every_worker_exec(tmp_path: Path) -> None:
