@@ -7,16 +7,16 @@ module and the wire it loads by path (:mod:`taskd_core.forkserver._wire`, the
 messages and their encoding, shared with the agent) use the standard library
 only. Its agent talks to it over one ``AF_UNIX``/``SOCK_SEQPACKET`` socket.
 
-What it imports, in two stages, so that the first workers never wait for
-more than they need: ``--preload`` before it says :class:`~_wire.Ready` (what
-the first workers import anyway: ``torch`` for a torch job), then, once it has
-forked its first children and nothing asked for anything for a moment,
-``--later`` (the rest of the framework: ``torch._dynamo`` ...) and the
-installed modules its workers reported importing (``--learn``), one module at
-a time, between requests. A batch is announced (:class:`~_wire.Importing`) and
+What it imports, so that the first workers never wait for more than they
+need: ``--preload`` before it says :class:`~_wire.Ready` (what the first
+workers import anyway: ``torch`` for a torch job), then, once it has forked
+children and nothing asked for anything for a moment, the installed modules its
+workers reported importing (``--learn``: ``torch._dynamo`` once a worker took
+its first optimizer step, say; never what no worker needs), one module at a
+time, between requests. A batch is announced (:class:`~_wire.Importing`) and
 closed (:class:`~_wire.Imported`): meanwhile the server answers nothing, and a
 request whose deadline passed by the time it is read is refused, never forked
-late. ``--hooks`` names modules imported right after the first stage that
+late. ``--hooks`` names modules imported right after the preload that
 prepare the framework for the server's own forks (:class:`ForkHooks`); one that
 fails to import makes the server refuse to serve.
 
@@ -79,7 +79,7 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 #: Seconds after a child's start at which it reports the modules it imported (then its reporter ends).
 LEARN_AFTER = (1.0, 5.0, 30.0)
-#: Seconds without a request, after the first fork, before the server imports what it was told to later:
+#: Seconds without a request, after the first fork, before the server imports what its workers reported:
 #: a generation's workers are asked for back to back, and none of them may wait for an import.
 IDLE_BEFORE_IMPORT = 0.3
 #: A child's references to the server's standard streams (see :func:`_become_worker`).
@@ -214,7 +214,6 @@ class Server:
         control: socket.socket,
         fresh: FreshState,
         learn: bool,
-        later: Sequence[str],
         hooks: ForkHooks = ForkHooks(),  # noqa: B008 - frozen
     ) -> None:
         self.control = control
@@ -224,7 +223,7 @@ class Server:
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.learning: dict[int, bytearray] = {}  # read end of a child's module report -> pending bytes
         #: modules to import while nothing else is asked for (an ordered set).
-        self.pending: dict[str, None] = dict.fromkeys(m for m in later if m not in sys.modules)
+        self.pending: dict[str, None] = {}
         self.forked = False
         self.last_request = time.monotonic()
         self.poller = select.poll()
@@ -544,7 +543,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="TaskD fork server (started by the node agent)")
     p.add_argument("--fd", type=int, required=True, help="the control socket inherited from the agent")
     p.add_argument("--preload", default="", help="modules to import before serving, comma separated")
-    p.add_argument("--later", default="", help="modules to import once the first workers are forked")
     p.add_argument("--hooks", default="", help="modules with the framework's code around each fork")
     p.add_argument("--learn", action="store_true", help="also import the installed modules workers import")
     args = p.parse_args(argv)
@@ -579,7 +577,7 @@ def _start_serving(control: socket.socket, args: argparse.Namespace, fresh: Fres
     )
     gc.freeze()  # objects from the preload are shared copy-on-write; the collector must not touch them
     wire.send(control, wire.Ready(os.getpid(), tuple(done), failed))
-    server = Server(control, fresh, args.learn, _names(args.later), hooks)
+    server = Server(control, fresh, args.learn, hooks)
     try:
         return server.serve()
     except (BrokenPipeError, ConnectionResetError):

@@ -15,8 +15,8 @@ forked when the command is a Python script or module of the job's interpreter
 (:class:`PythonCommand`), else started by ``exec`` exactly as before.
 
 First starts: the server imports only what the first workers need (``torch``
-for a torch job) before it forks them, and the rest of the framework once
-they run, so the first workers start no later than exec'd ones would.
+for a torch job) before it forks them, and what they import beyond that once
+they run (it learns), so the first workers start no later than exec'd ones would.
 
 Faults: a server that died, refused to serve or was declared unhealthy (it
 stayed stopped, ``T`` in ``/proc``, for :data:`STOPPED_BOUND` seconds, or stayed
@@ -58,11 +58,12 @@ from taskd_core.forkserver import _wire as wire
 logger = logging.getLogger(__name__)
 
 #: What a torch job imports before its first step; ``torch._dynamo`` is the lazy import of the first
-#: ``torch.optim`` step. Modules that are not installed are skipped.
+#: ``torch.optim`` step. A preload to ask for, not the default (:data:`TORCH_FIRST`).
 TORCH_PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "torch.nn.parallel")
-#: The part of :data:`TORCH_PRELOAD` every torch worker imports first; the server forks the first
-#: workers once it has it (``import torch`` brings ``torch.distributed``, ``torch.optim`` and
-#: ``torch.nn.parallel`` along) and imports the rest while they run.
+#: What the server of a torch job imports before it forks the first workers (``import torch`` brings
+#: ``torch.distributed``, ``torch.optim`` and ``torch.nn.parallel`` along); the rest of
+#: :data:`TORCH_PRELOAD` it learns from the workers that import it (``torch._dynamo`` is 2 s that a
+#: job without ``torch.optim`` steps never pays, and that would hold a restart waiting on the server).
 TORCH_FIRST = ("torch",)
 #: The exit code reported for a forked worker that ended while its server could not say how (the server
 #: stopped or sick and the zombie already gone): a failure, with the reason in the log.
@@ -117,9 +118,9 @@ class ForkServerSettings:
     """Whether workers are forked from a fork server, and what the server imports first."""
 
     enabled: bool = True
-    #: modules imported before the first fork (not installed ones are skipped); None: :data:`TORCH_FIRST`
-    #: when the job imports torch, the rest of :data:`TORCH_PRELOAD` once the first workers run; else
-    #: nothing (the server still learns).
+    #: modules imported before the first fork (not installed ones are skipped; :data:`TORCH_PRELOAD`
+    #: makes restarts warm from the start, at the first workers' expense); None: :data:`TORCH_FIRST`
+    #: when the job imports torch, else nothing (the server still learns).
     preload: tuple[str, ...] | None = None
     #: also import the installed modules the workers imported, after their first start.
     learn: bool = True
@@ -356,7 +357,6 @@ class ForkServer:
         preload: Sequence[str],
         env: Mapping[str, str],
         on_dead: Callable[[ForkServer], None] | None = None,
-        later: Sequence[str] = (),
     ) -> None:
         self.job = job
         self._on_dead = on_dead
@@ -381,7 +381,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         server_file = str(Path(__file__).with_name("_server.py").resolve())
         command = [job.interpreter, *job.flags, server_file, "--fd", str(theirs.fileno())]
-        command += ["--preload", ",".join(preload), "--later", ",".join(later)]
+        command += ["--preload", ",".join(preload)]
         command += ["--hooks", ",".join(settings.hooks)] + (["--learn"] if settings.learn else [])
         try:
             self.process = subprocess.Popen(
@@ -404,11 +404,10 @@ class ForkServer:
         )
         self._reader.start()
         logger.info(
-            "fork server pid %s starting: %s, preloading %s%s",
+            "fork server pid %s starting: %s, preloading %s",
             self.process.pid,
             job.interpreter,
             ",".join(preload) or "nothing",
-            f", then {','.join(later)}" if later else "",
         )
 
     @property
@@ -714,7 +713,7 @@ class ForkLauncher:
         self._job = job
         if job is not None:
             torch_job = job.imports_torch(cwd or os.getcwd()) if imports_torch is None else imports_torch
-            self._first, self._later = _stages(settings.preload, torch_job)
+            self._first = _first_stage(settings.preload, torch_job)
             self._replace()
 
     def fits(self, env: Mapping[str, str]) -> bool:
@@ -726,15 +725,14 @@ class ForkLauncher:
         """Start a new server (it preloads in the background), keeping what the last one learned."""
         assert self._job is not None
         old = self.server
-        first, later = list(self._first), list(self._later)
+        first = list(self._first)
         if old is not None:
             self._learned += [m for m in old.learned if m not in self._learned]
             old.close()
             # A replacement serves restarts, which never wait for it: everything at once.
-            first += [m for m in [*later, *self._learned] if m not in first]
-            later = []
+            first += [m for m in self._learned if m not in first]
         try:
-            self.server = ForkServer(self._job, self.settings, first, self.env, self._on_dead, later)
+            self.server = ForkServer(self._job, self.settings, first, self.env, self._on_dead)
         except ForkServerError as exc:
             logger.error("%s; workers start by exec", exc)
             self.server = None
@@ -829,13 +827,11 @@ class ForkLauncher:
             server.close()
 
 
-def _stages(preload: tuple[str, ...] | None, torch_job: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """What the server imports before its first fork, and what once the first workers run."""
+def _first_stage(preload: tuple[str, ...] | None, torch_job: bool) -> tuple[str, ...]:
+    """What the server imports before its first fork."""
     if preload is not None:
-        return preload, ()
-    if torch_job:
-        return TORCH_FIRST, tuple(m for m in TORCH_PRELOAD if m not in TORCH_FIRST)
-    return (), ()
+        return preload
+    return TORCH_FIRST if torch_job else ()
 
 
 def _exec(

@@ -1,4 +1,4 @@
-"""What the server imports when: only what the first workers need before forking them, the rest after.
+"""What the server imports when: only what the first workers need before forking them, then what they import.
 
 And the fork hook modules a framework uses to run its own code around each fork.
 Real servers and workers; each worker reports what it finds in ``sys.modules``.
@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,7 @@ from taskd_core.forkserver.client import (
     TORCH_FIRST,
     ForkedProcess,
     ForkLauncher,
-    ForkServer,
     ForkServerSettings,
-    PythonCommand,
 )
 from taskd_core.testing import wait_until
 
@@ -29,66 +26,37 @@ WAIT = 120.0
 REPORT = "import json, sys; print(json.dumps(sorted(m for m in sys.argv[1:] if m in sys.modules)))\n"
 
 
-def _modules_of(launcher: ForkLauncher | ForkServer, argv: list[str], log: Path) -> tuple[bool, list[str]]:
+def _modules_of(launcher: ForkLauncher, argv: list[str], log: Path) -> tuple[bool, list[str]]:
     with open(log, "wb") as out:
-        if isinstance(launcher, ForkServer):
-            proc: subprocess.Popen[bytes] | ForkedProcess = launcher.spawn(
-                _command(argv), argv, dict(os.environ), os.getcwd(), [0, out.fileno(), 2]
-            )
-        else:
-            proc = launcher.start(argv, dict(os.environ), stdout=out)
+        proc = launcher.start(argv, dict(os.environ), stdout=out)
         assert proc.wait(WAIT) == 0
     return isinstance(proc, ForkedProcess), json.loads(log.read_text())
 
 
-def _command(argv: list[str]) -> PythonCommand:
-    command = PythonCommand.parse(argv, os.getcwd(), os.environ.get("PATH"))
-    assert command is not None
-    return command
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ForkServer]:
-    script = tmp_path / "report.py"
-    script.write_text(REPORT)
-    settings = ForkServerSettings(preload=(), learn=False)
-    made = ForkServer(_command([sys.executable, str(script)]), settings, (), {}, later=("xml.dom.minidom",))
-    try:
-        yield made
-    finally:
-        made.close()
-
-
-def test_what_comes_later_is_imported_only_after_the_first_fork(tmp_path: Path, server: ForkServer) -> None:
-    argv = [sys.executable, str(tmp_path / "report.py"), "xml.dom.minidom"]
-    assert server.wait_ready(WAIT)
-
-    first = _modules_of(server, argv, tmp_path / "first.log")
-    wait_until(lambda: "xml.dom.minidom" in server.learned, what="the server to import what comes later")
-    second = _modules_of(server, argv, tmp_path / "second.log")
-
-    assert first == (True, []) and second == (True, ["xml.dom.minidom"])
-
-
 @pytest.mark.slow
-def test_a_torch_job_is_forked_once_torch_is_imported_and_dynamo_follows(tmp_path: Path) -> None:
+def test_a_torch_job_is_forked_once_torch_is_imported_and_what_workers_import_follows(tmp_path: Path) -> None:
     script = tmp_path / "report.py"
-    script.write_text("import torch\n" + REPORT)
-    argv = [sys.executable, str(script), "torch", "torch._dynamo"]
-    launcher = ForkLauncher(argv, ForkServerSettings(learn=False, ready_timeout=WAIT))
+    # Lives long enough to report what it imported (1 s after its start).
+    script.write_text(
+        "import sys, time, torch\nif sys.argv[-1] == 'dynamo':\n    import torch._dynamo\n    time.sleep(3)\n"
+        + REPORT
+    )
+    report = [sys.executable, str(script), "torch", "torch._dynamo"]
+    launcher = ForkLauncher(report, ForkServerSettings(learn=True, ready_timeout=WAIT))
     try:
         server = launcher.server
         assert server is not None
-        first = _modules_of(launcher, argv, tmp_path / "first.log")
+        first = _modules_of(launcher, report, tmp_path / "first.log")
         assert server.preloaded == list(TORCH_FIRST)
+        _modules_of(launcher, [*report, "dynamo"], tmp_path / "dynamo.log")
         wait_until(
             lambda: "torch._dynamo" in server.learned, what="torch._dynamo in the server", deadline=WAIT
         )
-        second = _modules_of(launcher, argv, tmp_path / "second.log")
+        later = _modules_of(launcher, report, tmp_path / "later.log")
     finally:
         launcher.close()
 
-    assert first == (True, ["torch"]) and second == (True, ["torch", "torch._dynamo"])
+    assert first == (True, ["torch"]) and later == (True, ["torch", "torch._dynamo"])
 
 
 def test_fork_hooks_run_around_the_servers_forks_and_not_the_workers_own(
