@@ -164,10 +164,20 @@ def parse_modules(text: str) -> tuple[str, ...]:
     return names
 
 
-def parse_controller(text: str) -> str:
-    """A controller address as given, once :func:`parse_address` accepted it."""
-    parse_address(text)
-    return text
+def parse_controller(text: str, what: str = "controller address") -> str:
+    """A controller address, or several replicas' comma-separated, once each is ``HOST:PORT``."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise ConfigError(f"{what}: {text!r} has an empty address; give HOST:PORT[,HOST:PORT...]")
+    for part in parts:
+        parse_address(part, what)
+    return ",".join(parts)
+
+
+def controller_host(controller: str) -> str:
+    """The host the job-token rule judges (:func:`job_credentials`): any replica beyond loopback counts."""
+    hosts = [parse_address(part)[0] for part in controller.split(",")]
+    return next((host for host in hosts if not is_loopback(host)), hosts[0])
 
 
 def argtype(convert: Callable[[str], T]) -> Callable[[str], T]:
@@ -195,8 +205,7 @@ def controller_from_env(env: Mapping[str, str]) -> str | None:
     """
     explicit = env.get("TASKD_CONTROLLER", "").strip()
     if explicit:
-        parse_address(explicit, "TASKD_CONTROLLER")
-        return explicit
+        return parse_controller(explicit, "TASKD_CONTROLLER")
     server = env.get("MINDX_SERVER_IP", "").strip()
     if not server:
         return None
@@ -442,9 +451,9 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "", *, publi
         f"{p}controller",
         type=argtype(parse_controller),
         default=None,
-        metavar="HOST:PORT",
-        help=f"a running controller (default: $TASKD_CONTROLLER, else $MINDX_SERVER_IP:8899 as in ClusterD; "
-        f"without either, {embedded})",
+        metavar="HOST:PORT[,...]",
+        help=f"a running controller, or every replica of one, comma-separated (default: $TASKD_CONTROLLER, "
+        f"else $MINDX_SERVER_IP:8899 as in ClusterD; without either, {embedded})",
     )
     g.add_argument(
         f"{p}controller-port",
@@ -645,7 +654,7 @@ def node_settings_from_args(
         env,
         tls_ca=arg("tls-ca"),
         nnodes=nnodes,
-        controller_host=parse_address(controller)[0] if controller else master_addr,
+        controller_host=controller_host(controller) if controller else master_addr,
         launch=launch,
     )
     cycles = arg("max-cycles")

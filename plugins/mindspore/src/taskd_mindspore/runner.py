@@ -49,6 +49,7 @@ from taskd_core.launcher.settings import (
     NodeSettings,
     agent_config_from_env,
     controller_from_env,
+    controller_host,
     default_job_id,
     default_of,
     embedded_port,
@@ -57,7 +58,6 @@ from taskd_core.launcher.settings import (
     job_credentials,
     job_id_from_env,
     launch_identity,
-    parse_address,
 )
 from taskd_core.models import JobPolicy, WorkerState, WorkerStatus
 from taskd_core.plugins import load_adapter
@@ -107,7 +107,7 @@ class MsrunSettings:
             env,
             tls_ca=None,
             nnodes=nnodes,
-            controller_host=parse_address(explicit)[0] if explicit else host,
+            controller_host=controller_host(explicit) if explicit else host,
             launch=launch,
         )
         agent = agent_config_from_env(
