@@ -611,12 +611,15 @@ class ForkServer:
 
     def close(self) -> None:
         """End the server: it SIGKILLs what is left of its children and exits."""
+        preloading = self._state is ServerState.STARTING  # taken first: the shutdown makes it dead
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # already gone
-        if _stopped(self.pid):
-            _kill_group(self.pid)  # a stopped server cannot see the socket close
+        if preloading or _stopped(self.pid):
+            # One still preloading reads nothing until it is done (and has no child yet); a stopped one
+            # reads nothing at all: neither would see the socket close.
+            _kill_group(self.pid)
         try:
             self.process.wait(_CLOSE_GRACE)
         except subprocess.TimeoutExpired:
