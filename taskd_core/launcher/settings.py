@@ -42,7 +42,7 @@ from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff,
 from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
-from taskd_core.forkserver.client import TORCH_PRELOAD, ForkServerSettings
+from taskd_core.forkserver.client import ForkServerSettings
 from taskd_core.launcher.interrupt import STOP_SIGNALS
 from taskd_core.models import Credentials, JobPolicy
 
@@ -560,9 +560,9 @@ def add_node_options(parser: argparse.ArgumentParser, prefix: str = "", *, publi
     )
     warm.add_argument(
         f"{p}fork-server-preload", type=argtype(parse_modules), default=None, metavar="MODULES",
-        help="modules the fork server imports before the first start, comma separated, '' for none (default: "
-        f"{','.join(TORCH_PRELOAD)}; taskd run: those if the script imports torch, else none; modules not "
-        "installed are skipped, and the server also imports the installed modules the workers imported)",
+        help="modules the fork server imports before its first fork, comma separated, '' for none (default: "
+        "torch; taskd run: torch if the script imports torch, else none; modules not installed are skipped, "
+        "and the server also imports the installed modules the workers imported)",
     )
     policy = JobPolicy()
     pol = parser.add_argument_group("recovery policy (embedded controller only)")

@@ -14,14 +14,12 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from taskd_core.forkserver.client import (
     ForkedProcess,
-    ForkHooks,
     ForkLauncher,
     ForkServerSettings,
     PythonCommand,
@@ -320,44 +318,3 @@ def test_forked_workers_do_not_share_unseeded_random_streams(
     free, seeded = draws["free"], draws["seeded"]
     assert all(a != b for a, b in zip(free[0], free[1], strict=True))
     assert seeded[0] == seeded[1]
-
-
-def test_fork_hooks_run_around_each_fork_and_a_missing_one_means_exec(
-    tmp_path: Path, launchers: Callable[..., ForkLauncher], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The named hooks run before the fork and in the server after it, and in the child before the script;
-    a hook that cannot be found makes the server refuse, and workers start by exec."""
-    (tmp_path / "hookmod.py").write_text(
-        "import os\n"
-        "calls = []\n"
-        "def note(what):\n"
-        "    def hook():\n"
-        "        calls.append(what)\n"
-        "        with open(os.environ['HOOK_LOG'], 'a') as f:\n"
-        "            f.write(f'{what} {os.getpid()}\\n')\n"
-        "    return hook\n"
-        "class fork: before, parent, child = note('before'), note('parent'), note('child')\n"
-    )
-    log = tmp_path / "hooks.log"
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    monkeypatch.setenv("HOOK_LOG", str(log))
-    script = tmp_path / "w.py"
-    # The child inherits what the server's module recorded before the fork, then adds its own.
-    script.write_text("import sys, hookmod; sys.exit(5 if hookmod.calls == ['before', 'child'] else 6)")
-    argv = [sys.executable, str(script)]
-    hooks = ForkHooks("hookmod:fork.before", "hookmod:fork.parent", "hookmod:fork.child")
-    launcher = launchers(argv, replace(NO_PRELOAD, hooks=hooks))
-
-    worker = launcher.start(argv, dict(os.environ))
-
-    assert isinstance(worker, ForkedProcess) and worker.wait(WAIT) == 5
-    server = launcher.server
-    assert server is not None
-    lines = [tuple(line.split()) for line in log.read_text().splitlines()]
-    assert lines[0] == ("before", str(server.pid))  # parent and child then race
-    assert sorted(lines[1:]) == [("child", str(worker.pid)), ("parent", str(server.pid))]
-
-    broken = launchers(argv, replace(NO_PRELOAD, hooks=ForkHooks(child="hookmod:fork.nothing")))
-    execd = broken.start(argv, dict(os.environ))
-    assert isinstance(execd, subprocess.Popen) and execd.wait(WAIT) == 6
-    assert broken.server is not None and "nothing" in broken.server.reason

@@ -1,11 +1,12 @@
-"""What a process forked from the MindSpore fork server runs first (the server's child hook).
+"""The MindSpore fork server's fork hooks (a hook module of ``ForkServerSettings.hooks``).
 
 Imported by the fork server itself, so it uses the standard library and
 MindSpore only (``taskd_mindspore``'s package ``__init__`` imports nothing).
 
-:func:`child_after_fork` calls MindSpore's own ``fork_utils.child_at_fork``
-(MindSpore resets its thread pools and executors there; the server called
-``prepare_before_fork`` / ``parent_at_fork`` around the fork). Then, for the
+:func:`before_fork` and :func:`after_fork_in_parent` are MindSpore's own
+``fork_utils.prepare_before_fork`` / ``parent_at_fork``;
+:func:`after_fork_in_child` calls ``fork_utils.child_at_fork`` (MindSpore resets
+its thread pools and executors there). Then, for the
 seconds ``communication.init()`` takes, it works around two waits of
 MindSpore 2.10's cluster start that a restart otherwise pays in full:
 
@@ -68,7 +69,19 @@ def _initialized() -> bool:
     return bool(getattr(getattr(helper, "GlobalComm", None), "INITED", False))
 
 
-def child_after_fork() -> None:
+def before_fork() -> None:
+    from mindspore._c_expression import fork_utils
+
+    fork_utils.prepare_before_fork()
+
+
+def after_fork_in_parent() -> None:
+    from mindspore._c_expression import fork_utils
+
+    fork_utils.parent_at_fork()
+
+
+def after_fork_in_child() -> None:
     """MindSpore's child hook, and the start-up workarounds where the signal and policy are the defaults."""
     from mindspore._c_expression import fork_utils
 

@@ -58,7 +58,7 @@ from types import ModuleType
 from typing import IO, Any
 
 from taskd_core.errors import ConfigError
-from taskd_core.forkserver import ForkHooks, ForkLauncher, ForkServerSettings
+from taskd_core.forkserver import ForkLauncher, ForkServerSettings
 from taskd_core.forkserver.client import ForkedProcess, PythonCommand
 from taskd_mindspore.callbacks import MsrunCallbacks
 from taskd_mindspore.forkhooks import WAKE_AFTER, WAKE_SIGNAL, end_batch
@@ -76,13 +76,9 @@ ROLE_ENV = "MS_ROLE"
 FORK_SERVER_ENV = "TASKD_FORK_SERVER"
 #: What the MindSpore fork server imports first (it learns the rest from the workers).
 MINDSPORE_PRELOAD = ("mindspore", "mindspore.communication", "mindspore.nn", "mindspore.ops")
-#: MindSpore's own handlers for a process that forks after ``import mindspore``; the child's is ours,
-#: which calls MindSpore's and arms the wake-up (see :mod:`taskd_mindspore.forkhooks`).
-MINDSPORE_FORK_HOOKS = ForkHooks(
-    before="mindspore._c_expression:fork_utils.prepare_before_fork",
-    parent="mindspore._c_expression:fork_utils.parent_at_fork",
-    child="taskd_mindspore.forkhooks:child_after_fork",
-)
+#: The hook module with MindSpore's own code around a fork after ``import mindspore`` (and, in the child,
+#: the start-up workarounds: :mod:`taskd_mindspore.forkhooks`).
+MINDSPORE_FORK_HOOKS = ("taskd_mindspore.forkhooks",)
 #: The msrun this is built on (its ``_api`` module's layout and callbacks).
 TESTED_MINDSPORE = "2.10."
 _API = "mindspore.parallel.cluster.process_entity._api"
