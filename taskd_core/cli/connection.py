@@ -13,16 +13,17 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from taskd_core.launcher.settings import argtype, parse_seconds
 from taskd_core.models import Credentials
 from taskd_core.rpc.security import read_token_file
+from taskd_core.values import DEFAULT_CONTROLLER, argtype, parse_controller, parse_seconds
 
 
 def add_connection_options(parser: argparse.ArgumentParser) -> None:
     """``--controller``, ``--tls-ca``, ``--admin-token-file`` and ``--timeout``."""
     parser.add_argument(
         "--controller",
-        default=os.environ.get("TASKD_CONTROLLER", "127.0.0.1:8899"),
+        type=argtype(parse_controller),
+        default=os.environ.get("TASKD_CONTROLLER", DEFAULT_CONTROLLER),
         help="controller HOST:PORT (default: %(default)s, or $TASKD_CONTROLLER)",
     )
     parser.add_argument(

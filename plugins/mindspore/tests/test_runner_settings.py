@@ -60,7 +60,7 @@ def test_the_port_rule_is_the_launchers_one() -> None:
         ({"TASKD_REPORT_DEADLINE": "soon"}, "TASKD_REPORT_DEADLINE: 'soon' is not a finite number"),
         ({"MINDX_SERVER_IP": "bad host!"}, "MINDX_SERVER_IP"),
         ({"TASKD_MAX_CYCLES": "1.5"}, "TASKD_MAX_CYCLES: '1.5' is not a whole number >= 0"),
-        ({"TASKD_HANG_DETECTION": "yes"}, "TASKD_HANG_DETECTION: 'yes' is neither 0 .off. nor 1 .on."),
+        ({"TASKD_HANG_DETECTION": "maybe"}, "TASKD_HANG_DETECTION: 'maybe' is neither on .1, on, true, yes. nor off"),
         ({"TASKD_HANG_FLOOR": "-1"}, "TASKD_HANG_FLOOR: '-1' is not a finite number of seconds > 0"),
         ({"TASKD_HANG_FLOOR": "9", "TASKD_HANG_CEILING": "8"}, "floor 9.0s is above ceiling 8.0s"),
     ],

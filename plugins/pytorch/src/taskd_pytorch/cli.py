@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, NoReturn
 from taskd_core.errors import ConfigError, FrameworkMissingError, LauncherInterrupted, TaskdError
 from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
-from taskd_core.launcher.settings import is_loopback
+from taskd_core.values import LOCALHOST, is_loopback
 from taskd_pytorch.adapter import require_torch
 
 if TYPE_CHECKING:
@@ -251,7 +251,7 @@ def _controller_host(backend: str, rdzv_host: str, local_addr: str | None) -> st
     if backend == "static":
         return rdzv_host
     if is_loopback(rdzv_host):
-        return "127.0.0.1"
+        return LOCALHOST
     return local_addr or socket.getfqdn()
 
 
