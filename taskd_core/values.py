@@ -315,11 +315,14 @@ def check_writable_file(path: Path, what: str = "") -> Path:
     if not parent.is_dir():
         raise ConfigError(f"{where}: directory {parent} does not exist; create it first (mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{where}: directory {parent} is not writable by this process; pick another place")
+        raise ConfigError(
+            f"{where}: directory {parent} is not writable by this process (its permissions, or a read-only "
+            "mount); pick another place"
+        )
     if path.exists() and not os.access(path, os.W_OK):
         raise ConfigError(
-            f"{where}: the file is read-only for this process; make it writable (chmod u+w {path}) "
-            "or pick another"
+            f"{where}: the file is not writable by this process (its permissions, or a read-only mount); "
+            f"make it writable (chmod u+w {path}) or pick another"
         )
     return path
 

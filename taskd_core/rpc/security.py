@@ -165,6 +165,14 @@ class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
 # --- server side ----------------------------------------------------------------------------
 
 
+def _loads(load: Callable[[], object], problem: str) -> None:
+    """Run one of :mod:`ssl`'s loaders; its error becomes :class:`ConfigError` ``problem``."""
+    try:
+        load()
+    except ssl.SSLError:
+        raise ConfigError(problem) from None
+
+
 @dataclass(frozen=True, slots=True)
 class ServerTls:
     """The controller's certificate and key; ``client_ca`` set requires client certificates from it."""
@@ -177,23 +185,21 @@ class ServerTls:
         """The server's gRPC credentials; :class:`ConfigError` for files that are no usable PEM."""
         pair = (_read(self.key, "TLS key"), _read(self.cert, "TLS certificate"))
         roots = _read(self.client_ca, "TLS client CA") if self.client_ca else None
-        # gRPC would only fail at bind time, with a message about the port.
+        # gRPC itself would only fail at bind time, with a message about the port.
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        try:
-            context.load_cert_chain(self.cert, self.key, password=lambda: b"")
-        except ssl.SSLError as exc:
-            raise ConfigError(
-                f"TLS certificate {self.cert} and key {self.key}: not a PEM certificate chain and its "
-                f"unencrypted private key ({exc.reason or exc}); check --tls-cert and --tls-key"
-            ) from None
+        _loads(
+            lambda: context.load_verify_locations(cafile=self.cert),
+            f"TLS certificate {self.cert}: no PEM certificate in it; check --tls-cert",
+        )
+        _loads(
+            lambda: context.load_cert_chain(self.cert, self.key, password=lambda: b""),
+            f"TLS key {self.key}: not the unencrypted PEM private key of {self.cert}; check --tls-key",
+        )
         if self.client_ca:
-            try:
-                context.load_verify_locations(cafile=self.client_ca)
-            except ssl.SSLError as exc:
-                raise ConfigError(
-                    f"TLS client CA {self.client_ca}: not PEM certificates ({exc.reason or exc}); "
-                    "check --tls-client-ca"
-                ) from None
+            _loads(
+                lambda: context.load_verify_locations(cafile=self.client_ca),
+                f"TLS client CA {self.client_ca}: no PEM certificate in it; check --tls-client-ca",
+            )
         return grpc.ssl_server_credentials(
             [pair], root_certificates=roots, require_client_auth=roots is not None
         )
