@@ -50,10 +50,6 @@ _WARM = "warm restarts"
 _HANGS = "hang detection"
 
 
-def _seconds(text: str, what: str) -> float:
-    return parse_seconds(text, what)
-
-
 def _positive_seconds(text: str, what: str) -> float:
     return parse_seconds(text, what, positive=True)
 
@@ -148,14 +144,14 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "connect-timeout",
-        _seconds,
+        parse_seconds,
         "seconds to keep trying to reach the controller",
         _CONTROLLER,
         (AgentConfig, "connect_timeout"),
     ),
     Option(
         "report-deadline",
-        _seconds,
+        parse_seconds,
         "seconds a report keeps retrying an unreachable controller",
         _CONTROLLER,
         (AgentConfig, "report_deadline"),
@@ -169,28 +165,28 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "linger",
-        _seconds,
+        parse_seconds,
         "node 0 hosting the controller: seconds to wait for the other nodes' agents to end",
         _CONTROLLER,
         (NodeSettings, "linger"),
     ),
     Option(
         "stop-timeout",
-        _seconds,
+        parse_seconds,
         "seconds between SIGTERM and SIGKILL when workers are stopped",
         _CONTROLLER,
         (DispatchConfig, "stop_timeout"),
     ),
     Option(
         "dump-grace",
-        _seconds,
+        parse_seconds,
         "seconds workers get to save after the dump signal",
         _CONTROLLER,
         (DispatchConfig, "dump_grace"),
     ),
     Option(
         "live-timeout",
-        _seconds,
+        parse_seconds,
         "seconds every local worker gets to join a live recovery round (recover-live) before the node "
         "reports it failed and the job falls back to a full restart",
         _CONTROLLER,
@@ -198,18 +194,22 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "restart-backoff",
-        _seconds,
+        parse_seconds,
         "delay before restarting a worker that failed right after its start for the 2nd time in a row, "
         "doubling each further time; 0 turns it off",
         _CONTROLLER,
         (RestartBackoff, "initial"),
     ),
     Option(
-        "restart-backoff-max", _seconds, "longest restart backoff delay", _CONTROLLER, (RestartBackoff, "cap")
+        "restart-backoff-max",
+        parse_seconds,
+        "longest restart backoff delay",
+        _CONTROLLER,
+        (RestartBackoff, "cap"),
     ),
     Option(
         "healthy-after",
-        _seconds,
+        parse_seconds,
         "seconds a worker must run for its failure not to count as a crash loop",
         _CONTROLLER,
         (RestartBackoff, "healthy_after"),
@@ -259,21 +259,21 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "cycle-window",
-        _seconds,
+        parse_seconds,
         "seconds over which the cycle budget counts; 0: the job's whole life",
         _POLICY,
         (JobPolicy, "cycle_window"),
     ),
     Option(
         "report-timeout",
-        _seconds,
+        parse_seconds,
         "deadline of each of the embedded controller's waits for the agents",
         _POLICY,
         (JobPolicy, "report_timeout"),
     ),
     Option(
         "flush-seconds",
-        _seconds,
+        parse_seconds,
         "window in which the embedded controller collects faults that arrive together",
         _POLICY,
         (JobPolicy, "flush_seconds"),
