@@ -51,7 +51,7 @@ from _common import (
     write_json,
 )
 
-from taskd_core.agent.config import AgentConfig, DispatchConfig
+from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
 from taskd_core.agent.node_agent import AgentOutcome, NodeAgent
 from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.controller.server import EmbeddedController
@@ -105,7 +105,15 @@ def _make_agent(variant: Variant, address: str, workers: int, log_dir: Path) -> 
         stop_timeout=5.0,
     )
     agent = NodeAgent(
-        AgentConfig(job_id=job_id, controller=address, connect_timeout=10.0, dispatch=DispatchConfig(stop_timeout=5.0)),
+        AgentConfig(
+            job_id=job_id,
+            controller=address,
+            connect_timeout=10.0,
+            dispatch=DispatchConfig(stop_timeout=5.0),
+            # Each kill lands within seconds of the last restart: without this, the bench would time
+            # the restart backoff of a crash loop, not the detection.
+            restart_backoff=RestartBackoff(initial=0.0),
+        ),
         load_adapter("process", instance=ProcessAdapter(spec)),
     )
     if variant.interval is not None:
@@ -169,7 +177,7 @@ def measure(variant: Variant, kills: int, workers: int, jitter: float, rng: rand
             _wait_settled(agent, ctl.address, killed, f"{variant.name}: recovery after the last kill")
         finally:
             agent.shutdown()
-            runner.join(agent.config.stop_timeout + 10.0)
+            runner.join(agent.config.dispatch.stop_timeout + 10.0)
             if runner.is_alive():
                 logger.error("%s agent did not stop", variant.name)
             stray = [

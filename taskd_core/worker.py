@@ -1,7 +1,7 @@
 """The worker side of hang detection: heartbeats and named sections, for any framework.
 
 A worker tells its node agent that it makes progress; the agent declares it
-hung when it stops (:mod:`taskd_core.agent.hangs.watcher`)::
+hung when it stops (:mod:`taskd_core.agent.hangs`)::
 
     from taskd_core import worker
 

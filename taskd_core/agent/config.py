@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import dataclass, field
 
-from taskd_core.agent.hangs.watcher import ProgressConfig
+from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.errors import ConfigError
 from taskd_core.models import Credentials
 from taskd_core.values import check_catchable, check_seconds

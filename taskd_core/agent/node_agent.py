@@ -6,6 +6,11 @@ controller with the worker's *global* rank, and lets the controller's
 signals drive the :class:`~taskd_core.agent.dispatcher.ActionDispatcher`.
 It returns an :class:`AgentOutcome`; the launcher turns it into an exit code.
 
+Each pass of the supervision loop monitors the node (the other threads'
+notices, then one look at the workers), decides whether that ends the run (the
+ordered checks of :mod:`taskd_core.agent.decision`), reports what it found,
+and waits for the next change: the shape of torch elastic's ``_invoke_run``.
+
 Threads: :meth:`NodeAgent.run` is the supervision loop; the client's signal
 stream runs in a second thread. Both call hooks under one lock, which no
 report holds: a report may retry an unreachable controller for a minute, and
@@ -15,26 +20,28 @@ reports go out, in order, from a third thread for the same reason.
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 import signal as signals
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from taskd_core.agent.config import AgentConfig
 from taskd_core.agent.crashloop import CrashLoop
+from taskd_core.agent.decision import AgentOutcome, Ending, Events, Look, Notices, Outcome, View, decide
 from taskd_core.agent.dispatcher import ActionDispatcher
-from taskd_core.agent.hangs.watcher import Hang, ProgressWatcher
+from taskd_core.agent.hangs import Hang, ProgressWatcher
 from taskd_core.agent.lifecycle import WorkerLedger
 from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.client.manager import DLRecoverManager
 from taskd_core.errors import ConfigError, RecoveryDisabledError, TaskdError
 from taskd_core.models import Code, FaultType, Signal, WorkerEvent, WorkerState, WorkerStatus
 from taskd_core.plugins.registry import Adapter
+
+__all__ = ["AgentOutcome", "NodeAgent", "Outcome"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,23 +52,6 @@ logger = logging.getLogger(__name__)
 _WAIT_CAP = 5.0
 #: Seconds the last report (this agent ends) may retry an unreachable controller.
 _FINAL_REPORT_DEADLINE = 5.0
-
-
-class Outcome(str, enum.Enum):
-    SUCCEEDED = "succeeded"
-    GIVEN_UP = "given-up"
-    INTERRUPTED = "interrupted"
-    #: recovery was impossible here (controller unreachable, recovery off and a worker failed).
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class AgentOutcome:
-    """How the agent's run ended, and the exit code a launcher should use."""
-
-    kind: Outcome
-    exit_code: int
-    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +72,12 @@ class NodeAgent:
         self._lock = threading.RLock()
         self._watch = PidWatch()
         self._fault_reports = ThreadPoolExecutor(1, thread_name_prefix=f"taskd-faults-{config.job_id}")
+        # Set by other threads; each pass of the loop reads them as one Notices (with the dispatcher's).
         self._shutdown_signal: int | None = None
         #: why the signal stream ended for good, when the controller could not be reached any more.
         self._controller_lost: str | None = None
+        #: why the agent must end the job itself: a fault report the controller did not take.
+        self._unreported: str | None = None
         #: (local rank, pid) of workers whose end is not a fault: stopped on purpose or already reported.
         self._settled: set[tuple[int, int | None]] = set()
         self._progress = (
@@ -93,8 +86,6 @@ class NodeAgent:
             else None
         )
         self._ledger = WorkerLedger(last_step=self._progress.last_step) if self._progress else WorkerLedger()
-        #: why the agent must end the job itself: a fault report the controller did not take.
-        self._unreported: str | None = None
         self._crashloop = CrashLoop(config.restart_backoff)
         #: global ranks whose fault report the restart backoff holds back, and until when.
         self._held: dict[int, _Held] = {}
@@ -147,54 +138,25 @@ class NodeAgent:
         self._ledger.stopping(chosen)
         self._settled.update((s.local_rank, s.pid) for s in chosen)
 
-    # --- the supervision loop -------------------------------------------------------------
+    # --- the run -----------------------------------------------------------------------------
 
     def run(self) -> AgentOutcome:
         """Run the node's workers to the end; never raises for worker failures."""
         subscriber: threading.Thread | None = None
         try:
-            try:
-                self.client.rejoin()
-                recovery = True
-            except RecoveryDisabledError:
-                recovery = False
-            if self._progress is not None:
-                # Before the first start: workers inherit where to report their progress.
-                self._progress.start()
-            with self._lock:
-                self.adapter.restart_all()
-                self.client.rank_ids = tuple(sorted(s.global_rank for s in self.adapter.monitor().values()))
+            recovery = self._rejoin()
+            self._start_workers()
             if recovery:
-                subscriber = threading.Thread(
-                    target=self._subscribe, name=f"taskd-signals-{self.config.job_id}", daemon=True
-                )
-                subscriber.start()
+                subscriber = self._start_subscriber()
             else:
                 logger.warning(
                     "process recovery is off for job %s: a failed worker ends the job", self.config.job_id
                 )
             outcome = self._supervise(recovery)
         except TaskdError as exc:
-            self._stop_all()
-            if self._shutdown_signal is not None:
-                # A stop signal cut the start short (the launcher abandoned a rendezvous, say): not a failure.
-                signum = self._shutdown_signal
-                logger.warning("agent of job %s stopped while starting: %s", self.config.job_id, exc)
-                outcome = AgentOutcome(Outcome.INTERRUPTED, 128 + signum, f"signal {signum}")
-            else:
-                logger.error("agent of job %s failed: %s", self.config.job_id, exc)
-                outcome = AgentOutcome(Outcome.FAILED, 1, str(exc))
+            outcome = self._cut_short(exc)
         finally:
-            with self._lock:
-                self.dispatcher.closed.set()
-            self.client.close()
-            # close() ends any retry; a report still queued has nobody left to hear it.
-            self._fault_reports.shutdown(wait=True, cancel_futures=True)
-            if subscriber is not None:
-                subscriber.join(timeout=10.0)
-            if self._progress is not None:
-                self._progress.close()
-            self._watch.close()
+            self._close(subscriber)
         logger.info(
             "agent of job %s ends: %s (exit %s) %s",
             self.config.job_id,
@@ -204,13 +166,58 @@ class NodeAgent:
         )
         return outcome
 
+    def _rejoin(self) -> bool:
+        """Register with the controller; whether it recovers this job."""
+        try:
+            self.client.rejoin()
+        except RecoveryDisabledError:
+            return False
+        return True
+
+    def _start_workers(self) -> None:
+        if self._progress is not None:
+            # Before the first start: workers inherit where to report their progress.
+            self._progress.start()
+        with self._lock:
+            self.adapter.restart_all()
+            self.client.rank_ids = tuple(sorted(s.global_rank for s in self.adapter.monitor().values()))
+
+    def _start_subscriber(self) -> threading.Thread:
+        subscriber = threading.Thread(
+            target=self._subscribe, name=f"taskd-signals-{self.config.job_id}", daemon=True
+        )
+        subscriber.start()
+        return subscriber
+
+    def _cut_short(self, exc: TaskdError) -> AgentOutcome:
+        """The outcome of a run an error ended (its workers are stopped)."""
+        self._stop_all()
+        signum = self._shutdown_signal
+        if signum is not None:
+            # A stop signal cut the start short (the launcher abandoned a rendezvous, say): not a failure.
+            logger.warning("agent of job %s stopped while starting: %s", self.config.job_id, exc)
+            return AgentOutcome(Outcome.INTERRUPTED, 128 + signum, f"signal {signum}")
+        logger.error("agent of job %s failed: %s", self.config.job_id, exc)
+        return AgentOutcome(Outcome.FAILED, 1, str(exc))
+
+    def _close(self, subscriber: threading.Thread | None) -> None:
+        with self._lock:
+            self.dispatcher.closed.set()
+        self.client.close()
+        # close() ends any retry; a report still queued has nobody left to hear it.
+        self._fault_reports.shutdown(wait=True, cancel_futures=True)
+        if subscriber is not None:
+            subscriber.join(timeout=10.0)
+        if self._progress is not None:
+            self._progress.close()
+        self._watch.close()
+
     def _subscribe(self) -> None:
         try:
             self.client.start_subscribe(self.adapter.name)
         except TaskdError as exc:
             logger.error("lost the controller for good: %s", exc)
             self._controller_lost = str(exc)
-            self.dispatcher.given_up.set()
             self._watch.wake()
 
     def _stop_all(self) -> None:
@@ -221,103 +228,127 @@ class NodeAgent:
         except TaskdError:
             logger.exception("stopping workers failed")
 
+    # --- the supervision loop: monitor -> decide -> report -> wait ---------------------------
+
     def _supervise(self, recovery: bool) -> AgentOutcome:
+        """Watch and report until :func:`~taskd_core.agent.decision.decide` finds the run's end."""
         while True:
-            if self._shutdown_signal is not None:
-                signum = self._shutdown_signal
-                self._stop_all()
-                if recovery:
-                    self._report_changes()
-                self._final_report(128 + signum, f"agent interrupted by signal {signum}")
-                return AgentOutcome(Outcome.INTERRUPTED, 128 + signum, f"signal {signum}")
-            if self.dispatcher.given_up.is_set():
-                if self._controller_lost is not None:
-                    self._stop_all()
-                    return AgentOutcome(
-                        Outcome.FAILED,
-                        1,
-                        f"the job's controller is gone ({self._controller_lost}); when the node hosting it "
-                        "was lost, the job cannot recover: start it again",
-                    )
-                self._report_changes()
-                reason = f"the controller gave the job up: {self.dispatcher.give_up_reason}"
-                self._final_report(1, reason)
-                return AgentOutcome(Outcome.GIVEN_UP, 1, reason)
-            if self._unreported is not None:
-                return self._end_failed(self._unreported)
-            with self._lock:
-                resync = self.dispatcher.refused.is_set()
-                self.dispatcher.refused.clear()
-                if resync:
-                    self.dispatcher.drop_early()
-                statuses = self.adapter.monitor()
-                started = self.dispatcher.started_cycles()
-                changes = self._worker_events(statuses)
-            now = time.monotonic()
-            self._crashloop.seen(statuses.values(), now)
-            failed = [s for s in statuses.values() if s.failed and (s.local_rank, s.pid) not in self._settled]
+            view = self._monitor(recovery)
+            ending = decide(view)
+            if ending is not None:
+                return self._end(ending, view.look)
+            if self._report(view.look):
+                continue  # workers were stopped, or a recovery may start: look again before waiting
+            self._wait(view.look)
+
+    def _monitor(self, recovery: bool) -> View:
+        """The notices the other threads left, then one look at the workers."""
+        notices = Notices(
+            stop_signal=self._shutdown_signal,
+            controller_lost=self._controller_lost,
+            given_up=self.dispatcher.give_up_reason if self.dispatcher.given_up.is_set() else None,
+            unreported=self._unreported,
+            ending=self.dispatcher.ending.is_set(),
+        )
+        with self._lock:
+            resync = self.dispatcher.refused.is_set()
+            self.dispatcher.refused.clear()
             if resync:
-                # The controller lost the cycle these workers were stopped for: report them again.
-                failed = [
-                    s for s in statuses.values() if s.state is not WorkerState.RUNNING and not s.succeeded
-                ]
-            if failed:
-                self._settle(failed)
-                for s in failed:
-                    logger.warning(
-                        "rank %s (local %s, pid %s) failed with exit code %s",
-                        s.global_rank,
-                        s.local_rank,
-                        s.pid,
-                        s.exit_code,
-                    )
-                if not recovery:
-                    self._stop_all()
-                    return AgentOutcome(Outcome.FAILED, 1, f"ranks {[s.global_rank for s in failed]} failed")
-                delay = 0.0 if resync else self._crashloop.failed(failed, now)
-                self._hold(failed, started, delay, now)
-            reported = bool(self._held) and now >= self._report_at
-            if reported:
-                self._report_held(started)
-            if recovery:
-                self._unsent.extend(changes)
-            if self._unsent and not self._held:
-                # Queued behind the fault report (one the restart backoff holds back included): the
-                # journal keeps the order, a fault before its worker's end; the recovery never waits.
-                self._fault_reports.submit(self.client.report_worker_events, self._unsent)
-                self._unsent = []
-            if failed and recovery and not self._held:
+                self.dispatcher.drop_early()
+            statuses = self.adapter.monitor()
+            started = self.dispatcher.started_cycles()
+            changes = self._worker_events(statuses)
+        now = time.monotonic()
+        self._crashloop.seen(statuses.values(), now)
+        if recovery:
+            self._unsent.extend(changes)
+        look = Look(now, statuses, started, self._failures(statuses, resync), resync, self._hung(statuses))
+        return View(recovery, notices, look)
+
+    def _failures(self, statuses: Mapping[int, WorkerStatus], resync: bool) -> tuple[WorkerStatus, ...]:
+        """The failed workers not stopped on purpose nor reported yet; all stopped ones on a ``resync``."""
+        if resync:
+            # The controller lost the cycle these workers were stopped for: report them again.
+            return tuple(
+                s for s in statuses.values() if s.state is not WorkerState.RUNNING and not s.succeeded
+            )
+        return tuple(s for s in statuses.values() if s.failed and (s.local_rank, s.pid) not in self._settled)
+
+    def _hung(self, statuses: Mapping[int, WorkerStatus]) -> tuple[Hang, ...]:
+        """The hangs declared since the last look whose worker still runs and is not being stopped."""
+        hangs = self._progress.take_hangs() if self._progress is not None else []
+        live = {(s.local_rank, s.pid) for s in statuses.values() if s.state is WorkerState.RUNNING}
+        return tuple(h for h in hangs if (h.local_rank, h.pid) in live - self._settled)
+
+    def _end(self, ending: Ending, look: Look) -> AgentOutcome:
+        """Leave the workers and the controller as ``ending`` says; its outcome."""
+        self._log_failed(ending.failed)
+        if ending.kill:
+            self._stop_hung(ending.kill, look.statuses, None)
+        if ending.stop:
+            self._stop_all()
+        if ending.events is Events.FLUSHED:
+            self._report_changes()
+        elif ending.events is Events.QUEUED:
+            self._queue_events()
+        if ending.farewell is not None:
+            self._final_report(ending.outcome.exit_code, ending.farewell)
+        return ending.outcome
+
+    def _report(self, look: Look) -> bool:
+        """Report what ``look`` found; whether anything was (then the node is looked at again at once).
+
+        In order: new failures (held back by the restart backoff, or due), the
+        worker events queued behind them, replacements started early, hangs.
+        """
+        if look.failed:
+            self._hold(look)
+        reported = bool(self._held) and look.at >= self._report_at
+        if reported:
+            self._report_held(look.started)
+        if not self._held:
+            # Queued behind the fault report (one the restart backoff holds back included): the
+            # journal keeps the order, a fault before its worker's end; the recovery never waits.
+            self._queue_events()
+            if look.failed:
                 # Reported at once, not held back by the restart backoff: a live node starts
                 # the replacements while the controller decides (after the report, not before).
-                self.dispatcher.start_early(failed)
-            if failed or reported:
-                continue
-            hangs = self._progress.take_hangs() if self._progress is not None else []
-            if hangs:
-                stopped = self._stop_hung(hangs, statuses, started if recovery else None)
-                if stopped and not recovery:
-                    self._stop_all()
-                    return AgentOutcome(Outcome.FAILED, 1, stopped[0].reason)
-                continue
-            # After dump or exit the workers may end with 0, but the job is
-            # being given up: wait for killMaster instead of claiming success.
-            if (
-                statuses
-                and all(s.succeeded for s in statuses.values())
-                and not self.dispatcher.ending.is_set()
-            ):
-                self._final_report(0, "every worker exited 0")
-                return AgentOutcome(Outcome.SUCCEEDED, 0)
-            running = [s for s in statuses.values() if s.state is WorkerState.RUNNING and s.pid]
-            if self._progress is not None:
-                self._progress.track({s.pid: (s.local_rank, s.global_rank) for s in running if s.pid})
-            if self._watch.watch(s.pid for s in running if s.pid):
-                continue
-            self._watch.wait(min(_WAIT_CAP, self._report_at - now) if self._held else _WAIT_CAP)
+                self.dispatcher.start_early(look.failed)
+        if look.hung:
+            self._stop_hung(look.hung, look.statuses, look.started)
+        return bool(look.failed or reported or look.hung)
 
-    def _hold(
-        self, failed: list[WorkerStatus], started: Mapping[int, int], delay: float, now: float
-    ) -> None:
+    def _wait(self, look: Look) -> None:
+        """Until a worker ends, another thread has news, a held report is due, or the wait cap."""
+        running = [s for s in look.statuses.values() if s.state is WorkerState.RUNNING and s.pid]
+        if self._progress is not None:
+            self._progress.track({s.pid: (s.local_rank, s.global_rank) for s in running if s.pid})
+        if self._watch.watch(s.pid for s in running if s.pid):
+            return  # one ended before it could be watched: look again now
+        self._watch.wait(min(_WAIT_CAP, self._report_at - look.at) if self._held else _WAIT_CAP)
+
+    def _queue_events(self) -> None:
+        """Send the worker events not reported yet from the report thread, behind the reports queued there."""
+        if self._unsent:
+            self._fault_reports.submit(self.client.report_worker_events, self._unsent)
+            self._unsent = []
+
+    def _log_failed(self, failed: Iterable[WorkerStatus]) -> None:
+        for s in failed:
+            logger.warning(
+                "rank %s (local %s, pid %s) failed with exit code %s",
+                s.global_rank,
+                s.local_rank,
+                s.pid,
+                s.exit_code,
+            )
+
+    def _hold(self, look: Look) -> None:
+        """Take the look's failures as faults: reported once the restart backoff lets them be."""
+        failed = list(look.failed)
+        self._settle(failed)
+        self._log_failed(failed)
+        delay = 0.0 if look.resync else self._crashloop.failed(failed, look.at)
         if delay > 0:
             logger.warning(
                 "ranks %s failed within %.0f s of their start, %d times in a row: restarting in %.1f s "
@@ -328,8 +359,10 @@ class NodeAgent:
                 delay,
                 self.config.restart_backoff.cap,
             )
-        self._report_at = max(self._report_at, now + delay) if self._held else now + delay
-        self._held.update({s.global_rank: _Held(s.local_rank, started.get(s.local_rank, 0)) for s in failed})
+        self._report_at = max(self._report_at, look.at + delay) if self._held else look.at + delay
+        self._held.update(
+            {s.global_rank: _Held(s.local_rank, look.started.get(s.local_rank, 0)) for s in failed}
+        )
 
     def _report_held(self, started: Mapping[int, int]) -> None:
         """Report the held ranks, but not those a recovery restarted while the backoff held them."""
@@ -381,13 +414,8 @@ class NodeAgent:
             f"the controller did not take the fault report of ranks {ranks} (code {code}); "
             "without it the job cannot be recovered"
         )
+        logger.error("job %s ends here: %s", self.config.job_id, self._unreported)
         self._watch.wake()
-
-    def _end_failed(self, reason: str) -> AgentOutcome:
-        logger.error("job %s ends here: %s", self.config.job_id, reason)
-        self._stop_all()
-        self._final_report(1, reason)
-        return AgentOutcome(Outcome.FAILED, 1, reason)
 
     def _report_changes(self) -> None:
         with self._lock:
@@ -404,9 +432,9 @@ class NodeAgent:
         return [*reported, *seen]
 
     def _stop_hung(
-        self, hangs: list[Hang], statuses: Mapping[int, WorkerStatus], started: Mapping[int, int] | None
-    ) -> list[Hang]:
-        """Report the hung workers that still run (their stacks are taken), then kill them; those hangs.
+        self, hung: Sequence[Hang], statuses: Mapping[int, WorkerStatus], started: Mapping[int, int] | None
+    ) -> None:
+        """Report hung workers (their stacks are taken), then kill them, unless something stops them already.
 
         ``started``: the cycle that started each local rank, or None when there
         is no recovery to report to. The report goes first, so its RPC and the
@@ -415,14 +443,11 @@ class NodeAgent:
         Killed at once, not through the ladder's polite stop: a stopped or stuck
         process ignores SIGTERM, and its peers' collectives fail only once it is gone.
         """
-        live = {(s.local_rank, s.pid): s for s in statuses.values() if s.state is WorkerState.RUNNING}
-        stopped = [
-            h for h in hangs if (h.local_rank, h.pid) in live and (h.local_rank, h.pid) not in self._settled
-        ]
+        stopped = [h for h in hung if (h.local_rank, h.pid) not in self._settled]
         if not stopped:
-            return []
+            return
         with self._lock:
-            self._settle(live[(h.local_rank, h.pid)] for h in stopped)
+            self._settle(statuses[h.local_rank] for h in stopped)
             if started is not None:
                 self._send_fault(
                     sorted(h.global_rank for h in stopped),
@@ -436,7 +461,6 @@ class NodeAgent:
                 logger.exception("stopping hung workers failed")
         for hang in stopped:
             logger.warning("%s: reported as a hang and stopped", hang.reason)
-        return stopped
 
     def _final_report(self, code: int, msg: str) -> None:
         # Reports still queued (the last workers' exits) reach the journal before the agent's end does.

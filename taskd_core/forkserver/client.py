@@ -421,17 +421,6 @@ class ForkServer:
     def wait_exit(self, pid: int, timeout: float) -> None:
         self.exit_code(pid, timeout)
 
-    def rss_kib(self) -> int | None:
-        """The server's resident memory in KiB (None once it is gone)."""
-        try:
-            with open(f"/proc/{self.pid}/status", encoding="ascii") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1])
-        except OSError:
-            return None
-        return None
-
     def close(self) -> None:
         """End the server: it SIGKILLs what is left of its children and exits."""
         try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
-from taskd_core.agent.hangs.watcher import ProgressConfig
+from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.forkserver.client import TORCH_PRELOAD, ForkServerSettings

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import hmac
 import logging
-import secrets
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -56,11 +55,6 @@ def _read(path: str, what: str) -> bytes:
 
 
 # --- tokens -----------------------------------------------------------------------------
-
-
-def new_token() -> str:
-    """A fresh random job token (256 bits)."""
-    return secrets.token_urlsafe(32)
 
 
 def token_digest(token: str) -> str:

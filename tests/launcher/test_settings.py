@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
-from taskd_core.agent.hangs.watcher import ProgressConfig
+from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.cli import build_parser
 from taskd_core.errors import ConfigError
 from taskd_core.launcher.environment import controller_from_env, job_id_from_env

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig
-from taskd_core.agent.hangs.watcher import ProgressConfig
+from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.errors import ConfigError
 from taskd_core.models import Credentials, WorkerState, WorkerStatus
 from taskd_mindspore.runner import MsrunSettings

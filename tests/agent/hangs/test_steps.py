@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from taskd_core import worker as worker_mod
+from taskd_core.agent.hangs import ProgressConfig, ProgressWatcher
 from taskd_core.agent.hangs.steps import StepTracker, WorkerId
-from taskd_core.agent.hangs.watcher import ProgressConfig, ProgressWatcher
 from taskd_core.errors import ConfigError
 from taskd_core.models import WorkerEventKind
 from taskd_core.worker import MAX_STEP, ProgressReporter

@@ -1,0 +1,279 @@
+"""One ``taskdrun`` node, from its parsed command line to its exit code, in steps.
+
+:func:`launch` runs them in order: parse (torchrun's own choices, then the
+TaskD options) → the fork server (started first, so it preloads torch
+meanwhile) → the rendezvous → torch's elastic agent, which joins the first
+round → the core node agent, until the job ends here. :meth:`Node.close` is
+the one way out of every step: no worker outlives ``taskdrun``, and the
+rendezvous is closed as torchrun closes it when its agent ends without a
+signal. The stop signals are routed to every step, from before the
+rendezvous to after the cleanup.
+
+Imported by :mod:`taskd_pytorch.cli` once the options parsed: ``taskdrun --help``
+and option errors need neither the agent nor torch's launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.launcher.api import LaunchConfig
+from torch.distributed.run import config_from_args, parse_min_max_nnodes
+
+from taskd_core.agent.node_agent import AgentOutcome, Outcome
+from taskd_core.errors import ConfigError, LauncherInterrupted
+from taskd_core.forkserver.client import TORCH_PRELOAD, ForkLauncher
+from taskd_core.forkserver.lifeline import Lifeline
+from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
+from taskd_core.launcher.node import run_node_agent
+from taskd_core.plugins import load_adapter
+from taskd_core.values import LOCALHOST, is_loopback
+from taskd_pytorch.adapter import PytorchAdapter
+from taskd_pytorch.elastic import TaskdElasticAgent
+from taskd_pytorch.options import STOP_SIGNALS, TaskdOptions
+from taskd_pytorch.rendezvous import StoreBoard, run_interruptibly
+
+logger = logging.getLogger(__name__)
+
+#: torchrun's static rendezvous port when none is given.
+_TORCHRUN_MASTER_PORT = 29500
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run this node's share of the job; the exit code.
+
+    :raises ConfigError: for options that cannot work.
+    """
+    job = parse(args)
+    stop = StopRequest()
+    node = Node(job, stop)
+    # Installed before the rendezvous: a signal must end taskdrun in every phase, not only once workers run.
+    with forward_stop_signals(stop, "taskdrun", STOP_SIGNALS), contextlib.closing(node):
+        try:
+            outcome = node.run()
+        except LauncherInterrupted as exc:
+            logger.warning("taskdrun: %s", exc)
+            return 128 + exc.signum
+    # A stop signal that came after the agent's end (while the controller waited for the other
+    # nodes) still counts.
+    return 128 + stop.signum if stop.signum is not None else outcome.exit_code
+
+
+# --- parse ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeJob:
+    """What the command line asks of this node."""
+
+    config: LaunchConfig
+    #: the script (or callable) each worker runs, and its arguments.
+    entrypoint: str | Callable[..., object]
+    entry_args: tuple[str, ...]
+    #: the rendezvous endpoint's host.
+    master_host: str
+    options: TaskdOptions
+
+
+def parse(args: argparse.Namespace) -> NodeJob:
+    """torchrun's launch configuration and the TaskD options, checked.
+
+    :raises ConfigError: for options torchrun refuses, or that taskdrun cannot honour.
+    """
+    _apply_torchrun_defaults(args)
+    try:
+        config, entrypoint, entry_args = config_from_args(args)
+    except (AssertionError, RuntimeError, ValueError) as exc:
+        # torchrun reports its own option errors this way; they are option errors all the same.
+        raise ConfigError(str(exc)) from exc
+    if config.duplicate_stdout_filters or config.duplicate_stderr_filters:
+        raise ConfigError("taskdrun does not support --duplicate-stdout-filters/--duplicate-stderr-filters")
+    if config.min_nodes != config.max_nodes:
+        raise ConfigError(
+            f"--nnodes={args.nnodes}: taskdrun needs a fixed number of nodes (--nnodes=N); every node's "
+            "agent takes part in each recovery, so the job cannot shrink or grow between restarts"
+        )
+    master_host, _ = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
+    options = TaskdOptions.from_args(args, os.environ, nnodes=config.max_nodes, master_addr=master_host)
+    return NodeJob(config, entrypoint, tuple(entry_args), master_host, options)
+
+
+def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
+    """The choices ``torch.distributed.run.run()`` makes before launching.
+
+    (It launches too, so it is not called.)
+    """
+    single_node = parse_min_max_nnodes(args.nnodes)[1] == 1
+    if args.standalone or (
+        args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None and single_node
+    ):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = _TORCHRUN_MASTER_PORT
+
+
+# --- the node's parts, started in order and closed on one path ------------------------------
+
+
+class Node:
+    """One taskdrun node's fork server, rendezvous, elastic agent and node agent.
+
+    The fork server starts with the node, so that it preloads torch while the
+    rendezvous and the agent get going; :meth:`run` starts the rest.
+    """
+
+    def __init__(self, job: NodeJob, stop: StopRequest) -> None:
+        self.job = job
+        self.stop = stop
+        self.lifeline = Lifeline()
+        self.launcher = fork_launcher(job)
+        self.rendezvous: RendezvousHandler | None = None
+        self.elastic: TaskdElasticAgent | None = None
+        self.outcome: AgentOutcome | None = None
+
+    def run(self) -> AgentOutcome:
+        """Join the job and run its workers here until the job ends on this node.
+
+        :raises LauncherInterrupted: when the stop request fires before the node agent runs.
+        """
+        self.rendezvous = connect_rendezvous(self.job, self.stop)
+        self.elastic = elastic_agent(self.job, self.rendezvous, self.stop, self.lifeline, self.launcher)
+        self.outcome = run_agent(self.job, self.elastic, self.stop)
+        return self.outcome
+
+    def close(self) -> None:
+        """Whatever path the run took, no worker outlives taskdrun."""
+        if self.elastic is not None:
+            self.elastic.close()
+        interrupted = self.outcome is None or self.outcome.kind is Outcome.INTERRUPTED
+        if self.rendezvous is not None and not interrupted:
+            close_rendezvous(self.rendezvous)
+        self.lifeline.close()
+        if self.launcher is not None:
+            self.launcher.close()
+
+
+def fork_launcher(job: NodeJob) -> ForkLauncher | None:
+    """The fork server that starts this node's workers warm, if enabled and the entrypoint is a script."""
+    forks = job.options.node.fork_server
+    if not forks.enabled or not isinstance(job.entrypoint, str):
+        return None
+    if forks.preload is None:  # the script may import torch through its own modules: always preload it
+        forks = replace(forks, preload=TORCH_PRELOAD)
+    return ForkLauncher([job.entrypoint, *job.entry_args], forks)
+
+
+def connect_rendezvous(job: NodeJob, stop: StopRequest) -> RendezvousHandler:
+    """The job's rendezvous handler; connecting may wait for the store's host (c10d, etcd), interruptibly."""
+    config = job.config
+    logger.info(
+        "job %s: joining the %s rendezvous at %s for %s nodes",
+        job.options.node.job_id,
+        config.rdzv_backend,
+        config.rdzv_endpoint,
+        config.max_nodes,
+    )
+    return run_interruptibly(
+        lambda: get_rendezvous_handler(
+            RendezvousParameters(
+                backend=config.rdzv_backend,
+                endpoint=config.rdzv_endpoint,
+                run_id=config.run_id,
+                min_nodes=config.min_nodes,
+                max_nodes=config.max_nodes,
+                local_addr=config.local_addr,
+                **config.rdzv_configs,
+            )
+        ),
+        stop,
+        "connecting to the rendezvous",
+    )
+
+
+def elastic_agent(
+    job: NodeJob,
+    rendezvous: RendezvousHandler,
+    stop: StopRequest,
+    lifeline: Lifeline,
+    launcher: ForkLauncher | None,
+) -> TaskdElasticAgent:
+    """torch's elastic agent for this node's workers (it starts none yet)."""
+    config = job.config
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        rdzv_handler=rendezvous,
+        entrypoint=job.entrypoint,
+        args=job.entry_args,
+        max_restarts=job.options.node.policy.max_cycles,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    return TaskdElasticAgent(
+        spec,
+        config.logs_specs,  # type: ignore[arg-type]  # LaunchConfig fills it in __post_init__
+        start_method=config.start_method,
+        log_line_prefix_template=config.log_line_prefix_template,
+        stop_timeout=job.options.node.agent.dispatch.stop_timeout,
+        stop=stop,
+        lifeline=lifeline,
+        launcher=launcher,
+    )
+
+
+def run_agent(job: NodeJob, elastic: TaskdElasticAgent, stop: StopRequest) -> AgentOutcome:
+    """Join the first rendezvous round, then run the node agent over ``elastic`` until the job ends here."""
+    group_rank, store = elastic.join()
+    logger.info(
+        "job %s node %s: %s workers of %s",
+        job.options.node.job_id,
+        group_rank,
+        job.config.nproc_per_node,
+        elastic.get_worker_group().spec.get_entrypoint_name(),  # type: ignore[no-untyped-call]
+    )
+    config = job.config
+    # The rendezvous, not --node-rank, says which node this is (torch's c10d ignores --node-rank too).
+    settings = replace(
+        job.options.node,
+        agent=replace(job.options.node.agent, node_rank=group_rank),
+        master_addr=controller_host(config.rdzv_backend, job.master_host, config.local_addr),
+        board=StoreBoard(store, stop),
+    )
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(elastic, in_place=job.options.in_place))
+    return run_node_agent(adapter, settings, who="taskdrun", stop=stop)
+
+
+def controller_host(backend: str, rdzv_host: str, local_addr: str | None) -> str:
+    """The address the other nodes reach this node's embedded controller at, should it host one.
+
+    The same choice torch makes for the workers' ``MASTER_ADDR``: the master
+    address in the static form (rank 0 is that host), else ``--local-addr`` or
+    this host's FQDN; loopback when the rendezvous itself is on loopback (every
+    node runs on this machine).
+    """
+    if backend == "static":
+        return rdzv_host
+    if is_loopback(rdzv_host):
+        return LOCALHOST
+    return local_addr or socket.getfqdn()
+
+
+def close_rendezvous(rendezvous: RendezvousHandler) -> None:
+    """Close the job's rendezvous, as torchrun does when its agent ends without a signal."""
+    try:
+        rendezvous.shutdown()
+    except Exception as exc:  # the store may have gone with the node that hosted it; nothing is left to close
+        logger.info("rendezvous already gone at shutdown: %s", exc)

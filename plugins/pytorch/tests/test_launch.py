@@ -1,0 +1,48 @@
+"""The steps of one taskdrun node that need no workers: parsing the command line, the controller's address."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from taskd_core.errors import ConfigError
+from taskd_pytorch.launch import NodeJob, controller_host, parse
+from taskd_pytorch.options import build_parser
+
+
+def parsed(*argv: str) -> NodeJob:
+    return parse(build_parser().parse_args([*argv, "train.py", "--lr", "1"]))
+
+
+def test_one_node_without_a_rendezvous_is_torchruns_standalone() -> None:
+    job = parsed("--nproc-per-node=2")
+    assert (job.config.rdzv_backend, job.config.rdzv_endpoint, job.master_host) == ("c10d", "localhost:0", "localhost")
+    # torchrun runs a script with this interpreter: `python -u train.py ...`.
+    assert (job.entry_args[-3:], job.config.nproc_per_node) == (("train.py", "--lr", "1"), 2)
+    assert job.options.node.job_id == job.config.run_id  # the generated rendezvous id names the job
+
+
+def test_the_static_form_keeps_its_master_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TASKD_JOB_TOKEN", "t")  # several nodes beyond loopback share a token
+    job = parsed("--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.7", "--master-port=29511")
+    assert (job.config.rdzv_backend, job.master_host, job.options.node.nnodes) == ("static", "10.0.0.7", 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--nnodes=1:2",), "needs a fixed number of nodes"),
+        (("--duplicate-stdout-filters=x",), "does not support --duplicate-stdout-filters"),
+    ],
+)
+def test_options_taskdrun_cannot_honour_are_config_errors(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parsed(*argv)
+
+
+def test_the_controller_host_is_the_one_torch_gives_the_workers() -> None:
+    assert controller_host("static", "10.0.0.7", None) == "10.0.0.7"
+    assert controller_host("c10d", "127.0.0.2", "10.0.0.9") == "127.0.0.1"
+    assert controller_host("c10d", "head", "10.0.0.9") == "10.0.0.9"
+    assert controller_host("etcd-v2", "head", None) == socket.getfqdn()
