@@ -12,7 +12,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,10 +21,11 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, Self, TypeVar
 
-import grpc
-
-from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc import recover_pb2_grpc
+from taskd_core.client.query import QueryClient
+from taskd_core.errors import QueryRefusedError
+from taskd_core.models import Code, Credentials, JobStatus, JournalEvent
+from taskd_core.testing import free_port as free_port
+from taskd_core.testing import process_running
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -204,12 +204,6 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"/proc/{pid}/status has no VmRSS")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def poll_until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02) -> T:
     """Call ``probe`` until it returns something truthy, and return that.
 
@@ -226,11 +220,8 @@ def poll_until(probe: Callable[[], T | None], timeout: float, what: str, interva
 # --- child processes ----------------------------------------------------------------------------
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        return _stat_fields(pid)[0] != "Z"
-    except OSError:
-        return False
+#: Whether a pid is a live process (zombies count as gone).
+pid_alive = process_running
 
 
 class Children:
@@ -334,35 +325,28 @@ def _signal_tree(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-# --- the controller's journal -----------------------------------------------------------------
+# --- the controller's view of a job ------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class JournalEvent:
-    seq: int
-    time: float
-    cycle: int
-    kind: str
-    detail: dict[str, Any]
-
-
-def job_view(
-    address: str, job_id: str, events: int = 100, timeout: float = 5.0, token: str | None = None
-) -> pb.JobView | None:
+def job_status(
+    address: str, job_id: str, events: int = 100, timeout: float = 5.0, token: str = ""
+) -> JobStatus | None:
     """The controller's view of ``job_id`` with its newest ``events`` journal entries (None: unknown job).
 
     :param token: the job's token (``TASKD_JOB_TOKEN`` of its launchers), which a job registered with one needs.
     """
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
-    with grpc.insecure_channel(address) as channel:
-        reply = recover_pb2_grpc.RecoverStub(channel).QueryStatus(
-            pb.StatusQuery(jobId=job_id, events=events), timeout=timeout, metadata=metadata
-        )
-    jobs = [j for j in reply.jobs if j.jobId == job_id]
-    return jobs[0] if jobs else None
+    with QueryClient(address, Credentials(token=token), timeout=timeout) as controller:
+        try:
+            return controller.job(job_id, events)
+        except QueryRefusedError as exc:
+            if exc.code == Code.UNREGISTERED:
+                return None
+            raise
 
 
-def journal(view: pb.JobView | None) -> list[JournalEvent]:
-    if view is None:
-        return []
-    return [JournalEvent(e.seq, e.time, e.cycle, e.kind, json.loads(e.detail or "{}")) for e in view.events]
+def job_events(
+    address: str, job_id: str, events: int = 100, timeout: float = 5.0, token: str = ""
+) -> tuple[JournalEvent, ...]:
+    """The newest ``events`` journal entries of ``job_id``, oldest first (none for an unknown job)."""
+    view = job_status(address, job_id, events, timeout, token)
+    return view.events if view is not None else ()

@@ -73,9 +73,9 @@ from _common import (
     write_json,
 )
 
-from taskd_core.client.status import query_status
+from taskd_core.client.query import QueryClient
 from taskd_core.errors import ControllerUnavailableError, TaskdError
-from taskd_core.models import Credentials
+from taskd_core.models import Credentials, JobState, JobStatus
 
 logger = logging.getLogger(__name__)
 
@@ -180,15 +180,15 @@ class Chaos:
         )
         poll_until(lambda: self._view() is not False, 60, "controller to serve", interval=0.05)
 
-    def _view(self) -> dict[str, Any] | None | bool:
+    def _view(self) -> JobStatus | None | bool:
         """The job as the controller sees it (None: unknown yet); False: the controller does not answer."""
         try:
-            jobs = query_status(self.address, JOB, timeout=2.0, credentials=self.admin)["jobs"]
+            with QueryClient(self.address, self.admin, timeout=2.0) as controller:
+                return controller.job(JOB)
         except ControllerUnavailableError:
             return False
         except TaskdError:  # answered: it does not know the job (yet)
             return None
-        return dict(jobs[0]) if jobs else None
 
     def start_agent(self) -> None:
         script = self.root / "worker.py"
@@ -259,7 +259,7 @@ class Chaos:
 
     def subscribed(self) -> bool:
         view = self._view()
-        return isinstance(view, dict) and any(a["subscribed"] for a in view["agents"])
+        return isinstance(view, JobStatus) and any(a.subscribed for a in view.agents)
 
     def healthy(self, hit: set[int]) -> bool:
         """The agent holds its stream and every rank runs in a pid the fault did not hit."""
@@ -436,7 +436,7 @@ def run(
             if (chaos.out / f"final-{r}.json").exists()
         }
         view = chaos._view()
-        finished = isinstance(view, dict) and view["state"] == "finished"
+        finished = isinstance(view, JobStatus) and view.state is JobState.FINISHED
         chaos.controller.terminate()
         chaos.controller.wait(30)
         time.sleep(1.0)

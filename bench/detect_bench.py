@@ -38,11 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
-    JournalEvent,
     exit_on_sigterm,
     fmt,
-    job_view,
-    journal,
+    job_events,
+    job_status,
     machine,
     markdown_table,
     poll_until,
@@ -56,7 +55,7 @@ from taskd_core.agent.node_agent import AgentOutcome, NodeAgent
 from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.controller.server import EmbeddedController
 from taskd_core.launcher import LaunchSpec, ProcessAdapter
-from taskd_core.models import JobPolicy, WorkerState
+from taskd_core.models import JobPolicy, JournalEvent, WorkerState
 from taskd_core.plugins import load_adapter
 
 logger = logging.getLogger(__name__)
@@ -124,7 +123,7 @@ def _make_agent(variant: Variant, address: str, workers: int, log_dir: Path) -> 
 
 def _settled(agent: NodeAgent, address: str, gone: frozenset[int]) -> dict[int, int] | None:
     """``{local rank: pid}`` when the job is idle and every worker runs a pid not in ``gone``; else None."""
-    view = job_view(address, agent.config.job_id, events=0)
+    view = job_status(address, agent.config.job_id, events=0)
     if view is None or view.state != "idle":
         return None
     statuses = agent.adapter.monitor()
@@ -140,7 +139,7 @@ def _wait_settled(agent: NodeAgent, address: str, killed: set[int], what: str) -
 
 def _faults_after(address: str, job_id: str, seq: int) -> list[JournalEvent]:
     """The job's ``fault`` journal events after sequence number ``seq``, oldest first."""
-    return [e for e in journal(job_view(address, job_id, events=50)) if e.seq > seq and e.kind == "fault"]
+    return [e for e in job_events(address, job_id, events=50) if e.seq > seq and e.kind == "fault"]
 
 
 def measure(variant: Variant, kills: int, workers: int, jitter: float, rng: random.Random) -> list[float]:

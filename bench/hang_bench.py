@@ -44,6 +44,7 @@ from _common import (
     Children,
     fmt,
     free_port,
+    job_status,
     markdown_table,
     percentile,
     poll_until,
@@ -51,9 +52,7 @@ from _common import (
     write_json,
 )
 
-from taskd_core.client.status import query_status
 from taskd_core.errors import TaskdError
-from taskd_core.models import Credentials
 
 logger = logging.getLogger(__name__)
 
@@ -248,11 +247,11 @@ def bench_healthy(steps: int, root: Path) -> dict[str, Any]:
         while proc.poll() is None and time.monotonic() < deadline:
             time.sleep(2.0)
             try:
-                jobs = query_status(f"127.0.0.1:{port}", job, credentials=Credentials(token=TOKEN))["jobs"]
+                view = job_status(f"127.0.0.1:{port}", job, events=0, token=TOKEN)
             except TaskdError as exc:  # not up yet, or already gone: the last line read stands
                 logger.info("no status yet: %s", exc)
                 continue
-            lines = [a.get("progress", "") for j in jobs for a in j["agents"]]
+            lines = [a.hang_timeouts for a in view.agents] if view is not None else []
             shown = next((p for p in lines if "heartbeat" in p), shown)
         code = proc.wait(60)
     learned = re.search(r"heartbeat ([0-9.]+)s \(learned", shown)

@@ -74,14 +74,12 @@ from _common import (
     PYTHON,
     REPO,
     Children,
-    JournalEvent,
     cpu_seconds,
     exit_on_sigterm,
     fmt,
     fmt_range,
     free_port,
-    job_view,
-    journal,
+    job_events,
     machine,
     markdown_table,
     ratio,
@@ -92,7 +90,7 @@ from _common import (
 )
 
 from taskd_core.forkserver._server import LEARN_AFTER
-from taskd_core.models import JobPolicy
+from taskd_core.models import JobPolicy, JournalEvent
 
 logger = logging.getLogger(__name__)
 
@@ -399,8 +397,7 @@ def run_trial(
         if launcher.controller:
             try:
                 events = [
-                    e
-                    for e in journal(job_view(f"127.0.0.1:{ports.controller}", job_id, events=200, token=token))
+                    e for e in job_events(f"127.0.0.1:{ports.controller}", job_id, events=200, token=token)
                     if e.time >= t_kill
                 ]
             except Exception as exc:  # noqa: BLE001 - the controller died with its launcher: N/A

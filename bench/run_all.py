@@ -13,8 +13,11 @@ timings), each as a child process writing JSON:
 7. ``signal_bench.py``: SIGTERM → launcher gone, taskdrun vs torchrun, in the rendezvous and with workers.
 8. ``chaos_bench.py``: one job under 120 random faults of its workers and of TaskD itself.
 
-Then renders the machine, versions, the exact command, the tables, the
-targets and whether they are met into the Markdown report. The default sizes
+Then writes the Markdown report: the machine, versions, the exact command,
+the targets and each bench's section. The prose is in ``bench/templates/``
+(one template per section, filled by :mod:`_report`); one renderer per bench
+here turns its results into the template's named fields and its target rows,
+so every figure and every verdict in the report is computed from the results. The default sizes
 take about 20-25 minutes on 2 cores; ``--quick`` is a smoke run of a few
 minutes (its figures are not worth publishing). With ``--results DIR`` the
 JSON results and logs are kept, and ``--render-only --results DIR`` rewrites
@@ -38,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
@@ -52,6 +56,7 @@ import metrics_bench
 import recovery_bench
 import security_bench
 import signal_bench
+import transfer_bench
 from _common import (
     PYTHON,
     REPO,
@@ -63,6 +68,9 @@ from _common import (
     setup_logging,
     summarize,
 )
+from _report import Value, fill, heading
+
+from taskd_core.agent.hangs.watcher import ProgressConfig
 
 logger = logging.getLogger(__name__)
 
@@ -183,48 +191,54 @@ def versions() -> dict[str, str]:
 
 
 # --- the report -----------------------------------------------------------------------------------
+#
+# One renderer per bench turns its results into the fields of its template (bench/templates/<name>.md)
+# and the rows it adds to the targets table. The templates hold only what each bench does; every figure
+# and every word that depends on an outcome comes from here.
+
+#: What one renderer gives: its template's fields and its rows of the targets table.
+Rendered = tuple[dict[str, Value], list[list[str]]]
 
 
 def _ms(seconds: float) -> str:
     return f"{fmt(seconds * 1e3, 1)} ms"
 
 
-def _failed(title: str) -> Section:
-    return f"## {title}\n\nThis bench failed in this run; see its log.\n", []
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
 
 
-def detect_section(data: dict[str, Any] | None) -> Section:
-    title = "1. Detection: SIGKILL → `ReportProcessFault` at the controller"
-    if data is None:
-        return _failed(title)
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def detect_fields(data: dict[str, Any]) -> Rendered:
     r = data["results"]
     taskd, fast, slow = r["taskd"], r["poll-0.1s"], r["poll-1s"]
-    method = (
-        f"`bench/detect_bench.py`: a real `EmbeddedController`, `ProcessAdapter` with {data['workers']} `sleep`"
-        f" workers and `NodeAgent`, all in the bench process. Before each of {data['kills']} kills per agent the"
-        " bench waits until the job is idle with every worker running, then a random"
-        f" 0–{data['jitter']:g} s more (so kills land at random phases of a polling loop). The kill time is"
-        " `time.time()` right before `os.kill`; the arrival time is the wall-clock time of the controller's"
-        " `fault` journal event, read through `QueryStatus` (no library code is wrapped). The polling baselines"
-        " are the same NodeAgent with its pidfd wait replaced by a plain sleep of 0.1 s (torchrun's monitor"
-        " interval) or 1 s (the reference agent's), after which it calls MONITOR and reports through the same"
-        " client."
-    )
-    reading = (
-        f"The pidfd agent's median is {_ms(taskd['median'])}, against {_ms(fast['median'])} for a 0.1 s poll"
-        f" ({fmt(fast['median'] / taskd['median'], 0)}×) and {_ms(slow['median'])} for a 1 s poll"
-        f" ({fmt(slow['median'] / taskd['median'], 0)}×); p99 {_ms(taskd['p99'])}. What remains is the report"
-        " itself: MONITOR, one gRPC call to a controller that was idle (section 3 times how long an idle"
-        " controller takes to answer), its state machine and a SQLite commit (bench, agent and controller share"
-        " one process and its GIL). A polling"
-        " agent's latency is spread evenly over its interval: its median is about half the interval, its p99"
-        " nearly all of it."
-    )
-    text = f"## {title}\n\n{method}\n\n{detect_bench.report(r)}\n\n{reading}\n"
+
+    def share(variant: dict[str, Any], key: str) -> str:
+        return f"{fmt(100 * variant[key] / variant['interval'], 0)} %"
+
+    fields: dict[str, Value] = {
+        "workers": str(data["workers"]),
+        "kills": str(data["kills"]),
+        "jitter": f"{data['jitter']:g}",
+        "table": detect_bench.report(r),
+        "taskd_p50": _ms(taskd["median"]),
+        "taskd_p99": _ms(taskd["p99"]),
+        "fast_p50": _ms(fast["median"]),
+        "slow_p50": _ms(slow["median"]),
+        "fast_ratio": fmt(fast["median"] / taskd["median"], 0),
+        "slow_ratio": fmt(slow["median"] / taskd["median"], 0),
+        "fast_p50_share": share(fast, "median"),
+        "fast_p99_share": share(fast, "p99"),
+        "slow_p50_share": share(slow, "median"),
+        "slow_p99_share": share(slow, "p99"),
+    }
     target = detect_bench.TARGET_P50
     met = taskd["median"] < target
     verdict = "met" if met else f"missed by {_ms(taskd['median'] - target)}"
-    return text, [[f"detection p50 < {target * 1e3:g} ms", _ms(taskd["median"]), verdict]]
+    return fields, [[f"detection p50 < {target * 1e3:g} ms", _ms(taskd["median"]), verdict]]
 
 
 def _median(by_launcher: dict[str, Any], launcher: str, key: str) -> float:
@@ -252,12 +266,8 @@ def _split_table(results: dict[str, Any], launchers: list[str]) -> str:
     return markdown_table(headers, rows)
 
 
-def recovery_section(data: dict[str, Any] | None) -> Section:
-    title = "2. Recovery of a SIGKILLed rank: taskdrun against torchrun"
-    if data is None:
-        return _failed(title)
+def recovery_fields(data: dict[str, Any]) -> Rendered:
     cfg, results = data["config"], data["results"]
-    victim = "the last rank" if cfg["kill_rank"] < 0 else f"rank {cfg['kill_rank']}"
     launchers = [n for n in recovery_bench.LAUNCHERS if n in data["launchers"]]
     taskd = recovery_bench.TASKD
     recovered = [
@@ -275,102 +285,53 @@ def recovery_section(data: dict[str, Any] | None) -> Section:
         f"{topo} {fmt(_median(by, taskd, 'restart_ordered') - _median(by, taskd, 'fault_known'))} s"
         for topo, by in results.items()
     )
-    lags = [
+    known = ", ".join(f"{topo} {_ms(_median(by, taskd, 'fault_known'))}" for topo, by in results.items())
+    lag = summarize(
         t["kill_lag"]
         for by in data["trials"].values()
         for trials in by.values()
         for t in trials
         if "kill_lag" in t
-    ]
-    lag = summarize(lags)
+    )
     jobs = sorted({key.split()[-1] for key in results})
     described = {
         "ddp": "`ddp` (its written-out update)",
         "sgd": "`sgd` (`--optimizer sgd`: `DistributedDataParallel` + `torch.optim.SGD`, whose first step imports"
         " `torch._dynamo`)",
     }
-    method = (
-        "`bench/recovery_bench.py`, one invocation for all launchers: `examples/train_ddp.py` (gloo, CPU;"
-        " `examples/train_live.py` for live recovery) as "
-        + (f"{len(jobs)} jobs, " if len(jobs) > 1 else "the job ")
-        + " and ".join(described.get(j, f"`{j}`") for j in jobs)
-        + f", a checkpoint every {cfg['ckpt_every']} steps and {cfg['step_time']:g} s extra per step. The bench SIGKILLs"
-        f" {victim} the moment it logs step {cfg['kill_step']}, taking `time.time()`"
-        f" right before `os.kill`. torchrun runs with `--max-restarts {cfg['max_restarts']}`, taskdrun with its"
-        f" defaults (embedded controller, {cfg['max_restarts']} cycles, flush window {cfg['taskd_flush_seconds']:g} s)."
-        " The launchers' trials"
-        " are interleaved. A trial counts as recovered when every rank completes a step in a new process (live"
-        f" recovery: after the replacement joined) within {cfg['recovery_deadline']:g} s of the kill. Figures are medians (min–max) in seconds after the kill, over"
-        " the recovered trials; ratios are taskdrun's median over the other launcher's. The kill landed"
-        f" {_ms(lag.median)} (median; at most {_ms(lag.high)}) after the victim logged the step."
-    )
-    sources = (
-        "Sources: the workers' own JSON-lines progress log (`start` is written after `import torch`, `resumed`"
-        " after `init_process_group`, the checkpoint load and a barrier; the example has no event right after"
-        " `init_process_group`, so that point is bounded by `resumed`); the `/proc/<pid>/stat` start time of each"
-        " new worker pid, read while it runs (10 ms resolution); taskd's journal (`fault`, `strategy chosen`);"
-        " torchrun's own log line `failed (exitcode: -9)` (glog time stamps)."
-    )
-    outcome = (
-        f"**taskdrun recovered every trial: {'yes' if all_ok else 'NO'}** ({counts}). torchrun as shipped:"
-        f" {shipped}."
-    )
-    if any(by["torchrun"]["failures"] for by in results.values() if "torchrun" in by):
-        # The bench records only how a trial ended, not why: the cause is SPEC §9's finding, named as such.
-        outcome += (
-            " The bench records how a trial ended, not why; SPEC §9 traces such failures to the agents' shared"
-            " rendezvous store, which `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (the torchrun-noshare peer) turns off."
-        )
-    flush = cfg["taskd_flush_seconds"]
-    where = (
-        "**Where the time goes.** Before the first new worker is forked, taskd knows of the fault within"
-        " milliseconds (the journal's `fault` event); its controller then waits the flush window"
-        f" ({flush:g} s by default), which collects the faults of the ranks whose collectives fail with their dead"
-        " peer, stops the node's workers and asks the agents for their strategies: fault → restart ordered (the"
-        f" journal's `strategy chosen`) took {negotiation} (medians). torchrun restarts on the first failure its"
-        " 0.1 s monitor loop sees. On two nodes both launchers also rendezvous again before they fork. After the"
-        " fork the work is the workers' own and the same under both launchers: interpreter start, `import torch`"
-        " (slower when several processes import at once on 2 cores), `init_process_group` (which waits for every"
-        " rank) and the checkpoint load; the phase micro-run below times each. One step differs: taskdrun's"
-        " group rank 0 agent starts each round's fresh store before the workers start, while with"
-        " `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` the rank 0 worker starts it only after its own `import torch`"
-        " and the other ranks wait in the store client's connect retries (the → every rank stepped column)."
-        " The same split, in medians:"
-    )
-    split = _split_table(results, [n for n in (taskd, "taskdrun-nofork", "torchrun-noshare") if n in launchers])
-    warm = (
-        "**Warm restarts.** taskdrun forks every worker from the node's fork server, which imported torch,"
-        " `torch.distributed`, `torch.optim`, `torch._dynamo` and `torch.nn.parallel` once, before the first start"
-        " (`taskd_core/forkserver/client.py`): after the fork a worker pays none of those imports, so the"
-        " → every rank started and → stepped columns shrink to the script's own work; `--taskd-no-fork-server`"
-        " is the exec path of before. What is left before the fork is the fault negotiation, stopping the"
-        " surviving ranks and torch's rendezvous of the next round."
-    )
-    parts = [
-        f"## {title}",
-        method,
-        sources,
-        recovery_bench.report(results, launchers),
-        outcome,
-        where,
-        split,
-        warm,
-    ]
+    named = " and ".join(described.get(j, f"`{j}`") for j in jobs)
     server = data.get("fork_server")
-    if server:
-        parts.append(recovery_bench.fork_server_report(server))
-    if data.get("phases"):
-        phases = (
-            "**Phases of a restarted worker** (micro-run: N processes started at once, each timing its own phases"
-            " with the example's own functions; one warm-up round first, as a job's first start warms the page"
-            " cache):"
-        )
-        parts += [phases, recovery_bench.phases_report(data["phases"])]
-    verdict = "met" if all_ok else "missed"
-    rows = [["taskdrun recovers every trial (SPEC §9)", counts, verdict], _ratio_row(results)]
+    phases = data.get("phases")
+    fields: dict[str, Value] = {
+        "jobs": f"{len(jobs)} jobs, {named}" if len(jobs) > 1 else f"the job {named}",
+        "ckpt_every": str(cfg["ckpt_every"]),
+        "step_time": f"{cfg['step_time']:g}",
+        "victim": "the last rank" if cfg["kill_rank"] < 0 else f"rank {cfg['kill_rank']}",
+        "kill_step": str(cfg["kill_step"]),
+        "max_restarts": str(cfg["max_restarts"]),
+        "flush": f"{cfg['taskd_flush_seconds']:g}",
+        "deadline": f"{cfg['recovery_deadline']:g}",
+        "kill_lag_median": _ms(lag.median),
+        "kill_lag_max": _ms(lag.high),
+        "table": recovery_bench.report(results, launchers),
+        "all_recovered": _yes(all_ok),
+        "counts": counts,
+        "shipped": shipped or "not run",
+        "torchrun_failed": any(by["torchrun"]["failures"] for by in results.values() if "torchrun" in by),
+        "fault_known": known,
+        "negotiation": negotiation,
+        "split": _split_table(
+            results, [n for n in (taskd, "taskdrun-nofork", "torchrun-noshare") if n in launchers]
+        ),
+        "fork_server": bool(server),
+        "fork_server_report": recovery_bench.fork_server_report(server) if server else None,
+        "phases": bool(phases),
+        "phases_table": recovery_bench.phases_report(phases) if phases else None,
+    }
+    rows = [["taskdrun recovers every trial (SPEC §9)", counts, _met(all_ok)], _ratio_row(results)]
     rows += _warm_rows(results, server)
     rows += _live_rows(results)
-    return "\n\n".join(parts) + "\n", rows
+    return fields, rows
 
 
 def _live_rows(results: dict[str, Any]) -> list[list[str]]:
@@ -459,120 +420,62 @@ def _ratio_row(results: dict[str, Any]) -> list[str]:
     return ["kill → every rank stepped, taskdrun/torchrun-noshare ≤ 1.0", ", ".join(ratios), verdict]
 
 
-def idle_section(data: dict[str, Any] | None) -> Section:
-    title = "3. Idle cost of agents and controller"
-    if data is None:
-        return _failed(title)
+def idle_fields(data: dict[str, Any]) -> Rendered:
     r = data["results"]
     agents = [s for s in idle_bench.SUBJECTS if s.agent]
     worst = max(r["launchers"][s.name]["cpu_percent"] for s in agents)
     clients = r["clients"]
     target = idle_bench.AGENT_TARGET
-    method = (
-        f"`bench/idle_bench.py`: every launcher runs {data['workers']} sleeping workers; all run at once for one"
-        f" {data['seconds']:g} s window after a settling time, and each launcher's CPU is the `utime + stime`"
-        " delta of its own pid in `/proc/<pid>/stat` (threads included, workers not; one tick is 10 ms, so"
-        f' ±{100 * 0.01 / data["seconds"]:.2f} % per process). The "by thread" column is the same reading per'
-        " thread: `main` is the node agent's supervision loop, threads named like the process are Python threads"
-        " (signal stream, HealthCheck loop and, when embedded, the controller's event loop),"
-        " `event_engine`/`grpc_global_tim` are gRPC's core threads."
-    )
     call = r["health_call"]
     idle_call, hot_call = call["after_idle"], call["back_to_back"]
     share = functools.partial(idle_bench.client_share, clients)
-    profile = (
-        "The second table profiles an idle agent's gRPC client alone, one child process per mode measuring its"
-        " own `time.process_time()` against a controller that serves nobody else: an open channel (gRPC's threads"
-        f" and the client's 3 s keep-alive pings) costs {fmt(clients['channel'])} %, the signal stream with the"
-        f" controller's 5 s keep-alive signals {fmt(share('stream'))} % more, HealthCheck calls at the node"
-        f" agent's interval ({idle_bench.AGENT_HEALTH:g} s) {fmt(share('stream+health-agent'))} % more, and at"
-        f" the client's default of 1 s {fmt(share('stream+health-1s'))} % more. The third table is the cost of one"
-        f" HealthCheck: after a second without calls the controller takes {fmt(idle_call['wall_ms'], 1)} ms to"
-        f" answer and the calling thread spends {fmt(idle_call['cpu_ms'], 1)} ms of CPU waiting inside gRPC's"
-        f" synchronous call; back to back {fmt(hot_call['wall_ms'], 1)} ms and {fmt(hot_call['cpu_ms'], 1)} ms."
-        " A controller woken more often answers sooner, so these figures move with the controller's other traffic"
-        f" and with the machine's load; with {data['seconds'] / 4:g} s windows, differences of a few tenths of a"
-        " percent between the client modes are within run-to-run noise."
-    )
-    parts = [
-        f"## {title}",
-        method,
-        idle_bench.report(r["launchers"], clients, call, r["many_jobs"]),
-        profile,
-    ]
-    if worst >= target:
-        parts.append(
-            f"**Target missed** by {fmt(worst - target)} percentage points at worst ({fmt(worst)} % against"
-            f" {target:g} %). The by-thread column and the client profile say where: TaskD's own loop is the"
-            " `main` thread; the rest is the gRPC client (channel, signal stream, HealthCheck calls) and, when"
-            " embedded, the controller's event loop."
-        )
+    mode_window = data["seconds"] / 4
+    fields: dict[str, Value] = {
+        "workers": str(data["workers"]),
+        "seconds": f"{data['seconds']:g}",
+        "tick_share": f"{100 * 0.01 / data['seconds']:.2f}",
+        "table": idle_bench.report(r["launchers"], clients, call, r["many_jobs"]),
+        "channel": fmt(clients["channel"]),
+        "stream": fmt(share("stream")),
+        "agent_health": f"{idle_bench.AGENT_HEALTH:g}",
+        "health_agent": fmt(share("stream+health-agent")),
+        "health_1s": fmt(share("stream+health-1s")),
+        "idle_call_wall": fmt(idle_call["wall_ms"], 1),
+        "idle_call_cpu": fmt(idle_call["cpu_ms"], 1),
+        "hot_call_wall": fmt(hot_call["wall_ms"], 1),
+        "hot_call_cpu": fmt(hot_call["cpu_ms"], 1),
+        "mode_window": f"{mode_window:g}",
+        "mode_tick_share": f"{100 * 0.01 / mode_window:.2f}",
+        "missed": worst >= target,
+        "gap": fmt(worst - target),
+        "worst": fmt(worst),
+        "target": f"{target:g}",
+    }
     verdict = "met" if worst < target else f"missed by {fmt(worst - target)} points"
     rows = [[f"idle agent < {target:g} % of one core", f"{fmt(worst)} % (worst agent)", verdict]]
     jobs = r["many_jobs"]
     if jobs:
         memory = f"{fmt(jobs['rss_mib_after'], 1)} MiB ({fmt(jobs['rss_kib_per_job'], 1)} KiB per job)"
         rows.append([f"controller RSS with {int(jobs['jobs'])} jobs (no target)", memory, "—"])
-    return "\n\n".join(parts) + "\n", rows
+    return fields, rows
 
 
-def security_section(data: dict[str, Any] | None) -> Section:
-    title = "4. Cost of TLS and job tokens"
-    if data is None:
-        return _failed(title)
-    method = (
-        "`bench/security_bench.py`: for each mode a `taskd controller` child process serves one real"
-        " `DLRecoverManager` in a child process of its own, which answers every signal from its handler at once."
-        f" Latency is the time from calling `report_process_fault` to the `changeStrategy` signal arriving in the"
-        f" handler, over {data['cycles']} cycles (stop, strategies and recovered reports in between); idle CPU is"
-        f" the client's own `time.process_time()` over {data['seconds']:g} s while it holds the signal stream and"
-        f" calls HealthCheck every {security_bench.AGENT_HEALTH:g} s; one call is the p50 of"
-        f" {security_bench.CALLS} HealthCheck calls back to back per turn. The three controllers run side by side"
-        f" and the clients take turns in {data['rounds']} rounds, so changes of the machine's load fall on every"
-        " mode alike. `plaintext` is a legacy job on loopback; `tls+token` adds TLS (trustme certificates) and a"
-        " job token on every call; `mtls+token` mutual TLS. The targets take the worse of the two secured modes"
-        " against `plaintext`; a negative difference means the secured mode was the faster one in this run."
-    )
-    text = "\n\n".join([f"## {title}", method, security_bench.report(data["results"])]) + "\n"
-    return text, security_bench.verdicts(data["results"])
+def security_fields(data: dict[str, Any]) -> Rendered:
+    fields: dict[str, Value] = {
+        "cycles": str(data["cycles"]),
+        "seconds": f"{data['seconds']:g}",
+        "agent_health": f"{security_bench.AGENT_HEALTH:g}",
+        "calls": str(security_bench.CALLS),
+        "rounds": str(data["rounds"]),
+        "table": security_bench.report(data["results"]),
+    }
+    return fields, security_bench.verdicts(data["results"])
 
 
-def metrics_section(data: dict[str, Any] | None) -> Section:
-    title = "5. Cost of Prometheus metrics"
-    if data is None:
-        return _failed(title)
+def metrics_fields(data: dict[str, Any]) -> Rendered:
     s, added, hooks = data["summary"], data["added_percent"], data["hooks"]
     off, on = s["off"], s["on"]
-    method = (
-        f"`bench/metrics_bench.py`: a fresh `taskd controller` per run, {data['rounds']} alternating rounds of"
-        " metrics off and on (`--metrics-port`), medians over rounds (the rounds' range in brackets). Each run:"
-        f" fault → changeStrategy latency of one agent over {data['cycles']} recovery cycles (every counter and"
-        f" histogram moves on each cycle), then {data['jobs']} jobs with one subscribed agent each, the"
-        f" controller's RSS, its CPU (`utime + stime`) over a {data['seconds']:g} s idle window, and with"
-        f" metrics on {data['scrapes']} GETs of `/metrics` timed from the bench process (a"
-        f" {fmt(on['scrape_kib'], 1)} KiB exposition whose size does not grow with the number of jobs: no label"
-        " carries a job id). Counters move as the journal is written, after the signals and answers have gone"
-        " out; gauges are read on the controller's event loop at scrape time, so a scrape costs one pass over"
-        " the jobs plus prometheus_client's formatting."
-    )
-    hooks_text = (
-        f"The hooks themselves, measured in-process (CPU time of `ControllerMetrics` for one recovery cycle's"
-        f" {hooks['entries_per_cycle']} journal entries and {hooks['rpcs_per_cycle']} RPC observations): "
-        f"{fmt(hooks['us_per_cycle'], 1)} µs per cycle, {fmt(added['hooks_of_latency_p50'], 1)} % of the"
-        " metrics-off p50 latency, spent after the cycle's signals are sent (the cycle includes the"
-        " `worker exited` / `started` / `resumed` / `stepping` entries of a worker that reports its steps)."
-    )
     step = data.get("worker_step")
-    if step is not None:
-        hooks_text += (
-            " On the worker's side, `taskd_core.worker.step(n)` costs a training loop"
-            f" {fmt(step['held_us'], 2)} µs per call between datagrams (beats and steps < 0.1 s apart"
-            " ride on the next one) and"
-            f" {fmt(step['sent_us'], 1)} µs for a call that sends its datagram to the agent's socket."
-        )
-    text = "\n\n".join([f"## {title}", method, metrics_bench.report(data), hooks_text]) + "\n"
-    scrape = on["scrape_p50_ms"]
-    target_ms, target_pct = metrics_bench.SCRAPE_TARGET_MS, metrics_bench.ADDED_TARGET_PERCENT
 
     def ab(key: str, low: str, high: str, unit: str) -> str:
         return (
@@ -583,20 +486,37 @@ def metrics_section(data: dict[str, Any] | None) -> Section:
     def within_noise(key: str, low: str, high: str) -> bool:
         return bool(off[low] <= on[key] <= off[high] or on[low] <= off[key] <= on[high])
 
-    if within_noise("latency_p50_ms", "latency_p50_low_ms", "latency_p50_high_ms"):
-        text += (
-            "\nEnd to end, the latency difference between the modes is within the spread between rounds of the"
-            " same mode: the hooks' own cost is the figure to read.\n"
-        )
-
-    idle_ok = added["idle_cpu"] < target_pct
-    idle_verdict = "met" if idle_ok else "within noise" if within_noise("idle_cpu_percent", "idle_cpu_low", "idle_cpu_high") else "missed"
-    hooks_ok = added["hooks_of_latency_p50"] < target_pct
+    latency_noise = within_noise("latency_p50_ms", "latency_p50_low_ms", "latency_p50_high_ms")
+    fields: dict[str, Value] = {
+        "rounds": str(data["rounds"]),
+        "cycles": str(data["cycles"]),
+        "jobs": str(data["jobs"]),
+        "seconds": f"{data['seconds']:g}",
+        "scrapes": str(data["scrapes"]),
+        "scrape_kib": fmt(on["scrape_kib"], 1),
+        "table": metrics_bench.report(data),
+        "entries_per_cycle": str(hooks["entries_per_cycle"]),
+        "rpcs_per_cycle": str(hooks["rpcs_per_cycle"]),
+        "us_per_cycle": fmt(hooks["us_per_cycle"], 1),
+        "hooks_share": fmt(added["hooks_of_latency_p50"], 1),
+        "worker_step": step is not None,
+        "held_us": fmt(step["held_us"], 2) if step else None,
+        "sent_us": fmt(step["sent_us"], 1) if step else None,
+        "latency_within_noise": latency_noise,
+    }
+    scrape = on["scrape_p50_ms"]
+    target_ms, target_pct = metrics_bench.SCRAPE_TARGET_MS, metrics_bench.ADDED_TARGET_PERCENT
+    idle_noise = within_noise("idle_cpu_percent", "idle_cpu_low", "idle_cpu_high")
+    idle_verdict = "met" if added["idle_cpu"] < target_pct else "within noise" if idle_noise else "missed"
+    end_to_end = "" if added["latency_p50"] < target_pct else (
+        "; end to end within noise" if latency_noise else "; end to end missed"
+    )
+    hooks_verdict = ("met (hooks)" if added["hooks_of_latency_p50"] < target_pct else "missed") + end_to_end
     rows = [
         [
             f"scrape of {data['jobs']} jobs < {target_ms:g} ms",
             f"{fmt(scrape, 1)} ms p50, {fmt(on['scrape_p99_ms'], 1)} ms p99",
-            "met" if scrape < target_ms else "missed",
+            _met(scrape < target_ms),
         ],
         [
             f"metrics add < {target_pct:g} % to the controller's idle CPU",
@@ -607,33 +527,20 @@ def metrics_section(data: dict[str, Any] | None) -> Section:
             f"metrics add < {target_pct:g} % to fault → strategy latency",
             f"hooks {fmt(hooks['us_per_cycle'], 1)} µs = {fmt(added['hooks_of_latency_p50'], 1)} % of p50; end to end "
             + ab("latency_p50_ms", "latency_p50_low_ms", "latency_p50_high_ms", "ms"),
-            ("met (hooks)" if hooks_ok else "missed")
-            + ("" if added["latency_p50"] < target_pct else "; end to end within noise"
-               if within_noise("latency_p50_ms", "latency_p50_low_ms", "latency_p50_high_ms") else "; end to end missed"),
+            hooks_verdict,
         ],
     ]
-    return text, rows
+    return fields, rows
 
 
-def chaos_section(data: dict[str, Any] | None) -> Section:
-    title = "8. Chaos: faults of the workers and of TaskD itself"
-    if data is None:
-        return _failed(title)
-    method = (
-        f"`bench/chaos_bench.py`: one `taskd controller` (state file) and one `taskd run --nproc 2` train a"
-        f" deterministic job (a hash chain per rank, checkpointed every step) through {data['injected']} random"
-        f" faults, one at a time (seed {data['seed']}): worker SIGKILLs; worker SIGSTOPs left for the agent's hang"
-        " detection to find; controller SIGKILLs (back after 0.5–3 s) and"
-        " SIGTERM restarts on its state file; SIGKILLs of `taskd run` followed by a new one for the same node;"
-        " and 1–5 s outages of the controller (SIGSTOP: connections stay open and nothing answers). A fault is"
-        " recovered when the agent holds its signal stream again and every rank runs in a process the fault"
-        f" did not hit; recovery time counts from the end of its cause. The last {data['quiet_faults']} faults"
-        " hit workers only, so the controller and agent of that stretch live through all of them: their open"
-        " descriptors and RSS are read before and after it. The job then finishes; its parameters are compared"
-        " with a straight run of the same worker without TaskD, and every worker, lifeline guard and TaskD"
-        f" process must be gone. The chaos took {fmt(data['chaos_seconds'] / 60, 1)} min."
-    )
-    text = "\n\n".join([f"## {title}", method, chaos_bench.report(data)]) + "\n"
+def chaos_fields(data: dict[str, Any]) -> Rendered:
+    fields: dict[str, Value] = {
+        "injected": str(data["injected"]),
+        "seed": str(data["seed"]),
+        "quiet_faults": str(data["quiet_faults"]),
+        "minutes": fmt(data["chaos_seconds"] / 60, 1),
+        "table": chaos_bench.report(data),
+    }
     res = data["resources"]
     growth = ", ".join(
         f"{name} {res['after'][name]['fds'] - res['before'][name]['fds']:+.0f} fds,"
@@ -641,105 +548,113 @@ def chaos_section(data: dict[str, Any] | None) -> Section:
         for name in ("controller", "agent")
         if name in res["before"]
     )
-    all_ok = data["recovered"] == data["injected"]
+    finished = data["params_equal"] and data["jobs_finished"] == 1
     rows = [
-        ["chaos: 100 % of faults recovered", f"{data['recovered']}/{data['injected']}", "met" if all_ok else "missed"],
+        ["chaos: 100 % of faults recovered", f"{data['recovered']}/{data['injected']}",
+         _met(data["recovered"] == data["injected"])],
         [
             "chaos: final parameters identical to fault-free, job finished",
             f"{'identical' if data['params_equal'] else 'DIFFERENT'}, {data['jobs_finished']}/1 finished",
-            "met" if data["params_equal"] and data["jobs_finished"] == 1 else "missed",
+            _met(finished),
         ],
-        ["chaos: 0 leftover processes", str(data["leftover_processes"]),
-         "met" if data["leftover_processes"] == 0 else "missed"],
+        ["chaos: 0 leftover processes", str(data["leftover_processes"]), _met(data["leftover_processes"] == 0)],
         ["chaos: no growth of descriptors or memory beyond noise", growth, "see section 8"],
     ]
-    return text, rows
+    return fields, rows
 
 
-def hang_section(data: dict[str, Any] | None) -> Section:
-    title = "6. Hangs: detection and recovery"
-    if data is None:
-        return _failed(title)
-    method = (
-        "`bench/hang_bench.py`: real `taskd run` jobs (one node, embedded controller). A hang's start is the"
-        " wall-clock time the worker (or the bench, for SIGSTOP/SIGKILL) wrote down; the fault's arrival is the"
-        " controller's `fault` journal time, after the agent took the hung rank's stack with py-spy (it"
-        " reports, then kills the rank); every rank stepping again is each rank's first step after the"
-        " restart. The DDP runs interleave hang, SIGSTOP and death in rounds; their phases come from the"
-        " controller's journal. Defaults: SIGSTOP bound 0.5 s, learned timeout = 5 x p99 of the beat"
-        " intervals within 3..300 s, checked every 0.2 s."
-    )
-    text = "\n\n".join([f"## {title}", method, hang_bench.report(data)]) + "\n"
-    return text, hang_bench.verdicts(data)
+def hang_fields(data: dict[str, Any]) -> Rendered:
+    defaults = ProgressConfig()
+    fields: dict[str, Value] = {
+        "stopped_bound": f"{defaults.stopped_bound:g}",
+        "multiplier": f"{defaults.multiplier:g}",
+        "floor": f"{defaults.floor:g}",
+        "ceiling": f"{defaults.ceiling:g}",
+        "poll": f"{defaults.poll:g}",
+        "table": hang_bench.report(data),
+    }
+    return fields, hang_bench.verdicts(data)
 
 
-def signal_section(data: dict[str, Any] | None) -> Section:
-    title = "7. Signals: SIGTERM → launcher gone"
-    if data is None:
-        return _failed(title)
-    method = (
-        "`bench/signal_bench.py`: real `taskdrun` and `torchrun` processes, taking turns, each phase"
-        f" {data['repeats']} times per launcher. `rendezvous`: one node of a two-node c10d job (no node rank) whose"
-        " second node never comes, SIGTERM 1 s after it serves the rendezvous store, while torch's join would"
-        " wait up to 600 s. `workers`: `--standalone` with two sleeping workers, SIGTERM once both started. One"
-        " sample is `os.kill` → the launcher's exit seen by `wait()`; \"workers left\" counts workers alive after"
-        " it. taskdrun abandons the rendezvous wait (torch's join runs in a thread it can leave); the exit codes"
-        " column shows how each launcher ends (a negative code: killed by that signal)."
-    )
-    text = "\n\n".join([f"## {title}", method, signal_bench.report(data["results"])]) + "\n"
-    return text, signal_bench.verdicts(data["results"])
+def signal_fields(data: dict[str, Any]) -> Rendered:
+    fields: dict[str, Value] = {"repeats": str(data["repeats"]), "table": signal_bench.report(data["results"])}
+    return fields, signal_bench.verdicts(data["results"])
 
 
-def transfer_section(data: dict[str, Any] | None) -> Section:
-    title = "9. Live recovery: state transfer from a replica"
-    if data is None:
-        return _failed(title)
+def transfer_fields(data: dict[str, Any]) -> Rendered:
     size = data["bytes"] / 2**30
-    method = (
-        "`bench/transfer_bench.py`: two processes on loopback; rank 0 hands rank 1 a state of"
-        f" {size:.2f} GiB (64 float32 tensors) with the calls live recovery uses: describe the state"
-        " (no copy), send every tensor's memory over a TCP connection of their own while summing the"
-        " checksum, receive straight into the receiver's tensors and verify the checksum, load (nothing"
-        " left to copy). *Wire* is from the end of the description to the verified state on the receiver;"
-        " *end to end* is the whole hand-over. Medians over the trials; the first trial (fresh processes"
-        " and connection) is what one recovery sees."
-    )
     wire, total = data["wire_gb_s_median"], data["end_to_end_gb_s_median"]
     first = data["end_to_end_gb_s_first"]
-    table = markdown_table(["rate", "GB/s"], [["wire (sent → received, checksum verified)", fmt(wire)],
-                                              ["end to end (state → loaded on the receiver)", fmt(total)],
-                                              ["end to end, first trial", fmt(first)]])
-    rows = [[f"state transfer ≥ {TRANSFER_TARGET:g} GB/s over loopback ({size:.2f} GiB state)",
-             f"wire {fmt(wire)}, end to end {fmt(total)} (first trial {fmt(first)}) GB/s",
-             "met" if min(wire, total) >= TRANSFER_TARGET else "missed"]]
-    return "\n\n".join([f"## {title}", method, table]) + "\n", rows
+    table = markdown_table(
+        ["rate", "GB/s"],
+        [
+            ["wire (sent → received, checksum verified)", fmt(wire)],
+            ["end to end (state → loaded on the receiver)", fmt(total)],
+            ["end to end, first trial", fmt(first)],
+        ],
+    )
+    rows = [
+        [
+            f"state transfer ≥ {TRANSFER_TARGET:g} GB/s over loopback ({size:.2f} GiB state)",
+            f"wire {fmt(wire)}, end to end {fmt(total)} (first trial {fmt(first)}) GB/s",
+            _met(min(wire, total) >= TRANSFER_TARGET),
+        ]
+    ]
+    return {"gib": f"{size:.2f}", "tensors": str(transfer_bench.TENSORS), "table": table}, rows
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One section of the report: the step whose results it reads, its template and its renderer."""
+
+    step: str
+    template: str
+    fields: Callable[[dict[str, Any]], Rendered]
+
+
+#: The report's sections, in order.
+PARTS = (
+    Part("detect", "detect", detect_fields),
+    Part("recovery", "recovery", recovery_fields),
+    Part("idle", "idle", idle_fields),
+    Part("security", "security", security_fields),
+    Part("metrics", "metrics", metrics_fields),
+    Part("hang", "hang", hang_fields),
+    Part("signals", "signals", signal_fields),
+    Part("chaos", "chaos", chaos_fields),
+    Part("transfer", "transfer", transfer_fields),
+)
+
+
+def section(part: Part, data: dict[str, Any] | None) -> Section:
+    """The section's Markdown and its target rows; a bench without results gets its heading and a note."""
+    if data is None:
+        return fill("failed", {"heading": heading(part.template)}), []
+    fields, rows = part.fields(data)
+    return fill(part.template, fields), rows
 
 
 def load_note(cores: int, loads: list[list[float]], shown: str) -> str:
     """What the load averages say about other work on the machine, and nothing they do not show."""
     busiest = max(max(load) for load in loads)
-    text = f"**Load.** The machine has {cores} cores; load average over 1 / 5 / 15 min {shown}."
-    if busiest > cores:
-        text += (
-            f" It exceeded the core count ({busiest:.2f} > {cores}): more was runnable than the cores could run,"
-            " so figures that start torch processes (section 2) are the most likely to be slowed; rerun on a"
-            " quiet machine before reading much into small differences."
-        )
-    return text
+    fields: dict[str, Value] = {
+        "cores": str(cores),
+        "loads": shown,
+        "overloaded": busiest > cores,
+        "busiest": f"{busiest:.2f}",
+    }
+    return fill("load", fields).rstrip("\n")
 
 
 def render(sections: list[Section], run: dict[str, Any]) -> str:
     info, durations = run["machine"], run["durations"]
     total = sum(durations.values())
     targets = [row for _, rows in sections for row in rows]
-    verdict = "met" if total < BUDGET else "missed"
-    targets.append([f"`run_all.py` under {BUDGET / 60:.0f} min on 2 cores", f"{total / 60:.1f} min", verdict])
+    targets.append([f"`run_all.py` under {BUDGET / 60:.0f} min on 2 cores", f"{total / 60:.1f} min", _met(total < BUDGET)])
     loads = "; ".join(
         f"{when} {' / '.join(f'{x:.2f}' for x in load)}"
         for when, load in zip(("at the start", "at the end"), run["loads"], strict=True)
     )
-    steps = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in durations.items())
-    quick = " (**--quick smoke run: too few samples to publish**)" if run["quick"] else ""
     machine_rows = [
         ["cores (nproc)", info["nproc"]],
         ["CPU", info["cpu"]],
@@ -747,23 +662,18 @@ def render(sections: list[Section], run: dict[str, Any]) -> str:
         ["kernel", info["kernel"]],
         *[[k, v] for k, v in run["versions"].items()],
     ]
-    written = (
-        f"Written by `bench/run_all.py` on {run['finished']}{quick}. Nothing here is a test: no figure is"
-        " asserted anywhere."
-    )
-    noise = load_note(info["nproc"], run["loads"], loads)
-    head = [
-        "# TaskD benchmarks",
-        written,
-        noise,
-        "## Machine and versions",
-        markdown_table(["", ""], machine_rows),
-        f"Command: `{run['command']}` ({total / 60:.1f} min in all: {steps}). Its steps:",
-        "\n".join(f"    {c}" for c in run["commands"]),
-        "## Targets",
-        markdown_table(["target", "measured", "verdict"], targets),
-    ]
-    return "\n\n".join(head) + "\n\n" + "\n".join(text for text, _ in sections)
+    head: dict[str, Value] = {
+        "finished": run["finished"],
+        "quick": bool(run["quick"]),
+        "load": load_note(info["nproc"], run["loads"], loads),
+        "machine": markdown_table(["", ""], machine_rows),
+        "command": run["command"],
+        "minutes": f"{total / 60:.1f}",
+        "steps": ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in durations.items()),
+        "commands": "\n".join(f"    {c}" for c in run["commands"]),
+        "targets": markdown_table(["target", "measured", "verdict"], targets),
+    }
+    return fill("head", head) + "\n" + "\n".join(text for text, _ in sections)
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -815,17 +725,7 @@ def main() -> int:
         else:
             run = run_everything(args.quick, results)
         data = {step.name: _load(results / f"{step.name}.json") for step in STEPS}
-    sections = [
-        detect_section(data["detect"]),
-        recovery_section(data["recovery"]),
-        idle_section(data["idle"]),
-        security_section(data["security"]),
-        metrics_section(data["metrics"]),
-        hang_section(data["hang"]),
-        signal_section(data["signals"]),
-        chaos_section(data["chaos"]),
-        transfer_section(data["transfer"]),
-    ]
+    sections = [section(part, data[part.step]) for part in PARTS]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(sections, run), encoding="utf-8")
     logger.info("wrote %s", args.out)

@@ -91,6 +91,10 @@ def parse_args() -> argparse.Namespace:
         "--optimizer", choices=("manual", "sgd"), default="manual",
         help="the update: written out (manual) or DistributedDataParallel + torch.optim.SGD (sgd)",
     )
+    p.add_argument(
+        "--ballast-mb", type=int, default=0,
+        help="train_live.py: MiB of extra live state per rank (a slow state hand-over, for tests)",
+    )
     return p.parse_args()
 
 

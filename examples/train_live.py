@@ -63,7 +63,8 @@ def main() -> int:
     model = make_model()
     velocity = [torch.zeros_like(p) for p in model.parameters()]
     # The state a replacement receives; every committed step is a heartbeat unless told otherwise.
-    session = LiveSession(model=model, velocity=velocity, heartbeat=not args.no_heartbeat)
+    ballast = {"ballast": torch.zeros(args.ballast_mb * 2**18)} if args.ballast_mb else {}
+    session = LiveSession(model=model, velocity=velocity, heartbeat=not args.no_heartbeat, **ballast)
     signal.signal(signal.SIGUSR1, on_dump)
     args.ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt_dir / "ckpt.pt"

@@ -7,6 +7,9 @@ place (:mod:`taskd_core.controller.service`); the CLI maps them to exit codes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 
 class TaskdError(Exception):
     """Root of every error TaskD raises on purpose."""
@@ -49,19 +52,47 @@ _REFUSAL_FIXES: dict[int | str, str] = {
 }
 
 
-class RegistrationRefusedError(TaskdError):
+class RefusedError(TaskdError):
+    """The controller refused a call and no retry can change its answer; ``fixes`` say what to do."""
+
+    fixes: ClassVar[Mapping[int | str, str]] = {}
+
+    def __init__(self, address: str, rpc: str, code: int | str, info: str) -> None:
+        fix = self.fixes.get(code, "see the controller's log")
+        super().__init__(f"controller at {address} refused {rpc} ({code}: {info}); {fix}")
+        self.address = address
+        self.rpc = rpc
+        self.code = code
+
+
+class RegistrationRefusedError(RefusedError):
     """The controller refuses to take this client: no retry can change its answer.
 
     ``code`` is the wire code (409 bad job id, 500 controller full, ...) or
     the gRPC status name (``PERMISSION_DENIED``, ``UNAUTHENTICATED``).
     """
 
-    def __init__(self, address: str, rpc: str, code: int | str, info: str) -> None:
-        fix = _REFUSAL_FIXES.get(code, "see the controller's log")
-        super().__init__(f"controller at {address} refused {rpc} ({code}: {info}); {fix}")
-        self.address = address
-        self.rpc = rpc
-        self.code = code
+    fixes = _REFUSAL_FIXES
+
+
+#: What to do about each refusal of :class:`QueryRefusedError`.
+_QUERY_FIXES: dict[int | str, str] = {
+    **_REFUSAL_FIXES,
+    400: "the controller does not know this job; `taskd status` without --job lists the jobs it knows",
+    403: "present the job's token (TASKD_JOB_TOKEN) or the controller's admin token (--admin-token-file)",
+    409: "a field of the query is out of range; check the job id and the numbers asked for",
+    "PERMISSION_DENIED": _REFUSAL_FIXES["UNAUTHENTICATED"],
+}
+
+
+class QueryRefusedError(RefusedError):
+    """The controller answered a status or journal query with a refusal (no retry changes it).
+
+    ``code`` is the wire code (400 unknown job, 403 not allowed to see it, 409 bad field)
+    or the gRPC status name (``UNAUTHENTICATED``, ``UNIMPLEMENTED`` ...).
+    """
+
+    fixes = _QUERY_FIXES
 
 
 class LauncherInterrupted(TaskdError):
@@ -166,3 +197,41 @@ class DuplicateSubscriberError(RequestRejected):
 
 class IllegalTransition(TaskdError):
     """The state machine tried a transition its table does not declare: a bug in the controller."""
+
+
+class StreamError(TaskdError):
+    """A stream between two processes of a job broke, timed out, or its peer could not prove the job's key."""
+
+
+class NotLeaderError(TaskdError):
+    """This controller replica does not lead: another one serves (``leader``: its address, or "")."""
+
+    def __init__(self, message: str, *, leader: str = "") -> None:
+        super().__init__(message)
+        self.leader = leader
+
+
+class LeadershipLostError(NotLeaderError):
+    """A leading replica may no longer write: its lease expired or another replica took over."""
+
+
+class StateStoreError(TaskdError):
+    """The controller's state store (etcd) refused a request."""
+
+    def __init__(self, where: str, what: str, cause: str = "", fix: str = "see etcd's log") -> None:
+        super().__init__(f"{where}: {what}{f' ({cause})' if cause else ''}; {fix}")
+        self.where = where
+        self.cause = cause
+
+
+class StateUnavailableError(StateStoreError):
+    """The controller's state store (etcd) did not answer in time."""
+
+    def __init__(self, where: str, what: str, cause: str = "") -> None:
+        super().__init__(
+            where,
+            what,
+            cause,
+            "check that etcd runs there, that the address is right and, if it serves TLS, "
+            "the --etcd-cacert/--etcd-cert/--etcd-key files",
+        )

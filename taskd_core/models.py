@@ -298,3 +298,119 @@ class JobPolicy:
     #: agents the job should have; 0 means whoever registered.
     expected_agents: int = 0
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+
+# --- what a controller answers about its jobs (QueryStatus, QueryEvents) ---------------------
+
+
+class JobState(str, enum.Enum):
+    """Where a job's recovery stands: the controller's state machine's states."""
+
+    IDLE = "idle"
+    FLUSHING = "flushing"
+    WAIT_STOP = "wait-stop"
+    WAIT_STRATEGIES = "wait-strategies"
+    WAIT_STATUS = "wait-status"
+    FINISHED = "finished"
+    GIVEN_UP = "given-up"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    """One agent of a job as its controller sees it."""
+
+    agent_id: str
+    role: str
+    #: it holds its signal stream now.
+    subscribed: bool
+    #: None when the agent did not say (a reference-style client).
+    node_rank: int | None
+    #: what its ``ReportAgentExit`` said (0: every local worker exited 0); None while it runs.
+    exit_code: int | None
+    #: Unix time of its last contact, by the controller's clock.
+    last_seen: float
+    #: the hang-detection timeouts in use, as the agent's last HealthCheck described them.
+    hang_timeouts: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    """One job as its controller sees it: state, cycle, policy, agents and newest journal entries."""
+
+    job_id: str
+    state: JobState
+    #: the recovery cycle in flight, else the last one (0: none yet).
+    cycle: int
+    #: the strategy in flight; None between cycles.
+    strategy: Strategy | None
+    #: the faulty ranks of the cycle in flight.
+    faults: tuple[FaultRank, ...]
+    #: the strategies the job's policy allows, in ladder order.
+    strategies: tuple[Strategy, ...]
+    cycles_used: int
+    max_cycles: int
+    agents: tuple[AgentStatus, ...]
+    #: the newest journal entries asked for, oldest first.
+    events: tuple[JournalEvent, ...]
+    #: how the last cycle ended, or what the job waits for now.
+    outcome: str
+    #: registered without a token (a reference-style client).
+    legacy: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form ``taskd status --json`` prints per job (docs/events.md)."""
+        return {
+            "job": self.job_id,
+            "state": self.state.value,
+            "cycle": self.cycle,
+            "strategy": None if self.strategy is None else self.strategy.value,
+            "faults": [{"rank": f.rank, "fault_type": f.fault_type.value} for f in self.faults],
+            "strategies": [s.value for s in self.strategies],
+            "cycles_used": self.cycles_used,
+            "max_cycles": self.max_cycles,
+            "agents": [
+                {
+                    "agent": a.agent_id,
+                    "role": a.role,
+                    "subscribed": a.subscribed,
+                    "node_rank": a.node_rank,
+                    "exit_code": a.exit_code,
+                    "last_seen": a.last_seen,
+                    "hang_timeouts": a.hang_timeouts,
+                }
+                for a in self.agents
+            ],
+            "events": [e.to_json() for e in self.events],
+            "outcome": self.outcome,
+            "legacy": self.legacy,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerStatus:
+    """A controller's whole answer to a status query: the jobs the caller may see, and who leads.
+
+    ``leader`` is the address of the replica that leads (as it advertises itself) and
+    ``leader_generation`` its term's number; a lone controller on SQLite leads for good: 0.
+    """
+
+    jobs: tuple[JobStatus, ...]
+    leader: str = ""
+    leader_generation: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``taskd status --json`` prints (schema version 1, docs/events.md)."""
+        return {
+            "schema": 1,
+            "leader": self.leader,
+            "leader_generation": self.leader_generation,
+            "jobs": [job.to_json() for job in self.jobs],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class JournalPage:
+    """Entries of a job's journal after a cursor, oldest first, and the job's state when they were read."""
+
+    events: tuple[JournalEvent, ...]
+    state: JobState

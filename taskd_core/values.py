@@ -177,10 +177,11 @@ def parse_addresses(text: str, what: str = "controller addresses") -> tuple[Addr
     return addresses
 
 
-def parse_controller(text: str) -> str:
-    """A controller address as given, once :func:`parse_address` accepted it."""
-    parse_address(text)
-    return text.strip()
+def parse_controller(text: str, what: str = "controller address") -> str:
+    """A controller address, or every replica's comma-separated, as given (spaces dropped) once
+    :func:`parse_addresses` accepted them."""
+    parse_addresses(text, what)
+    return ",".join(part.strip() for part in text.split(","))
 
 
 # --- seconds and counts ---------------------------------------------------------------

@@ -30,6 +30,8 @@ from taskd_core.models import Credentials, JobPolicy, Strategy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
 from taskd_core.rpc.security import ServerTls, open_channel
+from taskd_core.testing import wait_until
+from tests.etcd_server import EtcdServer
 
 #: Generous ceiling for anything a test waits for; never an assertion on speed.
 WAIT = 20.0
@@ -42,18 +44,6 @@ TEST_POLICY = JobPolicy(
     flush_seconds=0.0,
     max_cycles=5,
 )
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = WAIT, what: str = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 class RawAgent:
@@ -116,7 +106,8 @@ class RawAgent:
         me = self.agent_id or self.info.role
         wait_until(
             lambda: not any(a.subscribed for a in self.job().agents if a.agentId == me),
-            what=f"controller to drop {me}'s old stream",
+            f"controller to drop {me}'s old stream",
+            WAIT,
         )
         self.subscribe()
 
@@ -296,7 +287,7 @@ def make_agent() -> Iterator[Callable[..., RawAgent]]:
 class ControllerProcess:
     """``python -m taskd_core controller`` as a child process, its output in a log file."""
 
-    def __init__(self, state: Path, args: tuple[str, ...], log: Path) -> None:
+    def __init__(self, state: Path | str, args: tuple[str, ...], log: Path) -> None:
         port_file = log.with_suffix(".port")
         self.log = log
         with open(log, "w") as out:
@@ -318,9 +309,29 @@ class ControllerProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        wait_until(lambda: port_file.exists() or self.proc.poll() is not None, what="controller port file")
-        assert self.proc.poll() is None, f"controller exited at start:\n{log.read_text()}"
-        self.address = port_file.read_text().strip()
+        self.address = wait_until(
+            lambda: port_file.exists() and port_file.read_text().strip(),
+            "controller port file",
+            WAIT,
+            unless=lambda: self.proc.poll() is not None and f"controller exited at start:\n{log.read_text()}",
+        )
+
+    def health(self) -> int:
+        """The health service's answer (SERVING only on a leading replica); -1 when it does not answer."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status)
+            except grpc.RpcError:
+                return -1
+
+    def wait_serving(self, timeout: float = 3 * WAIT) -> ControllerProcess:
+        """Wait until this replica leads (an etcd state's replica may first stand by)."""
+        from grpc_health.v1 import health_pb2
+
+        wait_until(lambda: self.health() == health_pb2.HealthCheckResponse.SERVING, "the replica to lead", timeout)
+        return self
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -340,7 +351,7 @@ def controller_process(tmp_path: Path) -> Iterator[Callable[..., ControllerProce
     """
     started: list[ControllerProcess] = []
 
-    def start(state: Path, *args: str) -> ControllerProcess:
+    def start(state: Path | str, *args: str) -> ControllerProcess:
         started.append(ControllerProcess(state, args, tmp_path / f"controller-{len(started)}.log"))
         return started[-1]
 
@@ -391,3 +402,22 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
         str(root / "client.key"),
         str(root / "other-ca.pem"),
     )
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the session (tests keep apart by prefix: ``etcd.url()`` makes a fresh one)."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data").start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(params=["sqlite", "etcd"])
+def state_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A ``--state`` for each backend: a SQLite file, and a fresh prefix on the session's etcd."""
+    if request.param == "sqlite":
+        return str(tmp_path / "state.db")
+    server: EtcdServer = request.getfixturevalue("etcd")
+    return server.url()

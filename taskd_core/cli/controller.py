@@ -8,12 +8,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from taskd_core.controller.etcd_client import EtcdTls, is_etcd_url, parse_etcd_url
 from taskd_core.controller.policy import load_policies, parse_strategies
 from taskd_core.controller.server import ControllerConfig, ControllerServer, listen_address, serve
 from taskd_core.errors import ConfigError
 from taskd_core.rpc.security import ServerTls
 from taskd_core.values import (
     DEFAULT_CONTROLLER,
+    MAX_SECONDS,
     argtype,
     check_writable_file,
     join_address,
@@ -41,7 +43,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--state",
         default="./taskd-state.db",
-        help="SQLite state file; ':memory:' keeps nothing (default: %(default)s)",
+        help="SQLite state file (':memory:' keeps nothing), or etcd://HOST:PORT[,HOST:PORT...]/PREFIX for "
+        "replicas sharing their state in etcd: one leads, the others stand by (default: %(default)s)",
     )
     p.add_argument("--policy", type=Path, help='TOML policy file with [defaults] and [jobs."<id>"] tables')
     p.add_argument("--strategies", help="default strategies, comma-separated, e.g. recover,dump,exit")
@@ -77,6 +80,40 @@ def add_parser(subparsers: Any) -> None:
         metavar="PORT",
         help="also serve the gRPC health service alone, in plaintext, on this port of the --listen host "
         "(for Kubernetes gRPC probes, which cannot use TLS)",
+    )
+    rep = p.add_argument_group("replicas on etcd (see docs/deploy.md)")
+    rep.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        default="",
+        help="where other hosts reach this replica; standbys send clients to the leader's "
+        "(default: the --listen address, this host's name for a wildcard host)",
+    )
+    rep.add_argument(
+        "--lease-ttl",
+        type=argtype(lambda text: parse_count(text, high=int(MAX_SECONDS))),
+        default=2,
+        metavar="S",
+        help="seconds of the leader's lease: a lost leader is replaced about this long later "
+        "(default: %(default)s)",
+    )
+    rep.add_argument(
+        "--etcd-timeout",
+        type=positive,
+        default=5.0,
+        metavar="S",
+        help="seconds to reach etcd at start before giving up (default: %(default)s)",
+    )
+    rep.add_argument(
+        "--etcd-cacert", metavar="FILE", default="", help="CA that signed etcd's certificate (TLS to etcd)"
+    )
+    rep.add_argument("--etcd-cert", metavar="FILE", default="", help="client certificate for etcd (PEM)")
+    rep.add_argument("--etcd-key", metavar="FILE", default="", help="the client certificate's private key")
+    rep.add_argument(
+        "--replace-policy",
+        action="store_true",
+        help="make this replica's policy the one every replica uses (the others, started with the old "
+        "one, then stop leading and exit); without it a replica with another policy is refused",
     )
     sec = p.add_argument_group("security (see docs/security.md)")
     sec.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (PEM chain)")
@@ -120,12 +157,25 @@ def server_tls(cert: str | None, key: str | None, client_ca: str | None) -> Serv
     return ServerTls(cert, key, client_ca or "")
 
 
+def etcd_tls(args: argparse.Namespace) -> EtcdTls | None:
+    """TLS to etcd from the flags; None for plaintext. ConfigError when given without an etcd state."""
+    if not (args.etcd_cacert or args.etcd_cert or args.etcd_key):
+        return None
+    if not is_etcd_url(args.state):
+        raise ConfigError("--etcd-cacert/--etcd-cert/--etcd-key are for an etcd --state (etcd://...)")
+    return EtcdTls(args.etcd_cacert, args.etcd_cert, args.etcd_key)
+
+
 def run(args: argparse.Namespace) -> int:
     listen_address(args.listen)
     if args.port_file is not None:
         check_writable_file(args.port_file, "--port-file")
-    if args.state != ":memory:":
+    if is_etcd_url(args.state):
+        parse_etcd_url(args.state)  # a malformed URL is one line before anything else happens
+    elif args.state != ":memory:":
         check_writable_file(Path(args.state), "--state")
+    if args.lease_ttl < 1:
+        raise ConfigError("--lease-ttl 0: the leader's lease needs at least 1 second")
     flags = {
         # An empty --strategies is an error, not "the default": parse it whenever it is given.
         "strategies": parse_strategies(args.strategies, key="--strategies")
@@ -149,6 +199,11 @@ def run(args: argparse.Namespace) -> int:
         admin_token_file=args.admin_token_file,
         health_port=args.health_port,
         metrics_port=args.metrics_port,
+        advertise=args.advertise,
+        lease_ttl=args.lease_ttl,
+        etcd_tls=etcd_tls(args),
+        replace_policy=args.replace_policy,
+        state_timeout=args.etcd_timeout,
     )
 
     def ready(server: ControllerServer) -> None:

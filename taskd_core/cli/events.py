@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from taskd_core.cli.connection import add_connection_options, credentials
-from taskd_core.errors import ControllerUnavailableError, TaskdError
+from taskd_core.client.query import PAGE, QueryClient
+from taskd_core.errors import ConfigError, ControllerUnavailableError, TaskdError
 from taskd_core.models import JournalEvent
 from taskd_core.values import MAX_INT64, argtype, check_seconds, parse_count
 
@@ -87,10 +88,16 @@ def as_json_line(event: JournalEvent) -> str:
 def journal_reader(args: argparse.Namespace) -> Iterator[PageReader]:
     """A :data:`PageReader` for ``args.job`` from ``--state`` or ``--controller``; checks the job exists."""
     if args.state:
+        if args.state.startswith("etcd://"):
+            raise ConfigError(
+                f"--state {args.state}: an etcd state is read through its controller: give "
+                "--controller HOST:PORT[,HOST:PORT...] (any replica) instead"
+            )
         # Imported here: only reading a state file needs the controller's store.
-        from taskd_core.controller.store import Store
+        from taskd_core.controller.runtime import journal_event
+        from taskd_core.controller.store_sqlite import SqliteStore
 
-        store = Store(args.state, readonly=True)
+        store = SqliteStore(args.state, readonly=True)
         try:
             if not store.has_job(args.job):
                 raise TaskdError(
@@ -98,22 +105,17 @@ def journal_reader(args: argparse.Namespace) -> Iterator[PageReader]:
                 )
 
             def read_file(after: int) -> list[JournalEvent]:
-                return [
-                    JournalEvent(r.seq, r.time, r.job_id, r.cycle, r.kind, json.loads(r.detail))
-                    for r in store.events_after(args.job, after, 1000)
-                ]
+                return [journal_event(r) for r in store.events_after(args.job, after, PAGE)]
 
             yield read_file
         finally:
             store.close()
         return
-    from taskd_core.client.journal import JournalClient
-
-    with JournalClient(args.controller, credentials(args), args.timeout) as client:
-        client.page(args.job, 0, 1)  # an unknown job or an absent controller fails here, clearly
+    with QueryClient(args.controller, credentials(args), timeout=args.timeout) as client:
+        client.events(args.job, 0, 1)  # an unknown job or an absent controller fails here, clearly
 
         def read_controller(after: int) -> list[JournalEvent]:
-            return client.page(args.job, after)[0]
+            return list(client.events(args.job, after).events)
 
         yield read_controller
 

@@ -4,6 +4,11 @@ It speaks the ClusterD ``Recover`` protocol, so it works against TaskD's
 controller and a real ClusterD alike; TaskD's extension fields (agent id,
 node rank, signal sequence numbers) are simply ignored by the latter.
 
+Several controller replicas (``server_addr="A,B,C"`` or a list): the client
+talks to one at a time and follows the leader (:mod:`taskd_core.client.endpoints`);
+a fail-over looks like a controller outage: the stream comes back from the
+new leader, reports wait and are sent again.
+
 Threads: :meth:`start_subscribe` blocks the calling thread, reading the
 signal stream and handing each signal, one at a time, to a handler: the one
 given, or the one ``handler_factory`` builds for ``frame`` (the seed path
@@ -25,6 +30,7 @@ from typing import Any
 import grpc
 
 from taskd_core.client.backoff import Backoff
+from taskd_core.client.endpoints import Endpoints, controller_addresses, from_standby
 from taskd_core.errors import (
     AccessDeniedError,
     ConfigError,
@@ -36,9 +42,7 @@ from taskd_core.errors import (
 )
 from taskd_core.models import PERMISSION_DENIED_INFO, Code, Credentials, Signal, SignalType, WorkerEvent
 from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc import recover_pb2_grpc as pb_grpc
 from taskd_core.rpc.convert import fault_codes_to_pb, fault_dict_to_pb, signal_from_pb, worker_event_to_pb
-from taskd_core.rpc.security import open_channel
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,11 @@ _CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+#: Least seconds between two tries of one controller replica (several given).
+FOLLOW_INTERVAL = 0.2
+#: Most seconds between tries while standby replicas answer (an election is under way).
+FOLLOW_CAP = 1.0
 
 #: Answers meaning "this controller does not know the job or agent" (it lost
 #: its state, or restarted without any): joining again fixes them.
@@ -98,7 +107,8 @@ class DLRecoverManager:
     """Client of one job's recovery controller.
 
     :param info: ``info.jobId`` is the job, ``info.role`` this client's role.
-    :param server_addr: ``HOST:PORT`` of the controller.
+    :param server_addr: ``HOST:PORT`` of the controller; several replicas as
+        ``"A,B,C"`` or a sequence (TaskD extension): the client follows the leader.
     :param agent_id: TaskD extension: distinguishes the agents of a job with
         several nodes; empty for a single legacy-style client.
     :param handler: what to do with each signal.
@@ -116,7 +126,7 @@ class DLRecoverManager:
     def __init__(
         self,
         info: pb.ClientInfo,
-        server_addr: str,
+        server_addr: str | Sequence[str],
         *,
         agent_id: str = "",
         node_rank: int = 0,
@@ -135,7 +145,13 @@ class DLRecoverManager:
             raise TaskdError("DLRecoverManager needs info.jobId: the job to recover")
         self.job_id = info.jobId
         self.role = info.role or "taskd agent"
-        self.server_addr = server_addr
+        self._endpoints = Endpoints(
+            controller_addresses(server_addr),
+            credentials or Credentials.from_env(os.environ),
+            _CHANNEL_OPTIONS,
+        )
+        #: every address given, comma-separated (the seed's attribute; messages name it).
+        self.server_addr = str(self._endpoints)
         self.agent_id = agent_id
         self.node_rank = node_rank
         self.rank_ids = tuple(rank_ids)
@@ -158,16 +174,12 @@ class DLRecoverManager:
         self._last_uuid = ""
         #: uuid of the cycle whose signal is being handled; reports carry it.
         self.cycle_uuid = ""
-        self._channel = open_channel(
-            server_addr, credentials or Credentials.from_env(os.environ), _CHANNEL_OPTIONS
-        )
-        self._stub = pb_grpc.RecoverStub(self._channel)
         with _active_lock:
             _active.append(self)
 
     @classmethod
     def for_job(
-        cls, job_id: str, server_addr: str, *, role: str = "taskd agent", **kwargs: Any
+        cls, job_id: str, server_addr: str | Sequence[str], *, role: str = "taskd agent", **kwargs: Any
     ) -> DLRecoverManager:
         """A manager for ``job_id`` without building a ``pb.ClientInfo`` (what the node agent uses)."""
         return cls(pb.ClientInfo(jobId=job_id, role=role), server_addr, **kwargs)
@@ -182,6 +194,11 @@ class DLRecoverManager:
             nodeRank=self.node_rank,
             rankIds=[str(r) for r in self.rank_ids],
         )
+
+    @property
+    def controller(self) -> str:
+        """The controller replica this client talks to now."""
+        return self._endpoints.current
 
     @property
     def killed(self) -> bool:
@@ -207,34 +224,38 @@ class DLRecoverManager:
         attempt = 0
         last: BaseException | None = None
         while True:
+            address, stub = self._endpoints.pick()
             try:
-                # wait_for_ready: an attempt waits for the channel to connect
-                # instead of failing at once while it is between reconnects.
-                status = self._stub.Init(
-                    self.client_info(), timeout=self._attempt_timeout(until), wait_for_ready=True
+                # wait_for_ready: an attempt waits for the channel to connect instead of failing
+                # at once between reconnects; with several replicas, failing at once moves on.
+                status = stub.Init(
+                    self.client_info(),
+                    timeout=self._attempt_timeout(until),
+                    wait_for_ready=not self._endpoints.several,
                 )
                 if status.code == Code.OK:
                     return True
                 if status.code == Code.FORBIDDEN and PERMISSION_DENIED_INFO in status.info:
-                    raise AccessDeniedError(self.server_addr, status.info)
+                    raise AccessDeniedError(address, status.info)
                 if status.code == Code.RECOVERY_OFF:
                     logger.warning(
                         "controller %s: recovery is off for job %s: %s",
-                        self.server_addr,
+                        address,
                         self.job_id,
                         status.info,
                     )
                     return False
                 if status.code in (Code.INVALID_PARAM, Code.OUT_OF_MAX_JOBS):
-                    raise RegistrationRefusedError(self.server_addr, "Init", int(status.code), status.info)
+                    raise RegistrationRefusedError(address, "Init", int(status.code), status.info)
                 logger.warning(
                     "Init of job %s answered %s (%s); retrying", self.job_id, status.code, status.info
                 )
             except grpc.RpcError as exc:
-                self._raise_if_refused(exc, "Init")
+                self._raise_if_refused(exc, "Init", address)
                 last = exc
                 logger.debug("Init of job %s failed: %s", self.job_id, exc)
-            if not self._backoff.wait(attempt, until, self._closed):
+                self._endpoints.failed(exc, address)
+            if not self._pause(attempt, until, last, address):
                 raise ControllerUnavailableError(self.server_addr, until - started, _brief(last))
             attempt += 1
 
@@ -242,11 +263,34 @@ class DLRecoverManager:
         # At least a short try even at the deadline, so the last attempt is a real one.
         return max(0.5, min(self._rpc_timeout, until - time.monotonic()))
 
-    def _raise_if_refused(self, exc: grpc.RpcError, rpc: str) -> None:
+    def _raise_if_refused(self, exc: grpc.RpcError, rpc: str, address: str) -> None:
         if exc.code() in _REFUSING_STATUSES:
-            raise RegistrationRefusedError(
-                self.server_addr, rpc, exc.code().name, exc.details() or ""
-            ) from None
+            raise RegistrationRefusedError(address, rpc, exc.code().name, exc.details() or "") from None
+
+    def _pause(self, attempt: int, until: float, last: BaseException | None, address: str) -> bool:
+        """Wait before try ``attempt`` (``last`` failed at ``address``); False once ``until`` passed."""
+        remaining = until - time.monotonic()
+        return remaining > 0 and not self._closed.wait(min(self._delay(attempt, last, address), remaining))
+
+    def _delay(self, attempt: int, last: BaseException | None, address: str) -> float:
+        """Seconds before the next try.
+
+        One controller: capped exponential backoff. Several replicas: a move to
+        another one (or to the leader a standby named) is tried at once, no
+        replica more often than every :data:`FOLLOW_INTERVAL`, backing off only
+        after whole rounds failed; while standbys answer (an election is under
+        way, a new leader serves within its lease) at most :data:`FOLLOW_CAP` apart.
+        """
+        endpoints = self._endpoints
+        if not endpoints.several:
+            return self._backoff.delay(attempt)
+        pace = endpoints.pace(FOLLOW_INTERVAL)
+        if isinstance(last, grpc.RpcError) and from_standby(last):
+            return max(pace, min(self._backoff.delay(attempt), FOLLOW_CAP))
+        if endpoints.current != address:
+            rounds = attempt // len(endpoints.addresses)
+            return max(pace, self._backoff.delay(rounds - 1) if rounds else 0.0)
+        return self._backoff.delay(attempt)
 
     def rejoin(self, deadline: float | None = None) -> None:
         """Init and Register again: what a controller that lost (or never had) the job needs.
@@ -255,17 +299,27 @@ class DLRecoverManager:
         :raises RegistrationRefusedError: it refuses this client.
         :raises ControllerUnavailableError: it did not answer before ``deadline``.
         """
-        if not self.init_clusterd(deadline):
-            raise RecoveryDisabledError(self.job_id)
-        try:
-            status = self.register()
-        except grpc.RpcError as exc:
-            self._raise_if_refused(exc, "Register")
-            raise ControllerUnavailableError(self.server_addr, self._rpc_timeout, _brief(exc)) from None
+        started = time.monotonic()
+        until = started + self._connect_deadline if deadline is None else deadline
+        attempt = 0
+        while True:
+            if not self.init_clusterd(until):
+                raise RecoveryDisabledError(self.job_id)
+            address = self._endpoints.current
+            try:
+                status = self.register()
+                break
+            except grpc.RpcError as exc:
+                # The controller went between the two calls (a fail-over, a restart): join again.
+                self._raise_if_refused(exc, "Register", address)
+                self._endpoints.failed(exc, address)
+                if not self._pause(attempt, until, exc, address):
+                    raise ControllerUnavailableError(address, until - started, _brief(exc)) from None
+                attempt += 1
         if status.code == Code.FORBIDDEN and PERMISSION_DENIED_INFO in status.info:
-            raise AccessDeniedError(self.server_addr, status.info)
+            raise AccessDeniedError(address, status.info)
         if status.code != Code.OK:
-            raise RegistrationRefusedError(self.server_addr, "Register", int(status.code), status.info)
+            raise RegistrationRefusedError(address, "Register", int(status.code), status.info)
 
     def register(self, request: pb.ClientInfo | None = None) -> pb.Status:
         """Register this client for its job; ``Status.code`` 0 is success.
@@ -283,7 +337,7 @@ class DLRecoverManager:
                 logger.error("%s", refusal)
                 return pb.Status(code=Code.INVALID_PARAM, info=refusal)
             info.role = request.role or info.role
-        status: pb.Status = self._stub.Register(info, timeout=self._rpc_timeout)
+        status: pb.Status = self._endpoints.pick()[1].Register(info, timeout=self._rpc_timeout)
         return status
 
     # --- the signal stream ------------------------------------------------------
@@ -321,13 +375,22 @@ class DLRecoverManager:
         # exactly the connect deadline, however the time splits into attempts.
         lost_since = time.monotonic()
         while not self._closed.is_set():
+            failure: BaseException | None = None
+            address = self._endpoints.current
             try:
                 self.rejoin(lost_since + self._connect_deadline)
-                stream = self._stub.SubscribeProcessManageSignal(self.client_info())
+                address, stub = self._endpoints.pick()
+                stream = stub.SubscribeProcessManageSignal(self.client_info())
                 with self._stream_lock:
                     self._stream = stream
                 if self._closed.is_set():
                     stream.cancel()
+                # TaskD's controller answers with its headers once it took the stream; others at
+                # their first signal. Until then a refusal may still come (raised below).
+                stream.initial_metadata()
+                if attempt:
+                    logger.info("job %s follows the signals of controller %s again", self.job_id, address)
+                    attempt = 0
                 for message in stream:
                     attempt = 0
                     if self._on_message(message, handler):
@@ -336,8 +399,10 @@ class DLRecoverManager:
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     return
-                self._raise_if_refused(exc, "SubscribeProcessManageSignal")
+                self._raise_if_refused(exc, "SubscribeProcessManageSignal", address)
                 logger.warning("signal stream of job %s lost: %s %s", self.job_id, exc.code(), exc.details())
+                self._endpoints.failed(exc, address)
+                failure = exc
             except ControllerUnavailableError as exc:
                 if self._closed.is_set():
                     return
@@ -352,7 +417,7 @@ class DLRecoverManager:
                 lost_since = time.monotonic()
             # Not bounded by the deadline: rejoin() enforces it, and a controller
             # that answers but refuses the stream (ALREADY_EXISTS) must not be hammered.
-            self._closed.wait(self._backoff.delay(attempt))
+            self._closed.wait(self._delay(attempt, failure, address))
             attempt += 1
 
     def _on_message(self, message: pb.ProcessManageSignal, handler: SignalHandler) -> bool:
@@ -400,27 +465,28 @@ class DLRecoverManager:
                 info = self.client_info()
                 if self._health_note is not None:
                     info.progress = self._health_note()
-                self._stub.HealthCheck(info, timeout=self._rpc_timeout)
+                address, stub = self._endpoints.pick()
+                stub.HealthCheck(info, timeout=self._rpc_timeout)
                 if not healthy:
-                    logger.info("controller %s answers again", self.server_addr)
+                    logger.info("controller %s answers again", address)
                 healthy = True
             except grpc.RpcError as exc:
                 if healthy:
-                    logger.warning("controller %s health check failed: %s", self.server_addr, exc.code())
+                    logger.warning("controller %s health check failed: %s", address, exc.code())
                 healthy = False
+                self._endpoints.failed(exc, address)
 
     # --- reports ------------------------------------------------------------------
 
-    def _report(
-        self, name: str, call: Callable[..., pb.Status], request: Any, deadline: float | None = None
-    ) -> int:
-        """Send a report until the controller takes it or the report deadline passes.
+    def _report(self, name: str, request: Any, deadline: float | None = None) -> int:
+        """Send report ``name`` (the RPC) until the controller takes it or the report deadline passes.
 
         A controller that does not know the job or agent (it restarted
         without its state) is joined again (Init, Register) and the report
         re-sent; any other refusal is re-sent once after re-registering, as
         the reference does. Connection errors are retried with backoff, so a
-        report survives a controller restart. Returns the last code: 0 when
+        report survives a controller restart (or a fail-over: a standby's
+        refusal sends it to the leader at once). Returns the last code: 0 when
         taken, else why not (599 when the controller stayed unreachable).
         """
         patience = self._report_deadline if deadline is None else deadline
@@ -429,9 +495,11 @@ class DLRecoverManager:
         code: int = Code.SERVER_INNER_ERROR
         info = f"controller unreachable for {round(patience, 1):g} s"
         retried_other = False
+        last: BaseException | None = None
         while True:
+            address, stub = self._endpoints.pick()
             try:
-                status = call(request, timeout=self._attempt_timeout(until))
+                status = getattr(stub, name)(request, timeout=self._attempt_timeout(until))
                 code, info = int(status.code), status.info
                 if status.code == Code.OK:
                     return 0
@@ -449,14 +517,17 @@ class DLRecoverManager:
                 self.rejoin(until)
                 continue
             except grpc.RpcError as exc:
+                last = exc
                 logger.warning("%s for job %s failed: %s", name, self.job_id, exc.code())
                 code, info = (
                     Code.SERVER_INNER_ERROR,
                     f"controller unreachable for {round(patience, 1):g} s ({_brief(exc)})",
                 )
+                self._endpoints.failed(exc, address)
             except TaskdError as exc:  # joining again failed: the report cannot be taken now
                 code, info = Code.SERVER_INNER_ERROR, str(exc)
-            if not self._backoff.wait(attempt, until, self._closed):
+                last = exc
+            if not self._pause(attempt, until, last, address):
                 break
             attempt += 1
         logger.error("%s for job %s not taken: %s (code %s)", name, self.job_id, info, int(code))
@@ -485,7 +556,7 @@ class DLRecoverManager:
             agentId=self.agent_id,
             uuid=self.cycle_uuid,
         )
-        return self._report("ReportStopComplete", self._stub.ReportStopComplete, req)
+        return self._report("ReportStopComplete", req)
 
     def report_recover_strategy(self, fault_ranks: Mapping[int, int], strategy_list: Iterable[str]) -> int:
         """The strategies this client can carry out; 409 for bad ``fault_ranks``."""
@@ -499,7 +570,7 @@ class DLRecoverManager:
             agentId=self.agent_id,
             uuid=self.cycle_uuid,
         )
-        return self._report("ReportRecoverStrategy", self._stub.ReportRecoverStrategy, req)
+        return self._report("ReportRecoverStrategy", req)
 
     def report_recover_status(
         self, code: int, msg: str, fault_ranks: Mapping[int, int], strategy: str
@@ -516,7 +587,7 @@ class DLRecoverManager:
             agentId=self.agent_id,
             uuid=self.cycle_uuid,
         )
-        return self._report("ReportRecoverStatus", self._stub.ReportRecoverStatus, req)
+        return self._report("ReportRecoverStatus", req)
 
     def report_process_fault(
         self,
@@ -552,7 +623,7 @@ class DLRecoverManager:
             faultCodes=codes,
             startedCycle=started_cycle,
         )
-        return self._report("ReportProcessFault", self._stub.ReportProcessFault, req)
+        return self._report("ReportProcessFault", req)
 
     def report_agent_exit(self, code: int, msg: str, *, deadline: float | None = None) -> int:
         """TaskD extension: this agent's workers all ended (``code`` 0: all exited 0).
@@ -563,7 +634,7 @@ class DLRecoverManager:
         req = pb.AgentExitRequest(
             jobId=self.job_id, agentId=self.agent_id, role=self.role, status=pb.Status(code=code, info=msg)
         )
-        return self._report("ReportAgentExit", self._stub.ReportAgentExit, req, deadline)
+        return self._report("ReportAgentExit", req, deadline)
 
     def report_worker_events(self, events: Sequence[WorkerEvent]) -> int:
         """TaskD extension: workers started, ended or resumed (journalled for timelines and metrics).
@@ -576,16 +647,16 @@ class DLRecoverManager:
         req = pb.WorkerEventsRequest(
             jobId=self.job_id, agentId=self.agent_id, events=[worker_event_to_pb(e) for e in events]
         )
+        address, stub = self._endpoints.pick()
         try:
-            status = self._stub.ReportWorkerEvents(req, timeout=self._rpc_timeout)
+            status = stub.ReportWorkerEvents(req, timeout=self._rpc_timeout)
         except grpc.RpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                logger.info(
-                    "controller %s does not journal worker events; not sending them", self.server_addr
-                )
+                logger.info("controller %s does not journal worker events; not sending them", address)
                 self._worker_events = False
             else:
                 logger.warning("ReportWorkerEvents for job %s failed: %s", self.job_id, exc.code())
+                self._endpoints.failed(exc, address)
             return int(Code.SERVER_INNER_ERROR)
         if status.code != Code.OK:
             logger.warning(
@@ -613,7 +684,7 @@ class DLRecoverManager:
         with _active_lock:
             if self in _active:
                 _active.remove(self)
-        self._channel.close()
+        self._endpoints.close()
 
     def __enter__(self) -> DLRecoverManager:
         return self

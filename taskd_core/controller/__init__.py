@@ -6,9 +6,21 @@ and :class:`~taskd_core.controller.server.ControllerConfig` (the daemon),
 :func:`~taskd_core.controller.policy.load_policies` (policy files).
 
 Modules: ``policy`` (job policies), ``machine`` (the per-job recovery state
-machine, no I/O), ``store`` (SQLite), ``subscriber`` (one signal stream),
-``runtime`` (jobs, agents, timers), ``metrics`` (Prometheus), ``service`` (protobuf <-> runtime, status
-codes), ``server`` (gRPC server, ``serve``, ``EmbeddedController``).
+machine, no I/O), ``store`` (the storage interface and its values) with
+``store_sqlite`` (one file, the default) and ``store_etcd`` (a key prefix in etcd,
+fenced writes) over ``etcd_client`` (etcd's v3 gRPC API), ``election`` (one leader
+per etcd prefix, through a lease), ``replica`` (lead and serve, or stand by),
+``subscriber`` (one signal stream), ``runtime`` (jobs, agents, timers), ``metrics``
+(Prometheus), ``service`` (protobuf <-> runtime, status codes), ``server`` (gRPC
+server, ``serve``, ``EmbeddedController``).
+
+Replicas
+--------
+With ``state="etcd://HOST:PORT[,...]/PREFIX"`` any number of controllers share one
+state; one leads and serves, the others answer every RPC with gRPC UNAVAILABLE and
+the leader's address in the trailing metadata ``taskd-leader`` (health: SERVING on
+the leader only; ``taskd.Replica`` SERVING on all). ``QueryStatus`` names the leader
+and its generation (fields 110, 111). See docs/deploy.md.
 
 Embedding
 ---------

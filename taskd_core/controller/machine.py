@@ -22,7 +22,9 @@ diagram against it)::
     WAIT_STATUS --all 0, faults came meanwhile--> FLUSHING / WAIT_STOP / GIVEN_UP   (as from IDLE)
     WAIT_STATUS --failure / deadline--> WAIT_STATUS             (the next rung)
     WAIT_STOP / WAIT_STRATEGIES / WAIT_STATUS --failure that leaves only exit--> GIVEN_UP
-    (an agent that exits, or whose stream ends for good, during a wait counts as a failed answer)
+    (an agent that exits, or whose stream ends for good, during a wait counts as a failed answer;
+    once a member is gone the cycle's next rung is one its nodes need not all take part in:
+    dump, or exit)
     IDLE --every agent exited 0--> FINISHED
 
 A report that does not fit the state, the cycle's uuid or the cycle's members
@@ -35,7 +37,6 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from typing import Any
 
 from taskd_core.errors import IllegalTransition
@@ -48,20 +49,14 @@ from taskd_core.models import (
     FaultRank,
     FaultType,
     JobPolicy,
+    JobState,
     Signal,
     SignalType,
     Strategy,
 )
 
-
-class State(str, Enum):
-    IDLE = "idle"
-    FLUSHING = "flushing"
-    WAIT_STOP = "wait-stop"
-    WAIT_STRATEGIES = "wait-strategies"
-    WAIT_STATUS = "wait-status"
-    FINISHED = "finished"
-    GIVEN_UP = "given-up"
+#: The machine's states are a model value: ``taskd status`` and the query client show them.
+State = JobState
 
 
 #: What each state waits for, for ORDER_MIX answers and ``taskd status``.
@@ -277,6 +272,9 @@ class JobMachine:
         self._member_set: frozenset[str] = frozenset()
         #: (state, event type) of the handler running: what _enter checks a transition against.
         self._handling: tuple[State, type] = (self.snap.state, type(None))
+        #: members whose stream ended for good during the cycle in flight. Not persisted: after a
+        #: controller restart every agent gets the grace again, and one still gone is lost again.
+        self._lost: set[str] = set()
 
     @property
     def state(self) -> State:
@@ -508,6 +506,7 @@ class JobMachine:
             s.cycle_starts = [t for t in s.cycle_starts if fx.now - t < self.policy.cycle_window] + [fx.now]
         s.uuid = new_cycle_uuid()
         s.members = sorted(a for a, info in self.agents.items() if info.exit_code is None)
+        self._lost = set()
         s.stops, s.strategies, s.statuses = {}, {}, {}
         s.strategy, s.tried = "", []
         self._journal(
@@ -591,7 +590,9 @@ class JobMachine:
                 strategy=Strategy.EXIT.value,
                 extra=EXTRA_DUMP_EXIT,
             )
-            self._give_up(fx, f"dump {'failed' if failed else 'done'}, job exits")
+            departed = self._departed()
+            why = f": {self._departed_reason(departed)}" if departed else ""
+            self._give_up(fx, f"dump {'failed' if failed else 'done'}, job exits{why}")
         elif failed:
             self._journal(fx, "strategy failed", strategy=strategy.value, failed=failed)
             self._decide(fx, after=strategy)
@@ -618,10 +619,19 @@ class JobMachine:
         sets = [set(s.strategies[m]) for m in s.members]
         return set.intersection(*sets) if sets else set()
 
+    def _departed(self) -> list[str]:
+        """Members that can no longer take part in the cycle: they exited, or their stream ended for good."""
+        return [
+            m
+            for m in self.snap.members
+            if m in self._lost or (info := self.agents.get(m)) is None or info.exit_code is not None
+        ]
+
     def _decide(self, fx: _Effects, after: Strategy | None) -> None:
         s = self.snap
         common = self._common_strategies()
         start = LADDER.index(after) + 1 if after is not None else 0
+        departed = self._departed()
         choice = Strategy.EXIT
         for rung in LADDER[start:]:
             if (
@@ -629,6 +639,8 @@ class JobMachine:
                 and rung.value in common
                 and rung.value not in s.tried
                 and (rung is not Strategy.RETRY or self._retryable())
+                # A restart of any kind needs every node's agent: the job's ranks are fixed.
+                and (not departed or rung in _WITHOUT_EVERY_NODE)
             ):
                 choice = rung
                 break
@@ -638,9 +650,14 @@ class JobMachine:
             strategy=choice.value,
             reported=sorted(common),
             after=after.value if after else "",
+            **({"departed": departed} if departed else {}),
         )
         if choice is Strategy.EXIT:
-            self._exit(fx, "exit chosen: no allowed strategy was left to try" if s.tried else "exit chosen")
+            if departed:
+                reason = f"exit chosen: {self._departed_reason(departed)}"
+            else:
+                reason = "exit chosen: no allowed strategy was left to try" if s.tried else "exit chosen"
+            self._exit(fx, reason)
             return
         s.strategy = choice.value
         s.tried.append(choice.value)
@@ -657,6 +674,19 @@ class JobMachine:
         else:
             self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY], strategy=choice.value)
         self._enter(fx, State.WAIT_STATUS, self.policy.report_timeout)
+        # The departed cannot answer this wait either: settled at once, not at its deadline.
+        for agent in departed:
+            s.statuses[agent] = int(Code.CLIENT_ERROR)
+            self._journal(fx, "report", agent=agent, step=State.WAIT_STATUS.value, gone=True)
+        if departed and self._complete(s.statuses):
+            self._conclude_status(fx)
+
+    def _departed_reason(self, departed: list[str]) -> str:
+        return (
+            f"agent(s) {brief(departed)} left the job during recovery cycle {self.snap.cycle} (exited, or "
+            "their signal stream ended and did not come back): every restart needs all of the job's nodes, "
+            "so the job ends; start it again"
+        )
 
     def _exit(self, fx: _Effects, reason: str) -> None:
         self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY], strategy=Strategy.EXIT.value)
@@ -688,6 +718,7 @@ class JobMachine:
 
     def _on_agent_lost(self, event: AgentLost, fx: _Effects) -> Reply:
         self._journal(fx, "agent lost", agent=event.agent)
+        self._lost.add(event.agent)
         self._settle_gone(event.agent, fx)
         return Reply()
 
@@ -711,6 +742,9 @@ class JobMachine:
         if self._complete(answers):
             _CONCLUDE[s.state](self, fx)
 
+
+#: The rungs the agents still there can carry out once a member is gone.
+_WITHOUT_EVERY_NODE = frozenset({Strategy.DUMP, Strategy.EXIT})
 
 #: The ``recover`` variants and the ``extraParams`` each travels with.
 _VARIANT_EXTRA = {strategy: extra for extra, strategy in RECOVER_VARIANTS.items()}

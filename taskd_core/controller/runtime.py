@@ -1,8 +1,15 @@
 """The controller's runtime: jobs, their agents and streams, timers and persistence.
 
 Every method runs on the controller's event loop thread, which is the only
-thread that touches job state, so nothing here takes a lock; nothing here
-blocks either (SQLite commits in WAL mode take well under a millisecond).
+thread that touches job state, so nothing here takes a lock. A transition
+changes the job's machine at once, then *awaits* its write
+(:meth:`~taskd_core.controller.store.StateStore.write`) before its signals go
+out and its reply is given: writes are applied in the order they are made,
+so signals leave in transition order too, and an agent is never sent (nor,
+subscribing, re-sent) a signal that is not durable. A write that fails
+because this replica lost its lease raises
+:class:`~taskd_core.errors.LeadershipLostError`; the replica then drops this
+controller and its state (:mod:`~taskd_core.controller.replica`).
 Requests come in as :mod:`taskd_core.models` values from the service layer;
 refusals are raised as :class:`~taskd_core.errors.RequestRejected` carrying
 the wire code, and the service turns them into ``Status`` or gRPC errors.
@@ -19,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from taskd_core.controller.access import (
@@ -48,16 +55,33 @@ from taskd_core.controller.machine import (
 )
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.store import (
+    Commit,
+    DropAgents,
     EventRecord,
+    Forget,
     JobRow,
-    Store,
+    StateStore,
     StoredJob,
+    Write,
     snapshot_from_dict,
     snapshot_to_dict,
 )
 from taskd_core.controller.subscriber import Subscriber
-from taskd_core.errors import DuplicateSubscriberError, RequestRejected, TaskdError
-from taskd_core.models import Code, FaultRank, JobPolicy, Signal, SignalType, WorkerEvent
+from taskd_core.errors import DuplicateSubscriberError, LeadershipLostError, RequestRejected, TaskdError
+from taskd_core.models import (
+    AgentStatus,
+    Code,
+    FaultRank,
+    JobPolicy,
+    JobStatus,
+    JournalEvent,
+    JournalPage,
+    Signal,
+    SignalType,
+    Strategy,
+    WorkerEvent,
+)
+from taskd_core.rpc.convert import detail_of
 from taskd_core.rpc.security import Caller
 
 logger = logging.getLogger(__name__)
@@ -110,33 +134,6 @@ class AgentIdentity:
 
 
 @dataclass(frozen=True, slots=True)
-class AgentStatus:
-    agent_id: str
-    role: str
-    subscribed: bool
-    node_rank: int | None
-    exit_code: int | None
-    last_seen: float
-    progress: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class JobStatus:
-    job_id: str
-    state: State
-    cycle: int
-    strategy: str
-    faults: tuple[FaultRank, ...]
-    policy: JobPolicy
-    agents: tuple[AgentStatus, ...]
-    events: tuple[EventRecord, ...]
-    outcome: str
-    expects: str
-    #: registered without a token.
-    legacy: bool = False
-
-
-@dataclass(frozen=True, slots=True)
 class ControllerGauges:
     """What a metrics scrape reads from the live controller."""
 
@@ -162,6 +159,12 @@ def worker_detail(agent: str, event: WorkerEvent) -> dict[str, object]:
     return detail
 
 
+def journal_event(record: EventRecord) -> JournalEvent:
+    """A stored journal entry as the model value the query RPCs answer with."""
+    detail = detail_of(record.detail)
+    return JournalEvent(record.seq, record.time, record.job_id, record.cycle, record.kind, detail)
+
+
 def check_job_id(job_id: str) -> str:
     if not job_id:
         raise RequestRejected(
@@ -179,7 +182,8 @@ class _Job:
     """A job's live state: the machine plus what only exists while running."""
 
     __slots__ = (
-        "agents", "claim", "denied_at", "inited", "lost", "machine", "subscribers", "timer", "timer_step"
+        "agents", "claim", "denied_at", "inited", "lost", "machine", "sent", "subscribers", "timer",
+        "timer_step",
     )
 
     def __init__(self, job_id: str, policy: JobPolicy, snapshot: Snapshot | None = None) -> None:
@@ -194,6 +198,8 @@ class _Job:
         self.timer_step = -1
         #: agents whose stream ended: when each counts as lost for good unless it subscribes again.
         self.lost: dict[str, asyncio.TimerHandle] = {}
+        #: the newest signal whose transition is durable: what a (re-)subscribing agent is sent.
+        self.sent: Signal | None = self.machine.snap.last_signal
 
     @property
     def job_id(self) -> str:
@@ -205,7 +211,7 @@ class Controller:
 
     def __init__(
         self,
-        store: Store,
+        store: StateStore,
         policies: PolicyBook,
         *,
         keepalive_interval: float = 5.0,
@@ -225,17 +231,19 @@ class Controller:
         self._clock = clock
         self._jobs: dict[str, _Job] = {}
         self._keepalive_task: asyncio.Task[None] | None = None
+        #: transitions started by timers (deadlines, lost streams), until they are done.
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # --- life cycle -------------------------------------------------------------
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Load stored jobs, re-arm their deadlines and start keep-alives."""
-        for stored in self._store.load():
+        for stored in await self._store.load():
             try:
                 job = self._restore(stored)
             except (TaskdError, KeyError, ValueError, TypeError, AttributeError) as exc:
                 self._jobs.pop(stored.row.job_id, None)
-                self._store.set_aside(stored.row.job_id, f"{type(exc).__name__}: {exc}")
+                await self._store.set_aside(stored.row.job_id, f"{type(exc).__name__}: {exc}")
                 continue
             if job.machine.state not in (State.IDLE, State.FINISHED, State.GIVEN_UP):
                 logger.info(
@@ -270,6 +278,9 @@ class Controller:
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
             await asyncio.gather(self._keepalive_task, return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for job in self._jobs.values():
             if job.timer is not None:
                 job.timer.cancel()
@@ -279,7 +290,7 @@ class Controller:
 
     # --- the reference's RPCs ---------------------------------------------------------
 
-    def init(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Reply:
+    async def init(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Reply:
         job_id = check_job_id(who.job_id)
         job = self._jobs.get(job_id)
         journal: list[JournalEntry] = []
@@ -313,10 +324,10 @@ class Controller:
             job.inited = True
             journal.append(JournalEntry("job initialised", job.machine.snap.cycle, {"role": who.role}))
         if journal:
-            self._save(job, journal)
+            await self._save(job, journal)
         return Reply(Code.OK, f"job(uid={job_id}) init success")
 
-    def register(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Reply:
+    async def register(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Reply:
         job_id = check_job_id(who.job_id)
         job = self._jobs.get(job_id)
         if job is None or not job.inited:
@@ -338,7 +349,7 @@ class Controller:
             kind = "agent registered" if agent is None or agent.exit_code is not None else "agent updated"
             job.agents[who.key] = fresh
             detail = {"agent": who.key, "role": who.role, "node_rank": who.node_rank}
-            self._save(job, [JournalEntry(kind, job.machine.snap.cycle, detail)], [fresh])
+            await self._save(job, [JournalEntry(kind, job.machine.snap.cycle, detail)], [fresh])
         else:
             agent.last_seen = fresh.last_seen
         return Reply(Code.OK, "register success")
@@ -362,7 +373,7 @@ class Controller:
         if lost is not None:
             lost.cancel()
         job.agents[who.key].last_seen = self._clock()
-        last = job.machine.snap.last_signal
+        last = job.sent
         if last is not None:
             logger.info(
                 "job %s: re-sending signal %s (seq %d) to agent %s",
@@ -387,14 +398,14 @@ class Controller:
                 )
         sub.close()
 
-    def report(
+    async def report(
         self, job_id: str, agent_id: str, make_event: Callable[[str], Event], caller: Caller = _ANONYMOUS
     ) -> Reply:
         """A Report* RPC: attribute it to an agent, then feed it to the job's machine."""
         job = self._registered(job_id, caller, "report")
-        return self._apply(job, make_event(self._attribute(job, agent_id)))
+        return await self._apply(job, make_event(self._attribute(job, agent_id)))
 
-    def process_fault(
+    async def process_fault(
         self,
         job_id: str,
         agent_id: str,
@@ -408,7 +419,7 @@ class Controller:
         self._check_fault_count(job, faults)
         # A fault is never dropped for want of a reporter: ambiguous ones stay anonymous.
         agent = self._attribute(job, agent_id) if agent_id or len(job.agents) == 1 else ""
-        return self._apply(job, FaultReported(agent, faults, detail, codes, started_cycle))
+        return await self._apply(job, FaultReported(agent, faults, detail, codes, started_cycle))
 
     def health(self, job_id: str, agent_id: str, progress: str, caller: Caller = _ANONYMOUS) -> None:
         """A HealthCheck of a known agent: it is alive, and uses these hang timeouts; others are ignored.
@@ -429,13 +440,15 @@ class Controller:
 
     # --- extensions -----------------------------------------------------------------
 
-    def agent_exit(self, who: AgentIdentity, code: int, caller: Caller = _ANONYMOUS) -> Reply:
+    async def agent_exit(self, who: AgentIdentity, code: int, caller: Caller = _ANONYMOUS) -> Reply:
         job = self._registered(who.job_id, caller, "ReportAgentExit")
         agent = job.agents[self._attribute(job, who.agent_id or who.role)]
         agent.exit_code = code
-        return self._apply(job, AgentExited(agent.agent_id, code), [agent])
+        return await self._apply(job, AgentExited(agent.agent_id, code), [agent])
 
-    def set_policy(self, job_id: str, changes: dict[str, object], caller: Caller = _ANONYMOUS) -> Reply:
+    async def set_policy(
+        self, job_id: str, changes: dict[str, object], caller: Caller = _ANONYMOUS
+    ) -> Reply:
         """Change a job's policy (ConfigError for invalid values); known or not yet."""
         job_id = check_job_id(job_id)
         job = self._jobs.get(job_id)
@@ -450,10 +463,10 @@ class Controller:
                 )
             job = self._jobs[job_id] = _Job(job_id, policy)
         job.machine.policy = policy
-        self._save(job, [JournalEntry("policy set", job.machine.snap.cycle, policy_to_dict(policy))])
+        await self._save(job, [JournalEntry("policy set", job.machine.snap.cycle, policy_to_dict(policy))])
         return Reply(Code.OK, f"jobId={job_id}: policy set")
 
-    def worker_events(
+    async def worker_events(
         self, job_id: str, agent_id: str, events: Sequence[WorkerEvent], caller: Caller = _ANONYMOUS
     ) -> Reply:
         """Journal an agent's worker starts, exits and resumptions (for timelines and metrics)."""
@@ -462,12 +475,12 @@ class Controller:
         cycle = job.machine.snap.cycle
         entries = [JournalEntry(f"worker {e.kind.value}", cycle, worker_detail(agent, e)) for e in events]
         if entries:
-            self._save(job, entries)
+            await self._save(job, entries)
         return Reply(Code.OK, f"jobId={job_id}: {len(entries)} worker event(s) journalled")
 
-    def events_after(
+    async def events_after(
         self, job_id: str, after: int, limit: int, caller: Caller = _ANONYMOUS
-    ) -> tuple[list[EventRecord], State]:
+    ) -> JournalPage:
         """A job's journal entries after ``after``, oldest first, and the job's state now (who may see it)."""
         job = self._jobs.get(check_job_id(job_id))
         if job is None:
@@ -479,7 +492,9 @@ class Controller:
                 job_id, "reading this job's journal needs its token (TASKD_JOB_TOKEN) or the admin token"
             )
         page = min(limit, EVENTS_PAGE) if limit > 0 else EVENTS_PAGE
-        return self._store.events_after(job.job_id, max(0, after), page), job.machine.state
+        state = job.machine.state
+        records = await self._store.events_after(job.job_id, max(0, after), page)
+        return JournalPage(tuple(journal_event(r) for r in records), state)
 
     def gauges(self) -> ControllerGauges:
         """Counts over every job for a metrics scrape (cheap: one pass, no I/O)."""
@@ -491,7 +506,9 @@ class Controller:
             connected += len(job.subscribers)
         return ControllerGauges(states, registered, connected, self._store.journal_size())
 
-    def status(self, job_id: str = "", events: int = 10, caller: Caller = _ANONYMOUS) -> list[JobStatus]:
+    async def status(
+        self, job_id: str = "", events: int = 10, caller: Caller = _ANONYMOUS
+    ) -> list[JobStatus]:
         """One job (its token or the admin token), or every job the caller may see."""
         if job_id and job_id not in self._jobs:
             raise RequestRejected(
@@ -501,9 +518,17 @@ class Controller:
             raise forbidden(job_id, "showing this job needs its token (TASKD_JOB_TOKEN) or the admin token")
         jobs = [self._jobs[job_id]] if job_id else [self._jobs[j] for j in sorted(self._jobs)]
         visible = [job for job in jobs if may_see(self._access, job.claim, caller)]
-        return [self._job_status(job, max(0, events)) for job in visible]
+        views = [self._job_status(job) for job in visible]
+        if events > 0:
+            # Read after the views are taken: each job's journal is at least as new as its view.
+            journals = await asyncio.gather(*(self._store.events(v.job_id, events) for v in views))
+            views = [
+                replace(v, events=tuple(journal_event(r) for r in j))
+                for v, j in zip(views, journals, strict=True)
+            ]
+        return views
 
-    def _job_status(self, job: _Job, events: int) -> JobStatus:
+    def _job_status(self, job: _Job) -> JobStatus:
         snap = job.machine.snap
         agents = tuple(
             AgentStatus(
@@ -517,17 +542,19 @@ class Controller:
             )
             for a in sorted(job.agents.values(), key=lambda a: a.agent_id)
         )
+        policy = job.machine.policy
         return JobStatus(
             job_id=job.job_id,
             state=snap.state,
             cycle=snap.cycle,
-            strategy=snap.strategy,
+            strategy=Strategy(snap.strategy) if snap.strategy else None,
             faults=tuple(FaultRank(r, t) for r, t in sorted(snap.faults.items())),
-            policy=job.machine.policy,
+            strategies=policy.strategies,
+            cycles_used=snap.cycle,
+            max_cycles=policy.max_cycles,
             agents=agents,
-            events=tuple(self._store.events(job.job_id, events)) if events else (),
-            outcome=snap.outcome,
-            expects=job.machine.expects(),
+            events=(),
+            outcome=snap.outcome or f"waiting for {job.machine.expects()}",
             legacy=job.claim is not None and job.claim.legacy,
         )
 
@@ -556,10 +583,11 @@ class Controller:
             if now - job.denied_at >= DENIAL_JOURNAL_INTERVAL:
                 job.denied_at = now
                 logger.warning("job %s: %s refused: %s", job.job_id, rpc, exc)
+                # Nobody waits for this entry: the refusal goes out whether or not it is durable.
                 self._save(
                     job,
                     [JournalEntry("access denied", job.machine.snap.cycle, {"rpc": rpc, "reason": str(exc)})],
-                )
+                ).add_done_callback(_consume)
             raise
 
     def _live(self, job: _Job) -> bool:
@@ -593,7 +621,7 @@ class Controller:
         if job.timer is not None:
             job.timer.cancel()
         del self._jobs[job.job_id]
-        self._store.drop_agents(job.job_id)
+        self._write_soon(DropAgents(job.job_id))
         snap = job.machine.snap
         logger.info(
             "job %s: previous run (%s, cycle %d) retired; starting afresh",
@@ -614,7 +642,7 @@ class Controller:
             return False
         oldest = min(idle, key=lambda j: max((a.last_seen for a in j.agents.values()), default=0.0))
         self._retire(oldest)
-        self._store.forget(oldest.job_id)
+        self._write_soon(Forget(oldest.job_id))
         return True
 
     def _check_fault_count(self, job: _Job, faults: tuple[FaultRank, ...]) -> None:
@@ -646,10 +674,12 @@ class Controller:
             "set agentId (field 100) in the report so the controller knows which agent answers",
         )
 
-    def _apply(self, job: _Job, event: Event, agents: Iterable[AgentInfo] = ()) -> Reply:
+    async def _apply(self, job: _Job, event: Event, agents: Iterable[AgentInfo] = ()) -> Reply:
         reaction = job.machine.handle(event, self._clock())
+        last = job.machine.snap.last_signal
         if reaction.persist:
-            self._save(job, reaction.journal, agents)
+            await self._save(job, reaction.journal, agents)
+            job.sent = last
         for signal in reaction.signals:
             logger.info(
                 "job %s: signal %s seq %d %s%s to %d agent(s)",
@@ -666,7 +696,10 @@ class Controller:
             logger.warning("job %s: %s", job.job_id, reaction.reply.info)
         return reaction.reply
 
-    def _save(self, job: _Job, journal: Iterable[JournalEntry], agents: Iterable[AgentInfo] = ()) -> None:
+    def _save(
+        self, job: _Job, journal: Iterable[JournalEntry], agents: Iterable[AgentInfo] = ()
+    ) -> asyncio.Future[None]:
+        """Write the job as it is now; done once durable (what it says is fixed here, not then)."""
         row = JobRow(
             job.job_id,
             job.inited,
@@ -674,12 +707,39 @@ class Controller:
             snapshot_to_dict(job.machine.snap),
             job.claim,
         )
-        entries = list(journal)
+        entries = tuple(journal)
         now = self._clock()
-        self._store.commit(row, entries, agents, now=now)
+        # Agents are live objects: the write keeps copies.
+        written = asyncio.ensure_future(
+            self._store.write(Commit(row, entries, tuple(replace(a) for a in agents), now))
+        )
         if self._observer is not None and entries:
-            # After this callback, so signals go out first; the loop keeps the order for scrapes.
-            asyncio.get_running_loop().call_soon(self._observer.journalled, job.job_id, entries, now)
+            observer = self._observer
+
+            def observe(done: asyncio.Future[None]) -> None:
+                # Scheduled after the writer's own callbacks, so signals go out first.
+                if not done.cancelled() and done.exception() is None:
+                    asyncio.get_running_loop().call_soon(observer.journalled, job.job_id, entries, now)
+
+            written.add_done_callback(observe)
+        return written
+
+    def _write_soon(self, change: Write) -> None:
+        """A write nobody waits for; it still lands before every later one."""
+        asyncio.ensure_future(self._store.write(change)).add_done_callback(_consume)
+
+    def _spawn(self, transition: Coroutine[object, object, Reply]) -> None:
+        """Run a transition a timer started; a lost lease ends it quietly (the replica steps down)."""
+        task = asyncio.get_running_loop().create_task(self._settle(transition))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _settle(transition: Awaitable[Reply]) -> None:
+        try:
+            await transition
+        except LeadershipLostError as exc:
+            logger.info("timer's transition not written: %s", exc)
 
     def _broadcast(self, job: _Job, signal: Signal) -> None:
         for sub in list(job.subscribers.values()):
@@ -709,11 +769,11 @@ class Controller:
                 agent_id,
                 self._stream_grace,
             )
-            self._apply(job, AgentLost(agent_id))
+            self._spawn(self._apply(job, AgentLost(agent_id)))
 
     def _on_deadline(self, job: _Job, step: int) -> None:
         job.timer = None
-        self._apply(job, DeadlinePassed(step))
+        self._spawn(self._apply(job, DeadlinePassed(step)))
 
     async def _keepalive(self) -> None:
         # Runs until close() cancels it.
@@ -722,6 +782,12 @@ class Controller:
             for job in list(self._jobs.values()):
                 if job.subscribers:
                     self._broadcast(job, Signal(SignalType.KEEP_ALIVE.value, job_id=job.job_id))
+
+
+def _consume(done: asyncio.Future[None]) -> None:
+    """Retrieve a write's outcome nobody awaits (a lost lease is handled by the replica)."""
+    if not done.cancelled() and done.exception() is not None:
+        logger.debug("write not done: %s", done.exception())
 
 
 def policy_changes(

@@ -5,32 +5,40 @@ This is the one place where refusals become wire answers: a
 unary RPCs and a gRPC status for the signal stream (see :func:`stream_status`);
 a :class:`~taskd_core.errors.ProtocolError` or
 :class:`~taskd_core.errors.ConfigError` from parsing becomes 409.
+
+A replica that does not lead (:class:`~taskd_core.errors.NotLeaderError`)
+answers every RPC with gRPC ``UNAVAILABLE``, the status every client already
+retries, and names the leader in the trailing metadata
+(:data:`~taskd_core.rpc.LEADER_METADATA`: ``HOST:PORT``, empty while no leader
+is known): TaskD's client follows it, a reference client retries as for an outage.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import NoReturn, Protocol
 
 import grpc
 
 from taskd_core.controller.machine import Reply, StatusReported, StopReported, StrategiesReported
-from taskd_core.controller.runtime import AgentIdentity, Controller, JobStatus, policy_changes
-from taskd_core.controller.store import EventRecord
+from taskd_core.controller.runtime import AgentIdentity, Controller, policy_changes
 from taskd_core.errors import (
     ConfigError,
     DuplicateSubscriberError,
+    NotLeaderError,
     ProtocolError,
     RequestRejected,
     TaskdError,
 )
 from taskd_core.models import Code, FaultRank, Strategy
+from taskd_core.rpc import LEADER_METADATA, recover_pb2_grpc
 from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc import recover_pb2_grpc
 from taskd_core.rpc.convert import (
     check_name,
     fault_ranks_from_pb,
-    fault_ranks_to_pb,
+    job_status_to_pb,
+    journal_page_to_pb,
     parse_rank,
     signal_to_pb,
     worker_event_from_pb,
@@ -83,9 +91,33 @@ def stream_status(exc: TaskdError) -> grpc.StatusCode:
     return _STREAM_STATUS.get(rejection(exc).code, grpc.StatusCode.UNKNOWN)
 
 
-def _answer(call: Callable[[], Reply]) -> pb.Status:
+class Leadership(Protocol):
+    """Where requests go: the leading replica's controller, or a refusal naming the leader."""
+
+    def controller(self) -> Controller:
+        """:raises NotLeaderError: this replica does not lead now."""
+        ...
+
+    @property
+    def leader(self) -> str: ...
+
+    @property
+    def generation(self) -> int: ...
+
+
+async def not_leader(context: grpc.aio.ServicerContext, exc: NotLeaderError) -> NoReturn:
+    """End the call with UNAVAILABLE, naming the leader where known (the client may follow it)."""
+    # Always there, empty when no leader is known yet: it tells a client a replica answered.
+    metadata = ((LEADER_METADATA, exc.leader),)
+    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=metadata)
+    raise AssertionError("abort() returned")  # it raises; this line keeps the type checker honest
+
+
+async def _answer(context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[Reply]]) -> pb.Status:
     try:
-        reply = call()
+        reply = await call()
+    except NotLeaderError as exc:
+        await not_leader(context, exc)
     except (RequestRejected, ProtocolError, ConfigError) as exc:
         reply = rejection(exc)
     except Exception:  # one bad request must not take the controller down
@@ -144,128 +176,98 @@ def _agent(agent_id: str) -> str:
     return check_name(agent_id, "agentId")
 
 
-def event_views(records: Iterable[EventRecord]) -> list[pb.EventView]:
-    return [
-        pb.EventView(seq=e.seq, time=e.time, cycle=e.cycle, kind=e.kind, detail=e.detail) for e in records
-    ]
-
-
-def job_view(job: JobStatus) -> pb.JobView:
-    agents = [
-        pb.AgentView(
-            agentId=a.agent_id,
-            role=a.role,
-            subscribed=a.subscribed,
-            nodeRank=-1 if a.node_rank is None else a.node_rank,
-            exitState="" if a.exit_code is None else f"exited {a.exit_code}",
-            lastSeen=a.last_seen,
-            progress=a.progress,
-        )
-        for a in job.agents
-    ]
-    return pb.JobView(
-        jobId=job.job_id,
-        state=job.state.value,
-        cycle=job.cycle,
-        strategy=job.strategy,
-        faultRanks=fault_ranks_to_pb(job.faults),
-        cyclesUsed=job.cycle,
-        maxCycles=job.policy.max_cycles,
-        strategies=[s.value for s in job.policy.strategies],
-        agents=agents,
-        events=event_views(job.events),
-        outcome=job.outcome or f"waiting for {job.expects}",
-        legacy=job.legacy,
-    )
-
-
 # protoc generates the servicer base without annotations, so the checker sees Any.
 class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
-    """Thin adapter from the generated servicer to :class:`Controller`."""
+    """Thin adapter from the generated servicer to the leading replica's :class:`Controller`."""
 
-    def __init__(self, controller: Controller) -> None:
-        self._ctl = controller
+    def __init__(self, leadership: Leadership) -> None:
+        self._lead = leadership
 
     async def Init(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
         caller = caller_of(context)
-        return _answer(lambda: self._ctl.init(identity(request), caller))
+        return await _answer(context, lambda: self._lead.controller().init(identity(request), caller))
 
     async def Register(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
         caller = caller_of(context)
-        return _answer(lambda: self._ctl.register(identity(request), caller))
+        return await _answer(context, lambda: self._lead.controller().register(identity(request), caller))
 
     async def SubscribeProcessManageSignal(
         self, request: pb.ClientInfo, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProcessManageSignal]:
         try:
-            sub = self._ctl.subscribe(identity(request), caller_of(context))
+            ctl = self._lead.controller()
+            sub = ctl.subscribe(identity(request), caller_of(context))
+        except NotLeaderError as exc:
+            await not_leader(context, exc)
         except (RequestRejected, ProtocolError) as exc:
             logger.warning("subscription refused: %s", exc)
             await context.abort(stream_status(exc), str(exc))
             return
         try:
+            # Headers now: the client knows its stream was taken before the first signal.
+            await context.send_initial_metadata(())
             async for signal in sub.signals():
                 yield signal_to_pb(signal)
         finally:
             # Runs on normal end, on the client's cancel and on a dropped connection alike.
-            self._ctl.unsubscribe(sub)
+            ctl.unsubscribe(sub)
 
     async def ReportStopComplete(
         self, request: pb.StopCompleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
         caller = caller_of(context)
 
-        def call() -> Reply:
+        async def call() -> Reply:
             _faults(request.faultRanks)
             uuid = _uuid(request.uuid)
-            return self._ctl.report(
+            return await self._lead.controller().report(
                 request.jobId,
                 _agent(request.agentId),
                 lambda a: StopReported(a, request.status.code, uuid),
                 caller,
             )
 
-        return _answer(call)
+        return await _answer(context, call)
 
     async def ReportRecoverStrategy(
         self, request: pb.RecoverStrategyRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
         caller = caller_of(context)
 
-        def call() -> Reply:
+        async def call() -> Reply:
             _faults(request.faultRanks)
             names = _strategies(request.strategies)
             uuid = _uuid(request.uuid)
-            return self._ctl.report(
+            return await self._lead.controller().report(
                 request.jobId, _agent(request.agentId), lambda a: StrategiesReported(a, names, uuid), caller
             )
 
-        return _answer(call)
+        return await _answer(context, call)
 
     async def ReportRecoverStatus(
         self, request: pb.RecoverStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
         caller = caller_of(context)
 
-        def call() -> Reply:
+        async def call() -> Reply:
             _ranks(request.isolateRankIds, "isolateRankIds")
             strategy = _strategy(request.strategy, "strategy") if request.strategy else ""
             uuid = _uuid(request.uuid)
-            return self._ctl.report(
+            return await self._lead.controller().report(
                 request.jobId,
                 _agent(request.agentId),
                 lambda a: StatusReported(a, request.status.code, strategy, uuid),
                 caller,
             )
 
-        return _answer(call)
+        return await _answer(context, call)
 
     async def ReportProcessFault(
         self, request: pb.ProcessFaultRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
         caller = caller_of(context)
 
-        def call() -> Reply:
+        async def call() -> Reply:
             faults = _faults(request.faultRanks)
             if not faults:
                 raise ProtocolError(
@@ -288,15 +290,19 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
                 raise ProtocolError(
                     f"startedCycle is {started}; a cycle number is 0 or more", field="startedCycle"
                 )
-            return self._ctl.process_fault(
+            return await self._lead.controller().process_fault(
                 request.jobId, _agent(request.agentId), faults, caller, request.detail, codes, started
             )
 
-        return _answer(call)
+        return await _answer(context, call)
 
     async def HealthCheck(self, request: pb.ClientInfo, context: grpc.aio.ServicerContext) -> pb.Status:
+        try:
+            ctl = self._lead.controller()
+        except NotLeaderError as exc:
+            await not_leader(context, exc)
         if request.agentId or request.progress:
-            self._ctl.health(
+            ctl.health(
                 request.jobId,
                 request.agentId or request.role,
                 request.progress[:MAX_PROGRESS],
@@ -310,18 +316,18 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
     ) -> pb.Status:
         caller = caller_of(context)
 
-        def call() -> Reply:
+        async def call() -> Reply:
             who = AgentIdentity(request.jobId, check_name(request.role, "role"), _agent(request.agentId))
-            return self._ctl.agent_exit(who, request.status.code, caller)
+            return await self._lead.controller().agent_exit(who, request.status.code, caller)
 
-        return _answer(call)
+        return await _answer(context, call)
 
     async def SetJobPolicy(
         self, request: pb.JobPolicyRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
         caller = caller_of(context)
 
-        def call() -> Reply:
+        async def call() -> Reply:
             has = request.HasField
             # A field left out keeps the job's value (proto3 optional).
             changes = policy_changes(
@@ -332,9 +338,9 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
                 request.maxCycles if has("maxCycles") else None,
                 request.expectedAgents if has("expectedAgents") else None,
             )
-            return self._ctl.set_policy(request.jobId, changes, caller)
+            return await self._lead.controller().set_policy(request.jobId, changes, caller)
 
-        return _answer(call)
+        return await _answer(context, call)
 
     async def QueryStatus(
         self, request: pb.StatusQuery, context: grpc.aio.ServicerContext
@@ -342,37 +348,44 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
         views: list[pb.JobView] = []
         caller = caller_of(context)
 
-        def call() -> Reply:
+        async def call() -> Reply:
             if not 0 <= request.events <= MAX_QUERY_EVENTS:
                 raise ProtocolError(
                     f"events must be 0..{MAX_QUERY_EVENTS}, got {request.events}", field="events"
                 )
-            views.extend(job_view(j) for j in self._ctl.status(request.jobId, request.events, caller))
+            jobs = await self._lead.controller().status(request.jobId, request.events, caller)
+            views.extend(job_status_to_pb(j) for j in jobs)
             return Reply(Code.OK, f"{len(views)} job(s)")
 
-        return pb.ControllerStatus(status=_answer(call), jobs=views)
+        status = await _answer(context, call)
+        return pb.ControllerStatus(
+            status=status, jobs=views, leader=self._lead.leader, leaderGeneration=self._lead.generation
+        )
 
     async def ReportWorkerEvents(
         self, request: pb.WorkerEventsRequest, context: grpc.aio.ServicerContext
     ) -> pb.Status:
         caller = caller_of(context)
 
-        def call() -> Reply:
+        async def call() -> Reply:
             _ranks(request.events, "events")
             events = tuple(worker_event_from_pb(e) for e in request.events)
-            return self._ctl.worker_events(request.jobId, _agent(request.agentId), events, caller)
+            return await self._lead.controller().worker_events(
+                request.jobId, _agent(request.agentId), events, caller
+            )
 
-        return _answer(call)
+        return await _answer(context, call)
 
     async def QueryEvents(self, request: pb.EventQuery, context: grpc.aio.ServicerContext) -> pb.EventPage:
         caller = caller_of(context)
         page = pb.EventPage()
 
-        def call() -> Reply:
-            records, state = self._ctl.events_after(request.jobId, request.afterSeq, request.limit, caller)
-            page.events.extend(event_views(records))
-            page.state = state.value
-            return Reply(Code.OK, f"{len(records)} event(s)")
+        async def call() -> Reply:
+            found = await self._lead.controller().events_after(
+                request.jobId, request.afterSeq, request.limit, caller
+            )
+            page.MergeFrom(journal_page_to_pb(found))
+            return Reply(Code.OK, f"{len(found.events)} event(s)")
 
-        page.status.CopyFrom(_answer(call))
+        page.status.CopyFrom(await _answer(context, call))
         return page

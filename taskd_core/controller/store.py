@@ -1,34 +1,37 @@
-"""The controller's durable state in SQLite: jobs, agents and the event journal.
+"""The controller's durable state, whatever holds it: the storage interface and its values.
 
-Each state-machine transition is written with its journal entries in one
-transaction, so a controller killed at any moment restarts either before or
-after a transition, never half-way, and the journal holds every event once.
-WAL with ``synchronous=NORMAL`` survives a killed process (not a power cut)
-and keeps commits cheap enough to run on the event loop. ``":memory:"`` gives
-a throw-away store.
+Two implementations stand behind :class:`StateStore`: SQLite
+(:mod:`~taskd_core.controller.store_sqlite`, one controller on one machine, the
+default) and etcd (:mod:`~taskd_core.controller.store_etcd`, replicas with a
+leader; state that outlives any machine). The runtime sees only this interface,
+and the persistence tests run against both.
 
-Growth is bounded: each job keeps its newest :data:`MAX_EVENTS_PER_JOB`
-journal entries (older ones are rotated out), and the request limits of the
-service bound every stored string and list.
+The runtime's rule is *persist, then send signals, then reply*. A write is
+:meth:`StateStore.write`: writes are applied in the order they are made, and
+the awaitable it returns is done once that write (and every earlier one) is
+durable. SQLite commits on the spot (well under a millisecond, so its
+awaitable is already done and awaiting it never yields the event loop);
+etcd's writer task sends writes as transactions, several at once when they
+queue up, each conditional on the writer still leading. Every write is
+encoded when it is made, so later changes to the live objects cannot leak
+into it.
+
+Growth is bounded the same way in both: each job keeps its newest
+:data:`MAX_EVENTS_PER_JOB` journal entries (older ones are rotated out once
+the job has written :data:`ROTATE_EVERY` more), and the service's request
+limits bound every stored string and list.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import sqlite3
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from taskd_core.controller.access import Claim
 from taskd_core.controller.machine import AgentInfo, JournalEntry, Snapshot, State
-from taskd_core.errors import ConfigError
 from taskd_core.models import FaultRank, FaultType, Signal
-
-logger = logging.getLogger(__name__)
 
 #: Journal entries kept per job: older ones are deleted once the job has written
 #: :data:`ROTATE_EVERY` more, so a job holds at most ``max_events + ROTATE_EVERY`` entries.
@@ -80,7 +83,7 @@ def _signal_from_dict(data: Mapping[str, Any]) -> Signal:
 
 
 def snapshot_to_dict(snap: Snapshot) -> dict[str, Any]:
-    """A job's snapshot as JSON-ready data (what the ``jobs`` table stores)."""
+    """A job's snapshot as JSON-ready data (what both stores keep)."""
     return {
         "state": snap.state.value,
         "cycle": snap.cycle,
@@ -122,50 +125,25 @@ def snapshot_from_dict(data: Mapping[str, Any]) -> Snapshot:
         tried=list(data["tried"]),
         last_signal=_signal_from_dict(last) if last else None,
         outcome=data["outcome"],
-        # Absent from state files written before the budget window existed.
+        # Absent from state written before the budget window existed.
         cycle_starts=[float(t) for t in data.get("cycle_starts", ())],
     )
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id   TEXT PRIMARY KEY,
-    inited   INTEGER NOT NULL,
-    policy   TEXT NOT NULL,
-    snapshot TEXT NOT NULL,
-    updated  REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS agents (
-    job_id    TEXT NOT NULL,
-    agent_id  TEXT NOT NULL,
-    role      TEXT NOT NULL,
-    node_rank INTEGER,
-    rank_ids  TEXT NOT NULL,
-    exit_code INTEGER,
-    last_seen REAL NOT NULL,
-    PRIMARY KEY (job_id, agent_id)
-);
-CREATE TABLE IF NOT EXISTS events (
-    seq    INTEGER PRIMARY KEY AUTOINCREMENT,
-    time   REAL NOT NULL,
-    job_id TEXT NOT NULL,
-    cycle  INTEGER NOT NULL,
-    kind   TEXT NOT NULL,
-    detail TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
-CREATE TABLE IF NOT EXISTS claims (
-    job_id       TEXT PRIMARY KEY,
-    token_digest TEXT NOT NULL,
-    launch       TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS damaged_jobs (
-    job_id   TEXT NOT NULL,
-    reason   TEXT NOT NULL,
-    row      TEXT NOT NULL,
-    set_aside REAL NOT NULL
-);
-"""
+def json_object(text: str | bytes) -> dict[str, Any]:
+    """A stored JSON object; ValueError/TypeError for anything else (the caller sets the job aside)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise TypeError(f"expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def journal_detail(entry: JournalEntry) -> str:
+    """An entry's detail as both stores keep it (and ``EventRecord.detail`` carries)."""
+    return json.dumps(entry.detail, sort_keys=True)
+
+
+# --- what is stored ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,217 +177,72 @@ class EventRecord:
     detail: str
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise TypeError(f"expected a JSON object, found {type(value).__name__}")
-    return value
+# --- writes -----------------------------------------------------------------------------
 
 
-class Store:
-    """One SQLite database; use from one thread (the controller's event loop)."""
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """A job's row, the agents that changed and the journal entries of one transition, atomically."""
 
-    def __init__(self, path: str, max_events: int = MAX_EVENTS_PER_JOB, *, readonly: bool = False) -> None:
-        """Open (or create) the store; ``readonly`` reads an existing file, even a live controller's."""
-        self.path = path
-        self.max_events = max_events
-        #: journal entries written per job since its last rotation.
-        self._unrotated: dict[str, int] = {}
-        try:
-            if readonly:
-                if path == ":memory:" or not Path(path).is_file():
-                    raise ConfigError(f"state file {path}: no such file; give a controller's --state file")
-                self._db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-                self._db.execute("SELECT 1 FROM events LIMIT 1")
-                return
-            self._db = sqlite3.connect(path, isolation_level=None)
-            if path != ":memory:":
-                self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-            # Counted once; commits keep it up to date (a count(*) per scrape would grow with the journal).
-            self._entries: int = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
-        except sqlite3.Error as exc:
-            if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_READONLY"):
-                raise ConfigError(
-                    f"state file {path}: read-only for this process, and the controller writes every "
-                    "transition there; make the file and its directory writable, or give another --state"
-                ) from None
-            raise ConfigError(f"state file {path}: cannot open it as SQLite ({exc}); check --state") from None
+    row: JobRow
+    journal: tuple[JournalEntry, ...] = ()
+    agents: tuple[AgentInfo, ...] = ()
+    now: float = 0.0
 
-    def load(self) -> list[StoredJob]:
-        """Every stored job; a job whose rows cannot be read is set aside (see :meth:`set_aside`).
 
-        :raises ConfigError: the file itself is damaged (one line naming it).
+@dataclass(frozen=True, slots=True)
+class DropAgents:
+    """Forget a job's agents (its run is over and the id starts afresh)."""
+
+    job_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Forget:
+    """Delete everything about a job, its journal included (evicted to make room)."""
+
+    job_id: str
+
+
+Write = Commit | DropAgents | Forget
+
+
+class StateStore(Protocol):
+    """What the runtime needs of durable state; used from the controller's event loop only."""
+
+    #: where the state lives, for messages ("state file x.db", "etcd://h:2379/taskd").
+    description: str
+
+    async def load(self) -> list[StoredJob]:
+        """Every stored job; a job whose data cannot be read is set aside (kept for inspection).
+
+        :raises ConfigError: the store itself cannot be read (one line naming it).
         """
-        try:
-            return self._load()
-        except sqlite3.Error as exc:
-            raise ConfigError(
-                f"state file {self.path} is damaged ({exc}); move it away to start with an empty state"
-            ) from None
+        ...
 
-    def _load(self) -> list[StoredJob]:
-        agents: dict[str, list[AgentInfo]] = {}
-        damaged: dict[str, str] = {}
-        for job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen in self._db.execute(
-            "SELECT job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen FROM agents"
-        ):
-            try:
-                ranks = tuple(int(r) for r in json.loads(rank_ids))
-                agents.setdefault(job_id, []).append(
-                    AgentInfo(str(agent_id), str(role), node_rank, ranks, exit_code, float(last_seen))
-                )
-            except (ValueError, TypeError) as exc:
-                damaged[job_id] = f"agent {agent_id!r}: {exc}"
-        claims = {
-            job_id: Claim(digest, launch)
-            for job_id, digest, launch in self._db.execute("SELECT job_id, token_digest, launch FROM claims")
-        }
-        jobs = []
-        for job_id, inited, policy, snapshot in self._db.execute(
-            "SELECT job_id, inited, policy, snapshot FROM jobs ORDER BY job_id"
-        ).fetchall():
-            if job_id in damaged:
-                self.set_aside(job_id, damaged[job_id])
-                continue
-            try:
-                row = JobRow(
-                    job_id, bool(inited), _json_object(policy), _json_object(snapshot), claims.get(job_id)
-                )
-            except (ValueError, TypeError) as exc:
-                self.set_aside(job_id, str(exc))
-                continue
-            jobs.append(StoredJob(row, tuple(agents.get(job_id, ()))))
-        logger.info(
-            "state file %s: %d job(s), %d agent(s)", self.path, len(jobs), sum(map(len, agents.values()))
-        )
-        return jobs
+    async def set_aside(self, job_id: str, reason: str) -> None:
+        """Move a job the runtime could not restore out of the way, keeping its data for inspection."""
+        ...
 
-    def set_aside(self, job_id: str, reason: str) -> None:
-        """Move a job that cannot be loaded out of the way, keeping its row for inspection.
+    def write(self, change: Write) -> Awaitable[None]:
+        """Apply ``change`` after every earlier write; the result is done once it is durable.
 
-        The controller starts without it (an agent of that job registers it
-        afresh); the row stays in table ``damaged_jobs``.
+        :raises LeadershipLostError: (from the awaitable) this replica may no longer write.
         """
-        logger.error(
-            "state file %s: job %s is damaged (%s); set aside in table damaged_jobs, the other jobs load",
-            self.path,
-            job_id,
-            reason,
-        )
-        with self._transaction():
-            found = self._db.execute(
-                "SELECT inited, policy, snapshot FROM jobs WHERE job_id = ?", (job_id,)
-            ).fetchone()
-            self._db.execute(
-                "INSERT INTO damaged_jobs (job_id, reason, row, set_aside) VALUES (?, ?, ?, ?)",
-                (job_id, reason, json.dumps(found, default=str), time.time()),
-            )
-            self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
-            self._db.execute("DELETE FROM agents WHERE job_id = ?", (job_id,))
+        ...
 
-    def commit(
-        self,
-        row: JobRow,
-        journal: Sequence[JournalEntry] = (),
-        agents: Iterable[AgentInfo] = (),
-        *,
-        now: float,
-    ) -> None:
-        """Write the job, changed agents and new journal entries atomically."""
-        with self._transaction():
-            self._db.execute(
-                "INSERT OR REPLACE INTO jobs (job_id, inited, policy, snapshot, updated)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (
-                    row.job_id,
-                    int(row.inited),
-                    json.dumps(row.policy),
-                    json.dumps(row.snapshot, separators=(",", ":")),
-                    now,
-                ),
-            )
-            self._db.executemany(
-                "INSERT OR REPLACE INTO agents"
-                " (job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (
-                        row.job_id,
-                        a.agent_id,
-                        a.role,
-                        a.node_rank,
-                        json.dumps(list(a.rank_ids)),
-                        a.exit_code,
-                        a.last_seen,
-                    )
-                    for a in agents
-                ],
-            )
-            if row.claim is not None:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO claims (job_id, token_digest, launch) VALUES (?, ?, ?)",
-                    (row.job_id, row.claim.token_digest, row.claim.launch),
-                )
-            self._db.executemany(
-                "INSERT INTO events (time, job_id, cycle, kind, detail) VALUES (?, ?, ?, ?, ?)",
-                [(now, row.job_id, e.cycle, e.kind, json.dumps(e.detail, sort_keys=True)) for e in journal],
-            )
-            self._entries += len(journal)
-            written = self._unrotated.get(row.job_id, 0) + len(journal)
-            if written >= ROTATE_EVERY:
-                self._entries -= self._db.execute(
-                    "DELETE FROM events WHERE job_id = ? AND seq <= ("
-                    " SELECT seq FROM events WHERE job_id = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)",
-                    (row.job_id, row.job_id, self.max_events),
-                ).rowcount
-                written = 0
-            self._unrotated[row.job_id] = written
-
-    def drop_agents(self, job_id: str) -> None:
-        """Forget a job's agents (its run is over and the id starts afresh)."""
-        with self._transaction():
-            self._db.execute("DELETE FROM agents WHERE job_id = ?", (job_id,))
-
-    def forget(self, job_id: str) -> None:
-        """Delete everything about a job, its journal included (evicted to make room for new jobs)."""
-        with self._transaction():
-            self._unrotated.pop(job_id, None)
-            for table in ("jobs", "agents", "claims", "events"):
-                deleted = self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,)).rowcount
-                if table == "events":
-                    self._entries -= deleted
-
-    def _transaction(self) -> sqlite3.Connection:
-        # isolation_level=None leaves transactions to us; the context manager commits or rolls back.
-        self._db.execute("BEGIN")
-        return self._db
-
-    def events(self, job_id: str, limit: int) -> list[EventRecord]:
+    async def events(self, job_id: str, limit: int) -> list[EventRecord]:
         """The newest ``limit`` journal entries of a job, oldest first."""
-        rows = self._db.execute(
-            "SELECT seq, time, job_id, cycle, kind, detail FROM events"
-            " WHERE job_id = ? ORDER BY seq DESC LIMIT ?",
-            (job_id, limit),
-        ).fetchall()
-        return [EventRecord(*r) for r in reversed(rows)]
+        ...
 
-    def events_after(self, job_id: str, after: int, limit: int) -> list[EventRecord]:
+    async def events_after(self, job_id: str, after: int, limit: int) -> list[EventRecord]:
         """At most ``limit`` journal entries of a job with ``seq > after``, oldest first."""
-        rows = self._db.execute(
-            "SELECT seq, time, job_id, cycle, kind, detail FROM events"
-            " WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
-            (job_id, after, limit),
-        ).fetchall()
-        return [EventRecord(*r) for r in rows]
-
-    def has_job(self, job_id: str) -> bool:
-        return self._db.execute("SELECT 1 FROM jobs WHERE job_id = ?", (job_id,)).fetchone() is not None
+        ...
 
     def journal_size(self) -> int:
         """Entries in the journal now (rotation deletes old ones)."""
-        return self._entries
+        ...
 
-    def close(self) -> None:
-        self._db.close()
+    async def close(self) -> None:
+        """Finish the writes made so far (where the store can) and let go of the storage."""
+        ...

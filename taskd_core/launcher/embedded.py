@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from taskd_core.launcher.settings import ControllerBoard
 from taskd_core.models import Credentials, JobPolicy
-from taskd_core.values import LOCALHOST, check_port, is_loopback, join_address, parse_address
+from taskd_core.values import LOCALHOST, check_port, is_loopback, join_address, parse_controller
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +111,7 @@ def controller_address(
     :raises ConfigError: for an address or port that cannot work, or plaintext beyond loopback.
     """
     if explicit:
-        parse_address(explicit)
-        yield ControllerEndpoint(explicit, embedded=False)
+        yield ControllerEndpoint(parse_controller(explicit), embedded=False)
         return
     check_port(controller_port, "controller port", allow_zero=node_rank == 0 or board is not None)
     if node_rank != 0:

@@ -1,6 +1,7 @@
 """The environment every launcher reads alike: the reference's variables and a usable temporary directory.
 
-- :func:`controller_from_env`: ``TASKD_CONTROLLER``, else ClusterD's
+- :func:`controller_from_env`: ``TASKD_CONTROLLER`` (one controller, or its replicas
+  comma-separated), else ClusterD's
   ``MINDX_SERVER_IP`` (port 8899 unless it names one);
 - :func:`job_id_from_env`: ``TASKD_JOB_ID``, else the reference's ``MINDX_TASK_ID``;
 - :func:`check_temp_dir`: where the agent's and the workers' temporary files go
@@ -16,7 +17,7 @@ import tempfile
 from collections.abc import Mapping
 
 from taskd_core.errors import ConfigError
-from taskd_core.values import DEFAULT_CONTROLLER_PORT, join_address, parse_address
+from taskd_core.values import DEFAULT_CONTROLLER_PORT, join_address, parse_address, parse_controller
 
 
 def controller_from_env(env: Mapping[str, str]) -> str | None:
@@ -28,8 +29,7 @@ def controller_from_env(env: Mapping[str, str]) -> str | None:
     """
     explicit = env.get("TASKD_CONTROLLER", "").strip()
     if explicit:
-        parse_address(explicit, "TASKD_CONTROLLER")
-        return explicit
+        return parse_controller(explicit, "TASKD_CONTROLLER")
     server = env.get("MINDX_SERVER_IP", "").strip()
     if not server:
         return None

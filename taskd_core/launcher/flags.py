@@ -24,14 +24,13 @@ from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.forkserver.client import TORCH_PRELOAD, ForkServerSettings
 from taskd_core.launcher.environment import check_temp_dir, controller_from_env, job_id_from_env
-from taskd_core.launcher.identity import default_job_id, job_credentials, launch_identity
+from taskd_core.launcher.identity import controller_host, default_job_id, job_credentials, launch_identity
 from taskd_core.launcher.interrupt import STOP_SIGNALS
 from taskd_core.launcher.settings import NodeSettings, default_of, embedded_port
 from taskd_core.models import JobPolicy
 from taskd_core.values import (
     DEFAULT_CONTROLLER_PORT,
     argtype,
-    parse_address,
     parse_controller,
     parse_count,
     parse_modules,
@@ -103,7 +102,12 @@ class Option:
 #: Every shared setting, in the order of ``--help``.
 OPTIONS: tuple[Option, ...] = (
     Option(
-        "controller", lambda t, w: parse_controller(t), "", _CONTROLLER, metavar="HOST:PORT", from_env=False
+        "controller",
+        lambda t, w: parse_controller(t),
+        "",
+        _CONTROLLER,
+        metavar="HOST:PORT[,...]",
+        from_env=False,
     ),
     Option("controller-port", parse_count, "", _CONTROLLER, metavar="PORT"),
     Option(
@@ -369,8 +373,8 @@ def add_node_options(
         embedded = "node 0 hosts an embedded controller and the other nodes reach it at the master address"
         port_default = f"any free port on one node, {DEFAULT_CONTROLLER_PORT} on several"
     shown = {
-        "controller": f"a running controller (default: $TASKD_CONTROLLER, else $MINDX_SERVER_IP:8899 as in "
-        f"ClusterD; without either, {embedded})",
+        "controller": f"a running controller, or every replica of one, comma-separated (default: "
+        f"$TASKD_CONTROLLER, else $MINDX_SERVER_IP:8899 as in ClusterD; without either, {embedded})",
         "controller-port": f"port of the embedded controller (default: $TASKD_CONTROLLER_PORT, else "
         f"{port_default})",
     }
@@ -485,7 +489,7 @@ def node_settings(
         env,
         tls_ca=values.flag("tls-ca"),
         nnodes=nnodes,
-        controller_host=parse_address(controller).host if controller else master_addr,
+        controller_host=controller_host(controller) if controller else master_addr,
         launch=launch,
     )
     agent = AgentConfig(

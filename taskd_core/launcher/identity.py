@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from taskd_core.errors import ConfigError
 from taskd_core.models import Credentials
-from taskd_core.values import check_secret, is_loopback
+from taskd_core.values import check_secret, is_loopback, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,12 @@ def launch_identity(nnodes: int, shared: str) -> str:
 def default_job_id(launcher: str, launch: str) -> str:
     """The job id of a launch that names none: unique per launch (see :func:`launch_identity`)."""
     return f"{launcher}-{launch[:12]}"
+
+
+def controller_host(controller: str) -> str:
+    """The host the job-token rule judges (:func:`job_credentials`): any replica beyond loopback counts."""
+    hosts = [parse_address(part).host for part in controller.split(",")]
+    return next((host for host in hosts if not is_loopback(host)), hosts[0])
 
 
 def job_credentials(

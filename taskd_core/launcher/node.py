@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 
 from taskd_core.agent.node_agent import AgentOutcome, NodeAgent, Outcome
-from taskd_core.client.status import ended_agents
+from taskd_core.client.query import QueryClient
 from taskd_core.errors import ControllerUnavailableError, TaskdError
 from taskd_core.launcher.embedded import controller_address
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
@@ -108,7 +108,8 @@ def wait_for_agents(
     while True:
         remaining = deadline - time.monotonic()
         try:
-            ended = ended_agents(address, job_id, timeout=max(remaining, 0.1), credentials=credentials)
+            with QueryClient(address, credentials or Credentials(), timeout=max(remaining, 0.1)) as client:
+                ended = client.ended_agents(job_id)
         except ControllerUnavailableError as exc:
             logger.warning("cannot ask the controller about job %s: %s", job_id, exc)
             return False

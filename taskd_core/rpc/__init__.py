@@ -9,5 +9,7 @@ from __future__ import annotations
 from taskd_core.rpc._gen import recover_pb2, recover_pb2_grpc
 
 SERVICE_NAME = "Recover"
+#: Trailing metadata of a standby replica's UNAVAILABLE answer: the leading replica's ``HOST:PORT``.
+LEADER_METADATA = "taskd-leader"
 
-__all__ = ["SERVICE_NAME", "recover_pb2", "recover_pb2_grpc"]
+__all__ = ["LEADER_METADATA", "SERVICE_NAME", "recover_pb2", "recover_pb2_grpc"]

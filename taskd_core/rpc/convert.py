@@ -1,5 +1,9 @@
 """Conversion between protobuf messages and :mod:`taskd_core.models` values.
 
+The status and journal answers (``QueryStatus``, ``QueryEvents``) convert
+both ways here too: the controller builds :class:`~taskd_core.models.JobStatus`
+values and sends them, the query client reads them back.
+
 Parsing is strict: rank ids must be non-negative decimal strings and fault
 types one of :class:`~taskd_core.models.FaultType`'s values; anything else raises
 :class:`~taskd_core.errors.ProtocolError` naming the field, which the service
@@ -8,12 +12,30 @@ answers with ``Code.INVALID_PARAM`` and the client logs and skips.
 
 from __future__ import annotations
 
+import enum
+import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from taskd_core.errors import ProtocolError
-from taskd_core.models import FaultRank, FaultType, Signal, WorkerEvent, WorkerEventKind
+from taskd_core.models import (
+    AgentStatus,
+    ControllerStatus,
+    FaultRank,
+    FaultType,
+    JobState,
+    JobStatus,
+    JournalEvent,
+    JournalPage,
+    Signal,
+    Strategy,
+    WorkerEvent,
+    WorkerEventKind,
+)
 from taskd_core.rpc._gen import recover_pb2 as pb
+
+E = TypeVar("E", bound=enum.Enum)
 
 #: Largest rank id accepted; keeps int() of a hostile string cheap and bounded.
 MAX_RANK = 10_000_000
@@ -43,14 +65,17 @@ def parse_rank(text: str, *, field: str = "rankId") -> int:
     return rank
 
 
-def parse_fault_type(text: str) -> FaultType:
+def _enum(kind: type[E], text: str, field: str) -> E:
+    """``text`` as a member of the enum ``kind``; :class:`ProtocolError` naming ``field`` otherwise."""
     try:
-        return FaultType(text)
+        return kind(text)
     except ValueError:
-        raise ProtocolError(
-            f"faultType must be one of {', '.join(repr(t.value) for t in FaultType)}, got {text[:32]!r}",
-            field="faultType",
-        ) from None
+        known = ", ".join(repr(v.value) for v in kind)
+        raise ProtocolError(f"{field} must be one of {known}, got {text[:32]!r}", field=field) from None
+
+
+def parse_fault_type(text: str) -> FaultType:
+    return _enum(FaultType, text, "faultType")
 
 
 def fault_ranks_from_pb(items: Iterable[pb.FaultRank]) -> tuple[FaultRank, ...]:
@@ -162,11 +187,7 @@ _STEP_KINDS = frozenset({WorkerEventKind.RESUMED, WorkerEventKind.STEPPING})
 
 def worker_event_from_pb(msg: pb.WorkerEvent) -> WorkerEvent:
     """A reported worker event, checked; :class:`ProtocolError` names the bad field."""
-    try:
-        kind = WorkerEventKind(msg.kind)
-    except ValueError:
-        known = ", ".join(repr(k.value) for k in WorkerEventKind)
-        raise ProtocolError(f"kind must be one of {known}, got {msg.kind[:32]!r}", field="kind") from None
+    kind = _enum(WorkerEventKind, msg.kind, "kind")
     if not 0 <= msg.rank <= MAX_RANK:
         raise ProtocolError(f"rank must be in 0..{MAX_RANK}, got {msg.rank}", field="rank")
     if msg.pid < 0 or msg.localRank < 0:
@@ -185,4 +206,148 @@ def worker_event_from_pb(msg: pb.WorkerEvent) -> WorkerEvent:
         time=msg.time,
         exit_code=msg.exitCode if msg.HasField("exitCode") else None,
         step=msg.step if msg.HasField("step") else None,
+    )
+
+
+# --- status and journal answers ---------------------------------------------------------------
+
+
+class JsonDetail(Mapping[str, Any]):
+    """A journal entry's detail, kept as the JSON text it is stored and sent as and parsed on first use.
+
+    The controller answers pages of up to 1000 entries on its event loop; passing
+    their text through costs a fraction of parsing and writing it again. Text
+    that is not a JSON object reads as ``{"text": <the text>}``.
+    """
+
+    __slots__ = ("_value", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._value: dict[str, Any] | None = None
+
+    def _parsed(self) -> dict[str, Any]:
+        if self._value is None:
+            try:
+                value = json.loads(self.text) if self.text else {}
+            except json.JSONDecodeError:
+                value = None
+            self._value = value if isinstance(value, dict) else {"text": self.text}
+        return self._value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._parsed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parsed())
+
+    def __len__(self) -> int:
+        return len(self._parsed())
+
+    def __repr__(self) -> str:
+        return repr(self._parsed())
+
+
+def detail_of(text: str) -> Mapping[str, Any]:
+    """A journal entry's detail (JSON text) as a mapping, parsed when first read."""
+    return JsonDetail(text)
+
+
+def journal_event_to_pb(event: JournalEvent) -> pb.EventView:
+    detail = event.detail
+    # sort_keys: the same text the controller's store keeps.
+    text = detail.text if isinstance(detail, JsonDetail) else json.dumps(dict(detail), sort_keys=True)
+    return pb.EventView(seq=event.seq, time=event.time, cycle=event.cycle, kind=event.kind, detail=text)
+
+
+def journal_event_from_pb(job_id: str, view: pb.EventView) -> JournalEvent:
+    return JournalEvent(view.seq, view.time, job_id, view.cycle, view.kind, detail_of(view.detail))
+
+
+def journal_page_to_pb(page: JournalPage) -> pb.EventPage:
+    return pb.EventPage(events=[journal_event_to_pb(e) for e in page.events], state=page.state.value)
+
+
+def journal_page_from_pb(job_id: str, reply: pb.EventPage) -> JournalPage:
+    """:class:`ProtocolError` for a state no TaskD controller sends."""
+    events = tuple(journal_event_from_pb(job_id, v) for v in reply.events)
+    return JournalPage(events, _enum(JobState, reply.state, "state"))
+
+
+#: ``AgentView.exitState`` is ``"exited <code>"`` once the agent reported its end.
+_EXITED = "exited "
+
+
+def agent_status_to_pb(agent: AgentStatus) -> pb.AgentView:
+    return pb.AgentView(
+        agentId=agent.agent_id,
+        role=agent.role,
+        subscribed=agent.subscribed,
+        nodeRank=-1 if agent.node_rank is None else agent.node_rank,
+        exitState="" if agent.exit_code is None else f"{_EXITED}{agent.exit_code}",
+        lastSeen=agent.last_seen,
+        progress=agent.hang_timeouts,
+    )
+
+
+def agent_status_from_pb(view: pb.AgentView) -> AgentStatus:
+    exit_code: int | None = None
+    if view.exitState:
+        code = view.exitState.removeprefix(_EXITED)
+        if code == view.exitState or not code.lstrip("-").isdigit():
+            raise ProtocolError(
+                f"exitState must be empty or 'exited <code>', got {view.exitState[:32]!r}", field="exitState"
+            )
+        exit_code = int(code)
+    return AgentStatus(
+        agent_id=view.agentId,
+        role=view.role,
+        subscribed=view.subscribed,
+        node_rank=None if view.nodeRank < 0 else view.nodeRank,
+        exit_code=exit_code,
+        last_seen=view.lastSeen,
+        hang_timeouts=view.progress,
+    )
+
+
+def job_status_to_pb(job: JobStatus) -> pb.JobView:
+    return pb.JobView(
+        jobId=job.job_id,
+        state=job.state.value,
+        cycle=job.cycle,
+        strategy="" if job.strategy is None else job.strategy.value,
+        faultRanks=fault_ranks_to_pb(job.faults),
+        cyclesUsed=job.cycles_used,
+        maxCycles=job.max_cycles,
+        strategies=[s.value for s in job.strategies],
+        agents=[agent_status_to_pb(a) for a in job.agents],
+        events=[journal_event_to_pb(e) for e in job.events],
+        outcome=job.outcome,
+        legacy=job.legacy,
+    )
+
+
+def job_status_from_pb(view: pb.JobView) -> JobStatus:
+    """:class:`ProtocolError` names a field no TaskD controller would send so."""
+    return JobStatus(
+        job_id=view.jobId,
+        state=_enum(JobState, view.state, "state"),
+        cycle=view.cycle,
+        strategy=_enum(Strategy, view.strategy, "strategy") if view.strategy else None,
+        faults=fault_ranks_from_pb(view.faultRanks),
+        strategies=tuple(_enum(Strategy, s, "strategies") for s in view.strategies),
+        cycles_used=view.cyclesUsed,
+        max_cycles=view.maxCycles,
+        agents=tuple(agent_status_from_pb(a) for a in view.agents),
+        events=tuple(journal_event_from_pb(view.jobId, e) for e in view.events),
+        outcome=view.outcome,
+        legacy=view.legacy,
+    )
+
+
+def controller_status_from_pb(reply: pb.ControllerStatus) -> ControllerStatus:
+    return ControllerStatus(
+        tuple(job_status_from_pb(j) for j in reply.jobs),
+        leader=reply.leader,
+        leader_generation=reply.leaderGeneration,
     )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import sys
@@ -14,20 +13,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
 from taskd_core.agent.node_agent import AgentOutcome, NodeAgent, Outcome
+from taskd_core.client.query import QueryClient
 from taskd_core.controller.server import EmbeddedController
-from taskd_core.errors import ConfigError
+from taskd_core.errors import ConfigError, TaskdError
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import LaunchSpec
-from taskd_core.models import JobPolicy, Strategy
+from taskd_core.models import JobPolicy, JobStatus, Strategy
 from taskd_core.plugins import load_adapter
 from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc import recover_pb2_grpc as pb_grpc
-from tests.e2e.harness import free_port
+from taskd_core.testing import free_port, wait_until
 
 WORKER = """
 import os, pathlib, signal, sys, time
@@ -92,12 +90,12 @@ class Job:
         return out
 
     def wait_starts(self, count: int) -> dict[tuple[int, int], int]:
-        deadline = time.monotonic() + 60
-        while len(self.starts()) < count:
-            assert time.monotonic() < deadline, f"only {self.starts()} started"
-            assert not self.result.done(), self.result.result()
-            time.sleep(0.02)
+        wait_until(lambda: len(self.starts()) >= count, f"{count} worker starts (so far {self.starts()})", 60, unless=self.ended)
         return self.starts()
+
+    def ended(self) -> str:
+        """Why waiting on this job is pointless: its agent ended (empty while it runs)."""
+        return f"the agent ended: {self.result.result()}" if self.result.done() else ""
 
     def finish(self) -> AgentOutcome:
         (self.out / "finish").touch()
@@ -126,10 +124,9 @@ def make_job(tmp_path: Path) -> Iterator:
         controller.stop()
 
 
-def job_view(controller: EmbeddedController) -> pb.JobView:
-    with grpc.insecure_channel(controller.address) as channel:
-        status = pb_grpc.RecoverStub(channel).QueryStatus(pb.StatusQuery(jobId="job", events=100), timeout=10)
-    return status.jobs[0]
+def job_view(controller: EmbeddedController) -> JobStatus:
+    with QueryClient(controller.address, timeout=10) as query:
+        return query.job("job", events=100)
 
 
 def assert_gone(pids: object) -> None:
@@ -158,8 +155,8 @@ def test_killed_worker_recovers_every_rank(make_job) -> None:  # type: ignore[no
     assert set(after) == {(0, 0), (1, 0), (0, 1), (1, 1)}
     assert job.finish().exit_code == 0
     view = job_view(controller)
-    assert view.cyclesUsed == 1
-    chosen = [json.loads(e.detail)["strategy"] for e in view.events if e.kind == "strategy chosen"]
+    assert view.cycles_used == 1
+    chosen = [e.detail["strategy"] for e in view.events if e.kind == "strategy chosen"]
     assert chosen == ["recover"]
 
 
@@ -264,22 +261,12 @@ def test_agent_obeys_sigterm_while_a_fault_report_retries(make_job, caplog) -> N
     pids = job.wait_starts(2)
     controller.stop()
     os.kill(pids[1, 0], signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while "ReportProcessFault for job job failed" not in caplog.text:
-        assert time.monotonic() < deadline, caplog.text
-        time.sleep(0.05)
+    wait_until(lambda: "ReportProcessFault for job job failed" in caplog.text, "the fault report to retry", 60,
+               explain=lambda: caplog.text)
     job.agent.shutdown(signal.SIGTERM)
     outcome = job.result.result(timeout=120)
     assert (outcome.kind, outcome.exit_code) == (Outcome.INTERRUPTED, 128 + signal.SIGTERM)
     assert_gone(pids.values())
-
-
-def _wait_for(what: str, check: Any, job: Job, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while not check():
-        assert not job.result.done(), f"{what}: agent ended: {job.result.result()}"
-        assert time.monotonic() < end, f"{what}: not within {timeout}s"
-        time.sleep(0.02)
 
 
 NO_BACKOFF = RestartBackoff(initial=0.0)
@@ -299,7 +286,7 @@ def test_faults_during_outages_are_recovered_by_controllers_restarted_empty(tmp_
             job.wait_starts(2 * (k + 1))
             ctl.kill()
             (job.out / f"kill-1-{k}").touch()
-            _wait_for(f"rank 1 to die in outage {k}", (job.out / f"died-1-{k}").exists, job)
+            wait_until((job.out / f"died-1-{k}").exists, f"rank 1 to die in outage {k}", 120, unless=job.ended)
             ctl = controller_process(memory, *listen, *CONTROLLER_FLAGS)
         job.wait_starts(22)
         outcome = job.finish()
@@ -321,12 +308,12 @@ def test_an_outage_is_ridden_out_for_the_connect_timeout(tmp_path: Path, outage:
     job = Job(tmp_path, ctl, connect_timeout=timeout)
     try:
         first = job.wait_starts(2)
-        _wait_for("the agent to subscribe", lambda: _subscribed(ctl.address), job)
+        wait_until(lambda: _subscribed(ctl.address), "the agent to subscribe", 120, unless=job.ended)
         ctl.stop()
         time.sleep(outage * timeout)
         if survives:
             ctl = EmbeddedController(listen=f"127.0.0.1:{port}", state=state, defaults=policy)
-            _wait_for("the agent to subscribe again", lambda: _subscribed(ctl.address), job)
+            wait_until(lambda: _subscribed(ctl.address), "the agent to subscribe again", 120, unless=job.ended)
             outcome = job.finish()
             assert outcome.kind is Outcome.SUCCEEDED and job.starts() == first  # trained through it
         else:
@@ -340,12 +327,11 @@ def test_an_outage_is_ridden_out_for_the_connect_timeout(tmp_path: Path, outage:
 
 
 def _subscribed(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            reply = pb_grpc.RecoverStub(channel).QueryStatus(pb.StatusQuery(jobId="job"), timeout=5)
-        except grpc.RpcError:
-            return False
-    return any(a.subscribed for j in reply.jobs for a in j.agents)
+    try:
+        with QueryClient(address) as query:
+            return any(a.subscribed for a in query.job("job").agents)
+    except TaskdError:  # not there (yet), or the job is not registered again yet
+        return False
 
 
 def test_a_crash_looping_worker_is_restarted_with_growing_delays_then_given_up(make_job) -> None:  # type: ignore[no-untyped-def]
@@ -389,7 +375,7 @@ def test_a_failure_held_back_by_the_backoff_is_dropped_once_another_recovery_res
         (n1.out / "kill-1-0").touch()  # cycle 1, reported at once (the first failure)
         n0.wait_starts(2), n1.wait_starts(2)
         (n1.out / "kill-1-1").touch()  # failed again within 60 s of its start: held 3 s
-        wait_for_file(n1.out / "died-1-1")
+        wait_until((n1.out / "died-1-1").exists, "rank 1 to die", 60)
         (n0.out / "kill-0-1").touch()  # cycle 2 restarts both, node 1's held rank too
         n0.wait_starts(3), n1.wait_starts(3)
         time.sleep(held.initial + 2.0)  # past the hold: the held failure would have started cycle 3
@@ -402,13 +388,6 @@ def test_a_failure_held_back_by_the_backoff_is_dropped_once_another_recovery_res
         for job in jobs:
             job.close()
         controller.stop()
-
-
-def wait_for_file(path: Path) -> None:
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
 
 
 def test_restart_backoff_delays() -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 
 from taskd_core.cli import main
+from taskd_core.testing import wait_until
 
 KEYS = {"schema", "seq", "time", "job", "cycle", "kind", "detail"}
 WAIT = 20.0
@@ -57,16 +57,13 @@ def test_follow_prints_a_fault_as_it_happens_and_ends_with_the_controller(contro
     follower.start()
     seen: list[dict[str, object]] = []
 
-    def wait_for(kind: str) -> None:
-        end = time.monotonic() + WAIT
-        while not any(e["kind"] == kind for e in seen):
-            assert time.monotonic() < end, f"the follower printed no {kind!r} within {WAIT}s: {seen}"
-            seen.extend(lines(capsys.readouterr().out))
-            time.sleep(0.02)
+    def printed(kind: str) -> bool:
+        seen.extend(lines(capsys.readouterr().out))
+        return any(e["kind"] == kind for e in seen)
 
-    wait_for("agent registered")
+    wait_until(lambda: printed("agent registered"), "the follower to print the registration", WAIT)
     agent.fault({0: 1})
-    wait_for("fault")
+    wait_until(lambda: printed("fault"), "the follower to print the fault", WAIT, explain=lambda: str(seen))
     ctl.stop()
     follower.join(WAIT)
     assert codes == [0]
@@ -97,6 +94,8 @@ def test_a_missing_controller_or_state_file_or_job_exits_2(tmp_path, controller_
     controller_factory(state=str(state))
     assert main(["events", "j", "--state", str(state)]) == 2
     assert "not in state file" in caplog.records[-1].getMessage()
+    assert main(["events", "j", "--state", "etcd://127.0.0.1:2379/taskd"]) == 2
+    assert "read through its controller" in caplog.records[-1].getMessage()
 
 
 def test_a_job_with_a_token_shows_its_journal_only_to_its_token(controller, make_agent, monkeypatch, caplog, capsys):

@@ -17,7 +17,7 @@ import pytest
 
 from taskd_core.client.backoff import Backoff
 from taskd_core.client.manager import DLRecoverManager
-from taskd_core.client.status import query_status
+from taskd_core.client.query import QueryClient
 from taskd_core.controller.runtime import Limits
 from taskd_core.controller.server import STREAM_DEAD_AFTER, EmbeddedController
 from taskd_core.errors import (
@@ -27,10 +27,10 @@ from taskd_core.errors import (
     RegistrationRefusedError,
     TaskdError,
 )
-from taskd_core.models import Code, JobPolicy, Signal, SignalType, Strategy
+from taskd_core.models import Code, FaultRank, FaultType, JobPolicy, Signal, SignalType, Strategy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc as pb_grpc
-from tests.e2e.harness import free_port
+from taskd_core.testing import free_port, wait_until
 
 FAST = JobPolicy(flush_seconds=0.0, report_timeout=30.0, max_cycles=3)
 QUICK = Backoff(initial=0.02, cap=0.2)
@@ -185,8 +185,9 @@ def test_a_fault_report_reaches_a_controller_that_restarted_without_its_state() 
         first.stop()
         with EmbeddedController(listen=f"127.0.0.1:{port}", defaults=FAST) as second:
             assert manager.report_process_fault({1: 1}) == Code.OK
-            (job,) = query_status(second.address, "lost", events=50)["jobs"]
-            assert int(job["cycle"]) == 1 and [f["rankId"] for f in job["faultRanks"]] == ["1"]
+            with QueryClient(second.address) as query:
+                job = query.job("lost", events=50)
+            assert job.cycle == 1 and job.faults == (FaultRank(1, FaultType.NORMAL),)
     finally:
         manager.close()
 
@@ -266,14 +267,14 @@ def test_an_outage_is_ridden_out_until_the_connect_deadline(tmp_path: Path, outa
     thread = threading.Thread(target=follow, daemon=True)
     thread.start()
     try:
-        wait_subscribed(ctl.address, "outage")
+        wait_until(lambda: subscribed(ctl.address, "outage"), "the agent to subscribe")
         ctl.stop()
         lost = time.monotonic()
         thread.join(timeout=outage * deadline)
         if survives:
             assert thread.is_alive(), errors
             ctl = EmbeddedController(listen=f"127.0.0.1:{port}", state=state, defaults=FAST)
-            wait_subscribed(ctl.address, "outage")
+            wait_until(lambda: subscribed(ctl.address, "outage"), "the agent to subscribe")
             assert manager.report_process_fault({0: 1}) == Code.OK
             recorder.next(SignalType.STOP_TRAIN)
         else:
@@ -288,17 +289,13 @@ def test_an_outage_is_ridden_out_until_the_connect_deadline(tmp_path: Path, outa
         ctl.stop()
 
 
-def wait_subscribed(address: str, job_id: str, agent_id: str = "master agent", timeout: float = 60) -> None:
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            jobs = query_status(address, job_id)["jobs"]
-        except TaskdError:
-            jobs = []
-        if any(a["subscribed"] for j in jobs for a in j["agents"] if a["agentId"] == agent_id):
-            return
-        assert time.monotonic() < end, f"{agent_id} of {job_id} not subscribed within {timeout}s"
-        time.sleep(0.05)
+def subscribed(address: str, job_id: str, agent_id: str = "master agent") -> bool:
+    """Whether ``agent_id`` of ``job_id`` holds its signal stream (False while the controller is away)."""
+    try:
+        with QueryClient(address) as query:
+            return any(a.subscribed for a in query.job(job_id).agents if a.agent_id == agent_id)
+    except TaskdError:
+        return False
 
 
 _FROZEN_AGENT = """
@@ -317,7 +314,7 @@ def test_a_frozen_agent_is_replaced_by_a_new_agent_of_its_node(controller: Embed
     replacement = None
     thread = None
     try:
-        wait_subscribed(controller.address, "frozen", "node-0")
+        wait_until(lambda: subscribed(controller.address, "frozen", "node-0"), "node-0 to subscribe")
         old.send_signal(signal.SIGSTOP)
         frozen = time.monotonic()
         replacement, recorder = make_manager(controller.address, "frozen", agent_id="node-0")
@@ -390,3 +387,73 @@ def test_module_functions_need_an_open_manager() -> None:
 
     with pytest.raises(TaskdError, match="no DLRecoverManager is open"):
         recover_manager.report_process_fault({0: 1})
+
+
+@pytest.fixture
+def replica_pair(etcd) -> Iterator[tuple[EmbeddedController, EmbeddedController]]:
+    """Two controller replicas on one etcd prefix: (the leader, the standby)."""
+    state = etcd.url()
+    policy = JobPolicy(flush_seconds=0.0, report_timeout=120.0, expected_agents=2)
+    group = [EmbeddedController(state=state, defaults=policy) for _ in range(2)]
+    try:
+        (leader,) = [c for c in group if c.leading]
+        yield leader, next(c for c in group if c is not leader)
+    finally:
+        for ctl in group:
+            ctl.stop()
+
+
+def test_a_manager_given_every_replica_follows_the_leader(replica_pair) -> None:
+    leader, standby = replica_pair
+    manager, recorder = make_manager(f"{standby.address},{leader.address}", "job-follow", agent_id="a1")
+    other, _ = make_manager([leader.address, standby.address], "job-follow", agent_id="a2")
+    threads = [subscribe(manager), subscribe(other)]
+    try:
+        assert manager.init_clusterd() and other.init_clusterd()
+        assert manager.controller == leader.address
+        assert manager.report_process_fault({0: 1}) == Code.OK
+        assert recorder.next(SignalType.CHANGE_STRATEGY).change_strategy == "recover"
+    finally:
+        manager.close()
+        other.close()
+        for thread in threads:
+            thread.join(timeout=30)
+
+
+def test_a_fail_over_mid_cycle_looks_like_an_outage(replica_pair) -> None:
+    """The leader goes while an agent carries out stopTrain: its report waits and goes to the new leader.
+
+    Each agent executes each signal once (the new leader re-sends stopTrain
+    under the same number), and the cycle ends as it would have.
+    """
+    leader, standby = replica_pair
+    addresses = f"{leader.address},{standby.address}"
+    a1, rec1 = make_manager(addresses, "job-failover", agent_id="a1")
+    a2, rec2 = make_manager(addresses, "job-failover", agent_id="a2")
+    release = rec2.hold = threading.Event()
+    threads = [subscribe(a1), subscribe(a2)]
+    try:
+        assert a1.init_clusterd() and a2.init_clusterd()
+        assert a1.register().code == Code.OK and a2.register().code == Code.OK
+        assert a1.report_process_fault({0: 1}) == Code.OK
+        rec1.next(SignalType.STOP_TRAIN)
+        assert rec2.busy.wait(60)
+        leader.stop()
+        assert standby.wait_leading(60)
+        release.set()
+        assert rec1.next(SignalType.CHANGE_STRATEGY).change_strategy == "recover"
+        assert rec2.next(SignalType.CHANGE_STRATEGY).change_strategy == "recover"
+        assert rec1.stops == 1 and rec2.stops == 1
+        assert a1.controller == a2.controller == standby.address
+    finally:
+        release.set()
+        a1.close()
+        a2.close()
+        for thread in threads:
+            thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("addresses", ["", " , ", "no-port", "host:0", "a:1,b"])
+def test_a_bad_controller_address_list_is_refused_at_once(addresses: str) -> None:
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        DLRecoverManager(pb.ClientInfo(jobId="j", role="r"), addresses)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from collections.abc import Iterator
@@ -14,13 +13,14 @@ from taskd.python.toolkit.recover_module import recover_manager
 from taskd.python.toolkit.recover_module.pb import recover_pb2 as pb
 from taskd.python.toolkit.recover_module.pb import recover_pb2_grpc
 from taskd.python.toolkit.recover_module.recover_manager import DLRecoverManager
-from taskd_core.client.status import query_status
+from taskd_core.client.query import QueryClient
 from taskd_core.controller.server import EmbeddedController
 from taskd_core.errors import AdapterNotFoundError, ConfigError
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import LaunchSpec
 from taskd_core.models import Code, JobPolicy, WorkerStatus
 from taskd_core.plugins import hookimpl
+from taskd_core.testing import wait_until
 
 FAST = JobPolicy(flush_seconds=0.0, report_timeout=60.0, max_cycles=3)
 
@@ -50,8 +50,9 @@ def test_a_cycle_through_the_seed_paths(controller: EmbeddedController, workers:
         assert manager.init_clusterd()
         thread.start()
         assert recover_manager.report_process_fault({1: 1}) == Code.OK
-        journal = _wait_for_event(controller, "seed", "cycle succeeded")
-        assert "strategy chosen" in journal
+        wait_until(lambda: "cycle succeeded" in _journal_kinds(controller, "seed"), "the cycle to succeed", 60,
+                   explain=lambda: f"journal: {_journal_kinds(controller, 'seed')}")
+        assert "strategy chosen" in _journal_kinds(controller, "seed")
     finally:
         manager.close()
         thread.join(timeout=30)
@@ -59,16 +60,9 @@ def test_a_cycle_through_the_seed_paths(controller: EmbeddedController, workers:
     assert all(after[rank] != before[rank] for rank in before), (before, after)
 
 
-def _wait_for_event(controller: EmbeddedController, job: str, kind: str) -> list[str]:
-    seen: list[str] = []
-    stop = threading.Event()
-    for _ in range(600):
-        seen = [e["kind"] for job_status in query_status(controller.address, job, events=100)["jobs"]
-                for e in job_status["events"]]
-        if kind in seen:
-            return seen
-        stop.wait(0.1)
-    raise AssertionError(f"no {kind!r} in the journal of {job}: {seen}")
+def _journal_kinds(controller: EmbeddedController, job: str) -> list[str]:
+    with QueryClient(controller.address) as query:
+        return [e.kind for e in query.job(job, events=100).events]
 
 
 def test_the_seed_pb_is_the_wire_stubs() -> None:
@@ -107,8 +101,9 @@ def test_fault_codes_reach_the_journal(controller: EmbeddedController) -> None:
     with DLRecoverManager(pb.ClientInfo(jobId="codes", role="r"), controller.address) as manager:
         assert manager.init_clusterd() and manager.register().code == Code.OK
         assert recover_manager.report_process_fault({2: 1}, fault_codes={2: 8001}) == Code.OK
-        events = query_status(controller.address, "codes", events=50)["jobs"][0]["events"]
-    faults = [json.loads(e["detail"]) for e in events if e["kind"] == "fault"]
+        with QueryClient(controller.address) as query:
+            events = query.job("codes", events=50).events
+    faults = [e.detail for e in events if e.kind == "fault"]
     assert faults[0]["codes"] == {"2": "8001"}
 
 

@@ -8,7 +8,14 @@ import grpc
 import pytest
 
 from taskd_core.cli import main
-from tests.conftest import RawAgent
+from tests.conftest import TEST_POLICY, RawAgent
+
+#: What `taskd status --json` prints per job and per agent (docs/events.md).
+JOB_FIELDS = {
+    "job", "state", "cycle", "strategy", "faults", "strategies", "cycles_used", "max_cycles", "agents", "events",
+    "outcome", "legacy",
+}
+AGENT_FIELDS = {"agent", "role", "subscribed", "node_rank", "exit_code", "last_seen", "hang_timeouts"}
 
 
 def test_status_prints_jobs_agents_cycle_and_events(controller, make_agent, capsys):
@@ -22,8 +29,20 @@ def test_status_prints_jobs_agents_cycle_and_events(controller, make_agent, caps
 
     assert main(["status", "--controller", controller.address, "--job", "job-s", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
+    assert set(data) == {"schema", "jobs"} and data["schema"] == 1
     (job,) = data["jobs"]
-    assert job["state"] == "wait-stop" and job["agents"][0]["agentId"] == "node-0"
+    assert set(job) == JOB_FIELDS
+    assert (job["job"], job["state"], job["cycle"], job["strategy"], job["cycles_used"]) == ("job-s", "wait-stop", 1, None, 1)
+    assert job["faults"] == [{"rank": 1, "fault_type": "1"}] and job["legacy"] is True
+    assert job["strategies"] == [s.value for s in TEST_POLICY.strategies] and job["max_cycles"] == TEST_POLICY.max_cycles
+    assert job["outcome"] == "waiting for ReportStopComplete"
+    (agent_row,) = job["agents"]
+    assert set(agent_row) == AGENT_FIELDS
+    assert (agent_row["agent"], agent_row["node_rank"], agent_row["subscribed"], agent_row["exit_code"]) == ("node-0", 0, True, None)
+    # The events are in the schema of `taskd events --json` (docs/events.md), details as objects.
+    fault = next(e for e in job["events"] if e["kind"] == "fault")
+    assert set(fault) == {"schema", "seq", "time", "job", "cycle", "kind", "detail"}
+    assert fault["detail"]["ranks"] == {"1": "1"} and fault["job"] == "job-s"
 
 
 def test_status_of_an_unknown_job_or_a_missing_controller_exits_2(controller, capsys):
@@ -149,7 +168,7 @@ def test_health_port_answers_plaintext_probes_beside_a_tls_listener(tmp_path, co
     """What a Kubernetes gRPC probe sees: SERVING over plaintext, while the main port speaks only TLS."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from tests.e2e.harness import free_port
+    from taskd_core.testing import free_port
 
     probe_port = free_port()
     child = controller_process(

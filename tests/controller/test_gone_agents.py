@@ -9,7 +9,8 @@ import pytest
 
 from taskd_core.controller.server import EmbeddedController
 from taskd_core.models import Code
-from tests.conftest import TEST_POLICY, RawAgent, wait_until
+from taskd_core.testing import wait_until
+from tests.conftest import TEST_POLICY, WAIT, RawAgent
 
 JOB = "gone"
 #: Far longer than any test may take: a wait that ends did not run out.
@@ -66,4 +67,56 @@ def test_an_agent_back_within_the_grace_rejoins_the_cycle(slow_waits, make_agent
     b.expect("stopTrain")  # the pending signal again
     assert a.stopped().code == Code.OK and b.stopped().code == Code.OK
     a.expect("globalFault")
-    wait_until(lambda: a.job().state == "wait-strategies", what="the cycle to go on")
+    wait_until(lambda: a.job().state == "wait-strategies", "the cycle to go on", WAIT)
+
+
+def to_live_round(a: RawAgent, b: RawAgent, also: tuple[str, ...] = ()) -> None:
+    """Both agents stop, offer recover-live and recover (and ``also``); the controller starts the live round."""
+    assert a.stopped().code == Code.OK and b.stopped().code == Code.OK
+    a.expect("globalFault")
+    b.expect("globalFault")
+    offered = ["recover-live", "recover", *also, "exit"]
+    assert a.strategies(offered).code == Code.OK and b.strategies(offered).code == Code.OK
+    a.expect("changeStrategy", changeStrategy="recover", extraParams="recover-live")
+    b.expect("changeStrategy", changeStrategy="recover", extraParams="recover-live")
+
+
+def test_an_agent_lost_in_a_live_round_ends_the_job_instead_of_a_restart_it_cannot_join(
+    slow_waits, make_agent
+) -> None:
+    """The full restart that follows a failed live round needs every node; with one gone for good it
+    would leave the others waiting in their rendezvous for ever. The job ends with a message naming it."""
+    a, b = two_agents(slow_waits(0.5), make_agent)
+    to_live_round(a, b)
+    b.cut()  # node b is lost during the hand-over
+    assert a.status(Code.RECOVERABLE_RETRY_ERROR, "recover").code == Code.OK  # a's round could not form
+    a.expect("changeStrategy", changeStrategy="exit")  # the very next signal: no full restart first
+    kill = a.expect("killMaster")
+    assert "agent(s) b left the job during recovery cycle 1" in kill.extraParams
+    assert a.job().state == "given-up"
+
+
+def test_an_agent_lost_before_the_others_answer_the_live_round_ends_it_as_soon_as_they_do(
+    slow_waits, make_agent
+) -> None:
+    a, b = two_agents(slow_waits(0.5), make_agent)
+    to_live_round(a, b)
+    b.cut()
+    wait_until(lambda: any(e.kind == "agent lost" for e in a.job(events=80).events), what="b to be lost")
+    assert a.status(Code.RECOVERABLE_RETRY_ERROR, "recover").code == Code.OK
+    a.expect("changeStrategy", changeStrategy="exit")
+    assert "left the job" in a.expect("killMaster").extraParams
+
+
+def test_the_survivors_may_still_dump_when_an_agent_is_lost_and_the_dump_does_not_wait_for_it(
+    slow_waits, make_agent
+) -> None:
+    a, b = two_agents(slow_waits(0.5), make_agent)
+    to_live_round(a, b, also=("dump",))
+    b.cut()
+    wait_until(lambda: any(e.kind == "agent lost" for e in a.job(events=80).events), what="b to be lost")
+    assert a.status(Code.RECOVERABLE_RETRY_ERROR, "recover").code == Code.OK
+    a.expect("changeStrategy", changeStrategy="dump")
+    assert a.status(Code.OK, "dump").code == Code.OK  # b cannot dump: settled at once, a's answer ends the wait
+    a.expect("changeStrategy", changeStrategy="exit")
+    assert "dump failed, job exits: agent(s) b left the job" in a.expect("killMaster").extraParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from taskd_core.cli.status import render
-from taskd_core.client.status import query_status
+from taskd_core.client.query import QueryClient
 from taskd_core.models import Code
 from taskd_core.rpc import recover_pb2 as pb
 
@@ -75,7 +75,8 @@ def test_taskd_status_shows_the_timeouts_and_keeps_a_stack_to_one_line(controlle
     assert agent.stub.HealthCheck(info, timeout=10).code == Code.OK
     stack = "rank 1 (pid 42) hung: heartbeat\n" + "    frame (train.py:7)\n" * 200
     assert _fault(agent, "3", stack).code == Code.OK
-    text = render(query_status(controller.address, JOB, events=50))
+    with QueryClient(controller.address) as query:
+        text = render(query.status(JOB, events=50))
     assert "hang timeouts: stopped 0.5s; heartbeat 3.0s (learned)" in text
     fault_line = next(line for line in text.splitlines() if " fault " in line)
     assert "hung: heartbeat | " in fault_line and fault_line.endswith("...") and len(fault_line) < 400

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-import sqlite3
-
 import grpc
 import pytest
 
 from taskd_core.cli.status import render
-from taskd_core.controller.machine import JournalEntry
 from taskd_core.controller.runtime import MAX_JOB_ID, Limits
 from taskd_core.controller.service import MAX_QUERY_EVENTS, MAX_RANKS, MAX_STRATEGIES
-from taskd_core.controller.store import ROTATE_EVERY, JobRow, Store
-from taskd_core.models import Code, Credentials
+from taskd_core.models import (
+    AgentStatus,
+    Code,
+    ControllerStatus,
+    Credentials,
+    JobState,
+    JobStatus,
+    JournalEvent,
+    Strategy,
+)
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc.convert import MAX_NAME
 
@@ -141,30 +146,13 @@ def test_query_events_and_message_size_are_bounded(controller, make_agent) -> No
     assert raw.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_journal_rotation_keeps_each_job_under_its_cap(tmp_path) -> None:
-    path = tmp_path / "state.db"
-    store = Store(str(path), max_events=100)
-    row = JobRow(JOB, True, {}, {})
-    other = JobRow("other", True, {}, {})
-    for n in range(1000):
-        store.commit(row, [JournalEntry("e", 0, {"n": n})], now=float(n))
-    store.commit(other, [JournalEntry("e", 0, {})], now=0.0)
-    kept = store.events(JOB, 10_000)
-    assert 100 <= len(kept) < 100 + ROTATE_EVERY
-    assert kept[-1].detail == '{"n": 999}'
-    assert len(store.events("other", 10)) == 1
-    store.close()
-    assert sqlite3.connect(path).execute("SELECT COUNT(*) FROM events").fetchone()[0] == len(kept) + 1
-
-
 def test_status_output_escapes_control_characters() -> None:
-    job = {
-        "jobId": "j\x1b]0;owned\x07", "legacy": True, "state": "idle", "cycle": 0, "cyclesUsed": 0,
-        "maxCycles": 3, "strategy": "", "faultRanks": [], "strategies": ["exit"], "outcome": "",
-        "agents": [{"agentId": "a\x1b[2J", "role": "r\r", "nodeRank": 0, "subscribed": True, "exitState": "",
-                    "lastSeen": 0}],
-        "events": [],
-    }
-    text = render({"jobs": [job]})
+    job = JobStatus(
+        job_id="j\x1b]0;owned\x07", state=JobState.IDLE, cycle=0, strategy=None, faults=(), strategies=(Strategy.EXIT,),
+        cycles_used=0, max_cycles=3, outcome="", legacy=True,
+        agents=(AgentStatus("a\x1b[2J", "r\r", True, 0, None, 0.0, "t\x1b"),),
+        events=(JournalEvent(1, 0.0, "j", 0, "k\x1b", {"x": "\x1b"}),),
+    )
+    text = render(ControllerStatus((job,)))
     assert "\x1b" not in text and "\r" not in text and "\\x1b[2J" in text
     assert "(legacy: registered without a token)" in text

@@ -1,4 +1,7 @@
-"""State that survives the controller: the SQLite store, restarts, and SIGKILL mid-cycle."""
+"""State that survives the controller, on SQLite and on etcd: restarts, SIGKILL mid-cycle, damaged rows.
+
+The store itself is tested against both backends in ``test_store.py``.
+"""
 
 from __future__ import annotations
 
@@ -8,32 +11,13 @@ import sqlite3
 
 import pytest
 
-from taskd_core.controller.machine import AgentInfo, JournalEntry, Snapshot
-from taskd_core.controller.store import JobRow, Store, snapshot_to_dict
+from taskd_core.controller.machine import Snapshot
+from taskd_core.controller.store import JobRow, snapshot_to_dict
+from taskd_core.controller.store_sqlite import SqliteStore as Store
 from taskd_core.errors import ConfigError
 from taskd_core.rpc import recover_pb2 as pb
 
 JOB = "job-p"
-
-
-def test_store_round_trips_jobs_agents_and_the_journal(tmp_path):
-    path = str(tmp_path / "state.db")
-    store = Store(path)
-    row = JobRow(JOB, True, {"max_cycles": 2}, {"state": "idle"})
-    store.commit(
-        row,
-        [JournalEntry("a", 0, {"x": 1}), JournalEntry("b", 1, {})],
-        [AgentInfo("n0", "taskd", 0, (0, 1))],
-        now=5.0,
-    )
-    store.commit(row, [JournalEntry("c", 1, {})], now=6.0)
-    store.close()
-    again = Store(path)
-    (job,) = again.load()
-    assert job.row == row and job.agents == (AgentInfo("n0", "taskd", 0, (0, 1)),)
-    assert [e.kind for e in again.events(JOB, 2)] == ["b", "c"]
-    assert json.loads(again.events(JOB, 5)[0].detail) == {"x": 1}
-    again.close()
 
 
 def test_a_state_file_that_is_not_sqlite_is_a_config_error(tmp_path):
@@ -44,9 +28,9 @@ def test_a_state_file_that_is_not_sqlite_is_a_config_error(tmp_path):
 
 
 def test_a_restarted_controller_resumes_the_cycle_and_re_arms_its_deadline(
-    controller_factory, make_agent, tmp_path
+    controller_factory, make_agent, state_url
 ):
-    state = str(tmp_path / "state.db")
+    state = state_url
     ctl = controller_factory(state=state)
     agent = make_agent(ctl.address, JOB).join()
     agent.fault()
@@ -67,9 +51,9 @@ def test_a_restarted_controller_resumes_the_cycle_and_re_arms_its_deadline(
 
 
 def test_sigkill_mid_cycle_then_restart_completes_the_cycle_with_each_event_once(
-    tmp_path, make_agent, controller_process
+    make_agent, controller_process, state_url
 ):
-    state = tmp_path / "state.db"
+    state = state_url
     args = (
         "--report-timeout",
         "60",
@@ -89,7 +73,8 @@ def test_sigkill_mid_cycle_then_restart_completes_the_cycle_with_each_event_once
     glob = [a.expect("globalFault") for a in agents][0]
     child.kill()
 
-    child = controller_process(state, *args)
+    # On etcd the new replica leads once the killed one's lease has run out.
+    child = controller_process(state, *args).wait_serving()
     agents = [make_agent(child.address, JOB, f"n{i}").join() for i in range(2)]
     for a in agents:
         resent = a.expect("globalFault")
@@ -148,17 +133,6 @@ def test_a_damaged_job_row_is_set_aside_and_the_others_load(tmp_path, controller
     db.close()
     # The job's agent registers it afresh.
     make_agent(ctl.address, "bad").join()
-
-
-def test_a_damaged_agent_row_sets_its_job_aside(tmp_path):
-    path = str(tmp_path / "state.db")
-    store = Store(path)
-    store.commit(JobRow("a", True, {}, {}), agents=[AgentInfo("n0", "taskd", 0, (0,))], now=1.0)
-    store.commit(JobRow("b", True, {}, {}), agents=[AgentInfo("n0", "taskd", 0, (0,))], now=1.0)
-    store._db.execute("UPDATE agents SET rank_ids = '[\"x\"]' WHERE job_id = 'a'")
-    assert [j.row.job_id for j in store.load()] == ["b"]
-    assert [j.row.job_id for j in store.load()] == ["b"]
-    store.close()
 
 
 def test_the_controller_daemon_starts_on_a_damaged_row_without_a_traceback(tmp_path, controller_process):

@@ -27,13 +27,15 @@ from kubeflow_schema import problems
 
 from taskd_core.cli import build_parser
 from taskd_core.controller.policy import load_policies
+from taskd_core.controller.server import REPLICA_HEALTH
+from taskd_core.testing import free_port
 from tests.conftest import WAIT, ControllerProcess
-from tests.e2e.harness import free_port
+from tests.etcd_server import EtcdServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
-KUSTOMIZATIONS = ("controller", "pytorch", "mindspore")
+KUSTOMIZATIONS = ("controller", "etcd", "pytorch", "mindspore")
 CONTROLLER_ADDRESS = "taskd-controller.taskd.svc.cluster.local:8899"
 
 
@@ -149,51 +151,101 @@ def test_kustomize_build_renders_valid_resources(secrets_tree: Path, directory: 
     assert referenced == secrets
 
 
-def test_controller_deployment_runs_a_real_controller_with_its_arguments(secrets_tree: Path, tmp_path: Path) -> None:
-    deployment = _kind("controller", "Deployment")
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` substitution in container arguments."""
+    for name, text in env.items():
+        value = value.replace(f"$({name})", text)
+    return value
+
+
+POD_ENV = {"POD_NAME": "taskd-controller-0", "NAMESPACE": "taskd"}
+
+
+def test_controller_statefulset_runs_a_real_replica_on_a_real_etcd_with_its_arguments(
+    secrets_tree: Path, tmp_path: Path
+) -> None:
+    """The StatefulSet's own arguments, paths mapped to this machine, against an etcd that requires
+    the client certificate make-secrets.sh wrote (serving with the members' certificate it wrote)."""
+    statefulset = _kind("controller", "StatefulSet")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     health = container["readinessProbe"]["grpc"]["port"]
-    assert container["livenessProbe"]["grpc"]["port"] == health
-    # The pod's paths, mapped to this machine: secrets and policy from the kustomization, state in tmp.
-    local = {"/var/lib/taskd": tmp_path, "/etc/taskd/policy": K8S / "controller",
-             "/etc/taskd/tls": secrets_tree / "controller/secrets"}
+    assert container["livenessProbe"]["grpc"] == {"port": health, "service": REPLICA_HEALTH}
     admin = tmp_path / "admin"
     admin.mkdir()
     shutil.copy(secrets_tree / "controller/secrets/admin.token", admin / "token")
-    local["/etc/taskd/admin"] = admin
+    local = {"/etc/taskd/policy": K8S / "controller", "/etc/taskd/tls": secrets_tree / "controller/secrets",
+             "/etc/taskd/etcd": secrets_tree / "controller/secrets/etcd", "/etc/taskd/admin": admin}
     assert set(local) == set(mounts)
-    assert volumes[mounts["/var/lib/taskd"]]["persistentVolumeClaim"]["claimName"] == "taskd-state"
+    etcd_tls = secrets_tree / "etcd/secrets"
+    client = secrets_tree / "controller/secrets/etcd"
+    server = EtcdServer(tmp_path / "etcd", tls=(str(etcd_tls / "server.pem"), str(etcd_tls / "server.key"),
+                                                 str(etcd_tls / "ca.pem")),
+                        client=(str(client / "client.pem"), str(client / "client.key"))).start()
     probe_port = free_port()
     args = []
     for arg in container["args"][1:]:
         flag, _, value = arg.partition("=")
-        for pod_path, here in local.items():
+        value = _expand(value, POD_ENV)
+        for pod_path, here in sorted(local.items(), key=lambda kv: -len(kv[0])):
             value = value.replace(pod_path, str(here))
+        if flag == "--state":
+            value = f"etcd://{server.endpoint}/{value.rpartition('/')[2]}"
         value = {"--listen": "127.0.0.1:0", "--health-port": str(probe_port)}.get(flag, value)
         args.append(f"{flag}={value}")
     assert container["args"][0] == "controller"
     load_policies(K8S / "controller/policy.toml")
-    child = ControllerProcess(tmp_path / "state.db", tuple(args), tmp_path / "controller.log")
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{probe_port}") as channel:
-            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=WAIT)
-        assert answer.status == health_pb2.HealthCheckResponse.SERVING
-        assert (tmp_path / "state.db").exists()
+        child = ControllerProcess(server.url("unused"), tuple(args), tmp_path / "controller.log")
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{probe_port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                ready = stub.Check(health_pb2.HealthCheckRequest(), timeout=WAIT)
+                alive = stub.Check(health_pb2.HealthCheckRequest(service=REPLICA_HEALTH), timeout=WAIT)
+            assert ready.status == alive.status == health_pb2.HealthCheckResponse.SERVING
+            assert "leads, generation" in child.log.read_text()
+        finally:
+            assert child.terminate() == 0
     finally:
-        assert child.terminate() == 0
+        server.kill()
 
 
-def test_service_exposes_the_port_the_controller_listens_on() -> None:
-    service = _kind("controller", "Service")
-    (container,) = _kind("controller", "Deployment")["spec"]["template"]["spec"]["containers"]
+def test_services_reach_the_leader_and_name_each_replica() -> None:
+    (service,) = _documents(K8S / "controller/service.yaml")
+    (peers,) = _documents(K8S / "controller/service-peers.yaml")
+    statefulset = _kind("controller", "StatefulSet")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     (port,) = service["spec"]["ports"]
     assert ports[port["targetPort"]] == port["port"] == int(CONTROLLER_ADDRESS.rpartition(":")[2])
     assert f"--listen=0.0.0.0:{port['port']}" in container["args"]
     assert service["metadata"]["name"] == CONTROLLER_ADDRESS.split(".")[0]
     assert _documents(K8S / "controller/kustomization.yaml")[0]["namespace"] == CONTROLLER_ADDRESS.split(".")[1]
+    # Standbys advertise the replica's name under the headless Service, which the certificate covers.
+    assert statefulset["spec"]["serviceName"] == peers["metadata"]["name"] and peers["spec"]["clusterIP"] == "None"
+    advertise = _expand(next(a for a in container["args"] if a.startswith("--advertise=")), POD_ENV)
+    assert advertise == f"--advertise=taskd-controller-0.{peers['metadata']['name']}.taskd.svc.cluster.local:8899"
+    assert statefulset["spec"]["replicas"] == 3
+
+
+def test_the_controllers_state_names_every_etcd_member_the_certificates_cover(secrets_tree: Path) -> None:
+    etcd = _kind("etcd", "StatefulSet")
+    (member,) = etcd["spec"]["template"]["spec"]["containers"]
+    (container,) = _kind("controller", "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    state = next(a for a in container["args"] if a.startswith("--state=")).partition("=")[2]
+    hosts = [e.rpartition(":")[0] for e in state.removeprefix("etcd://").partition("/")[0].split(",")]
+    service = _kind("etcd", "Service")["metadata"]["name"]
+    assert hosts == [f"{etcd['metadata']['name']}-{n}.{service}.taskd.svc.cluster.local"
+                     for n in range(etcd["spec"]["replicas"])]
+    assert "--client-cert-auth" in member["args"] and "--etcd-cert=/etc/taskd/etcd/client.pem" in container["args"]
+    san = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in",
+                          str(secrets_tree / "etcd/secrets/server.pem")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert all(f"DNS:{host}" in san for host in hosts)
+    verified = subprocess.run(["openssl", "verify", "-CAfile", str(secrets_tree / "etcd/secrets/ca.pem"),
+                               str(secrets_tree / "controller/secrets/etcd/client.pem")],
+                              capture_output=True, text=True, timeout=60, check=False)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
 def _job_containers() -> list[tuple[str, dict[str, Any]]]:
@@ -246,6 +298,7 @@ def test_mindspore_job_runs_msrun_with_fault_tolerance_on() -> None:
 
 
 def test_controller_arguments_parse_with_taskd() -> None:
-    (container,) = _kind("controller", "Deployment")["spec"]["template"]["spec"]["containers"]
-    args = build_parser().parse_args(container["args"])
-    assert (args.health_port, args.tls_client_ca) == (8898, "/etc/taskd/tls/ca.pem")
+    (container,) = _kind("controller", "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args([_expand(a, POD_ENV) for a in container["args"]])
+    assert (args.health_port, args.tls_client_ca, args.lease_ttl) == (8898, "/etc/taskd/tls/ca.pem", 2)
+    assert args.state.startswith("etcd://") and args.etcd_cacert == "/etc/taskd/etcd/ca.pem"

@@ -6,26 +6,20 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from taskd_core import testing
 from taskd_core.forkserver._server import SERVER_NAME
+from taskd_core.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_DDP = REPO / "examples" / "train_ddp.py"
 #: Ceiling of every wait in these tests: generous, for two loaded cores.
 DEADLINE = 240.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def job_processes(job_id: str, *, fork_servers: bool = True) -> list[int]:
@@ -169,16 +163,13 @@ def read_events(path: Path) -> list[dict[str, object]]:
 
 
 def wait_until(what: str, check: Callable[[], bool], cluster: Cluster, deadline: float = DEADLINE) -> None:
-    """Wait until ``check()`` holds; fails (with the nodes' logs) at the deadline or if a node ended first."""
-    end = time.monotonic() + deadline
-    while not check():
-        ended = [r.log.name for r in cluster.runs if r.proc.poll() is not None]
-        if ended or time.monotonic() > end:
-            raise AssertionError(
-                f"{what}: not reached ({'ended: ' + str(ended) if ended else 'deadline'})\n"
-                f"{cluster.diagnostics()}"
-            )
-        time.sleep(0.05)
+    """:func:`taskd_core.testing.wait_until` for a cluster: ends as soon as a node ended, and fails with every node's log."""
+
+    def ended() -> str:
+        gone = [r.log.name for r in cluster.runs if r.proc.poll() is not None]
+        return f"ended: {gone}" if gone else ""
+
+    testing.wait_until(check, what, deadline, interval=0.05, unless=ended, explain=cluster.diagnostics)
 
 
 def cluster_fixture(tmp_path: Path, request_name: str) -> Iterator[Cluster]:

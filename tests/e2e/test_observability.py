@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .harness import DEADLINE, REPO, Cluster, free_port, wait_until
+from taskd_core.testing import free_port
+
+from .harness import DEADLINE, REPO, Cluster, wait_until
 
 WORKER = textwrap.dedent(
     """

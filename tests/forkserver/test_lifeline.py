@@ -6,28 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from taskd_core.forkserver.lifeline import Lifeline
+from taskd_core.testing import process_running, wait_gone
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(120)"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_dead(pid: int, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while alive(pid):
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_an_orderly_close_kills_nothing_and_ends_the_guard() -> None:
@@ -36,7 +19,7 @@ def test_an_orderly_close_kills_nothing_and_ends_the_guard() -> None:
         lifeline = Lifeline()
         lifeline.adopt(worker.pid)
         lifeline.close()
-        assert not alive(lifeline.guard_pid)
+        assert not process_running(lifeline.guard_pid)
         assert worker.poll() is None
     finally:
         worker.kill()
@@ -64,9 +47,9 @@ def test_the_guard_kills_adopted_groups_when_the_launcher_is_sigkilled() -> None
     try:
         launcher.kill()
         launcher.wait()
-        assert wait_dead(kept)
-        assert alive(freed)  # released: never touched
+        wait_gone([kept], "the adopted group", 10.0)
+        assert process_running(freed)  # released: never touched
     finally:
         for pid in (kept, freed):
-            if alive(pid):
+            if process_running(pid):
                 os.kill(pid, signal.SIGKILL)

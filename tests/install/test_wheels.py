@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from install_support import PROJECTS, ROOT, FreshVenv, checked, run
 
-from tests.e2e.harness import free_port
+from taskd_core.testing import free_port
 
 pytestmark = pytest.mark.slow
 

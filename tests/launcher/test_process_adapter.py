@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +14,9 @@ import pytest
 
 from taskd_core.errors import ConfigError, WorkerControlError
 from taskd_core.launcher import LaunchSpec, ProcessAdapter
-from taskd_core.models import Strategy, WorkerState
+from taskd_core.models import Strategy, WorkerState, WorkerStatus
 from taskd_core.plugins import Adapter, load_adapter
-from taskd_core.testing import process_running, wait_for_file
+from taskd_core.testing import process_running, wait_for_file, wait_until
 
 #: Dumps the rank variables to <dir>/<local rank>.<restart>.json, then sleeps or exits as told by argv.
 WORKER = textwrap.dedent(
@@ -78,13 +77,12 @@ def read_env(tmp_path: Path, local_rank: int, restart: int) -> dict[str, object]
 
 def wait_exited(adapter: Adapter, local_rank: int, deadline: float = 60.0) -> int | None:
     """Exit code of ``local_rank`` once the monitor reports it EXITED (the test fails after ``deadline``)."""
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
+
+    def exited() -> WorkerStatus | None:
         status = adapter.monitor()[local_rank]
-        if status.state is WorkerState.EXITED:
-            return status.exit_code
-        time.sleep(0.02)
-    raise AssertionError(f"local rank {local_rank} still running after {deadline}s")
+        return status if status.state is WorkerState.EXITED else None
+
+    return wait_until(exited, f"local rank {local_rank} to exit", deadline).exit_code
 
 
 def test_restart_all_sets_rank_environment(tmp_path: Path, adapters: list[Adapter]) -> None:

@@ -40,6 +40,7 @@ def run_settings(argv: list[str], env: dict[str, str] | None = None) -> NodeSett
         ({"MINDX_SERVER_IP": "[fd00::5]:9000"}, "[fd00::5]:9000"),
         ({"MINDX_SERVER_IP": "clusterd.svc"}, "clusterd.svc:8899"),
         ({"TASKD_CONTROLLER": "ctl:7000", "MINDX_SERVER_IP": "10.0.0.5"}, "ctl:7000"),
+        ({"TASKD_CONTROLLER": "ctl-0:8899, ctl-1:8899,[fd00::5]:8899"}, "ctl-0:8899,ctl-1:8899,[fd00::5]:8899"),
     ],
 )
 def test_controller_from_env(env: dict[str, str], expected: str | None) -> None:
@@ -48,7 +49,12 @@ def test_controller_from_env(env: dict[str, str], expected: str | None) -> None:
 
 @pytest.mark.parametrize(
     ("env", "name"),
-    [({"MINDX_SERVER_IP": "bad host!"}, "MINDX_SERVER_IP"), ({"TASKD_CONTROLLER": "nohost"}, "TASKD_CONTROLLER")],
+    [
+        ({"MINDX_SERVER_IP": "bad host!"}, "MINDX_SERVER_IP"),
+        ({"TASKD_CONTROLLER": "nohost"}, "TASKD_CONTROLLER"),
+        ({"TASKD_CONTROLLER": "a:1,,b:2"}, "TASKD_CONTROLLER"),
+        ({"TASKD_CONTROLLER": "a:1,b"}, "TASKD_CONTROLLER"),
+    ],
 )
 def test_a_bad_controller_variable_is_named(env: dict[str, str], name: str) -> None:
     with pytest.raises(ConfigError, match=name):

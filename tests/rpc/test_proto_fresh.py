@@ -1,4 +1,4 @@
-"""The committed stubs are exactly what scripts/gen_proto.py generates from proto/recover.proto."""
+"""The committed stubs are exactly what scripts/gen_proto.py generates from proto/."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
         sys.argv = argv
     fresh = tmp_path / "taskd_core" / "rpc" / "_gen"
     names = sorted(p.name for p in fresh.iterdir() if p.suffix in {".py", ".pyi"})
-    assert names == ["recover_pb2.py", "recover_pb2.pyi", "recover_pb2_grpc.py"]
+    assert names == ["etcd_v3_pb2.py", "etcd_v3_pb2.pyi", "recover_pb2.py", "recover_pb2.pyi", "recover_pb2_grpc.py"]
     stale = [n for n in names if (fresh / n).read_bytes() != (GEN / n).read_bytes()]
     assert not stale, f"stale generated files {stale}: run `python scripts/gen_proto.py` and commit"
 

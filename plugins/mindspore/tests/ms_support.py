@@ -24,13 +24,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
+from taskd_core.testing import process_running
 from taskd_mindspore.scheduler import find_scheduler
 
 #: Calls of monitor_rank_status that see killed pids as running even if they died already
@@ -52,15 +50,6 @@ while time.monotonic() < deadline:
     time.sleep(0.05)
 sys.exit(3)
 """
-
-
-def alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 @dataclass
@@ -126,8 +115,8 @@ class FakeMsrun:
                 out[r] = {"pid": None, "status": 200, "global_rank": global_rank}
                 continue
             killed = self.stale.get(r) == proc.pid
-            status = None if killed and (stale or alive(proc.pid)) else proc.poll()
-            if status is not None and status != 0 and not alive(proc.pid):
+            status = None if killed and (stale or process_running(proc.pid)) else proc.poll()
+            if status is not None and status != 0 and not process_running(proc.pid):
                 status = 300
             out[r] = {"pid": proc.pid, "status": status, "global_rank": global_rank,
                       "local_rank": r, "node_id": self.node_rank}
@@ -171,12 +160,3 @@ class FakeMsrun:
                 break
             os.kill(extra.pid, signal.SIGKILL)
             os.waitpid(extra.pid, 0)
-
-
-def wait_until(predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until true; fails the test at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from ms_support import FakeMsrun, alive, wait_until
+from ms_support import FakeMsrun
 
 from taskd_core.errors import WorkerControlError
 from taskd_core.models import Strategy, WorkerState
 from taskd_core.plugins import Adapter, load_adapter
+from taskd_core.testing import process_running, wait_until
 from taskd_mindspore.adapter import MSRunAdapter, worker_status
 from taskd_mindspore.callbacks import CallbackRegistry
 from taskd_mindspore.scheduler import Scheduler, find_scheduler
@@ -42,7 +43,7 @@ def test_restart_all_starts_workers_then_restarts_them_with_a_counter(msrun_like
     adapter.restart_all()
     second = msrun_like.pids()
     assert set(first.values()).isdisjoint(second.values())
-    assert not any(alive(pid) for pid in first.values())
+    assert not any(process_running(pid) for pid in first.values())
     wait_until(lambda: len(msrun_like.starts()) == 4, what="four worker starts")
     assert sorted((r, c) for r, _, c in msrun_like.starts()) == [(0, "0"), (0, "1"), (1, "0"), (1, "1")]
 
@@ -54,7 +55,7 @@ def test_stop_all_waits_for_pids_although_monitor_still_reports_them_running(msr
     pids = list(msrun_like.pids().values())
     adapter.stop(None, timeout=10.0)
     assert ("KILL_WORKER", [-1]) in msrun_like.calls
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_running(pid) for pid in pids)
     assert all(s.state is WorkerState.GONE for s in adapter.monitor().values())
 
 
@@ -65,7 +66,7 @@ def test_stop_and_restart_list_touch_only_the_given_rank(msrun_like: FakeMsrun) 
     before = msrun_like.pids()
     adapter.stop([1], timeout=10.0)
     assert ("KILL_WORKER", [before[1]]) in msrun_like.calls
-    assert not alive(before[1]) and alive(before[0])
+    assert not process_running(before[1]) and process_running(before[0])
     assert adapter.monitor()[1].state is WorkerState.GONE
     adapter.restart_list([1])
     after = adapter.monitor()
@@ -92,7 +93,7 @@ def test_workers_that_outlive_kill_worker_are_sigkilled_at_the_deadline(msrun_li
     pids = list(msrun_like.pids().values())
     msrun_like.ignore_kill = True
     adapter.stop(None, timeout=0.2)
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_running(pid) for pid in pids)
 
 
 def test_full_restart_replaces_the_scheduler_and_in_place_restart_keeps_it(msrun_like: FakeMsrun) -> None:

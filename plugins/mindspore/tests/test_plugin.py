@@ -9,8 +9,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
-from ms_support import FakeMsrun, alive, wait_until
+from ms_support import FakeMsrun
 
+from taskd_core.testing import process_running, wait_until
 from taskd_mindspore import AgentApi, CallbackError, MSRunPlugin
 
 Starter = Callable[[FakeMsrun, Mapping[str, str]], None]
@@ -74,8 +75,8 @@ def driver() -> Iterator[Callable[[Callable[[], None]], None]]:
 
 
 def _no_process_left(fake: FakeMsrun) -> None:
-    assert not any(alive(p.pid) for p in fake.everything)
-    assert not any(alive(pid) for _, pid, _ in fake.starts())
+    assert not any(process_running(p.pid) for p in fake.everything)
+    assert not any(process_running(pid) for _, pid, _ in fake.starts())
 
 
 # --- registration -------------------------------------------------------------------
@@ -165,9 +166,9 @@ def test_killed_worker_is_recovered_through_msruns_callbacks(
         wait_until(lambda: len(msrun_like.starts()) == 2, what="both workers")
         victim = msrun_like.pids()[1]
         (msrun_like.workdir / "crash-1").touch()
-        wait_until(lambda: not alive(victim), what="rank 1 to crash")
+        wait_until(lambda: not process_running(victim), what="rank 1 to crash")
         (msrun_like.workdir / "crash-1").unlink()
-        wait_until(lambda: len(msrun_like.starts()) == 4, timeout=60, what="the restarted workers")
+        wait_until(lambda: len(msrun_like.starts()) == 4, deadline=60, what="the restarted workers")
         (msrun_like.workdir / "release").touch()
 
     driver(crash_then_finish)
@@ -188,9 +189,9 @@ def test_recover_in_place_restarts_only_the_dead_rank(
         wait_until(lambda: len(msrun_like.starts()) == 2, what="both workers")
         pids["before"] = msrun_like.pids()
         (msrun_like.workdir / "crash-1").touch()
-        wait_until(lambda: not alive(pids["before"][1]), what="rank 1 to crash")
+        wait_until(lambda: not process_running(pids["before"][1]), what="rank 1 to crash")
         (msrun_like.workdir / "crash-1").unlink()
-        wait_until(lambda: len(msrun_like.starts()) == 3, timeout=60, what="rank 1 restarted")
+        wait_until(lambda: len(msrun_like.starts()) == 3, deadline=60, what="rank 1 restarted")
         pids["after"] = msrun_like.pids()
         (msrun_like.workdir / "release").touch()
 
@@ -230,11 +231,11 @@ def test_stopped_worker_is_found_through_proc_and_recovered(
         wait_until(lambda: len(msrun_like.starts()) == 2, what="both workers")
         stopped.append(msrun_like.pids()[1])
         os.kill(stopped[0], signal.SIGSTOP)
-        wait_until(lambda: len(msrun_like.starts()) == 4, timeout=60, what="the restarted workers")
+        wait_until(lambda: len(msrun_like.starts()) == 4, deadline=60, what="the restarted workers")
         (msrun_like.workdir / "release").touch()
 
     driver(stop_then_finish)
     assert _exit_code(_via_plugin, msrun_like, job_env) == 0
     assert [c for c in msrun_like.calls if c[0] == "START_ALL_WORKER"] == [("START_ALL_WORKER", None)] * 2
-    assert not alive(stopped[0])
+    assert not process_running(stopped[0])
     _no_process_left(msrun_like)

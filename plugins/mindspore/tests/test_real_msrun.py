@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ms_support import alive, wait_until
+
+from taskd_core.testing import free_port, process_running, wait_until
 
 # A missing MindSpore is a broken install (scripts/env.sh installs it), never a reason to skip.
 try:
@@ -37,12 +38,6 @@ MSRUN = Path(sys.executable).with_name("msrun")
 STEPS = 30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -54,7 +49,7 @@ def _pids_mentioning(text: str) -> list[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
             try:
-                if text in proc.joinpath("cmdline").read_bytes().decode(errors="replace") and alive(int(proc.name)):
+                if text in proc.joinpath("cmdline").read_bytes().decode(errors="replace") and process_running(int(proc.name)):
                     found.append(int(proc.name))
             except OSError:
                 continue
@@ -75,13 +70,13 @@ class TwoNodeJob:
         return self.root / "out"
 
     def start(self) -> None:
-        port = _free_port()
+        port = free_port()
         env = dict(
             os.environ,
             # msrun starts every process with the `python` found first on PATH.
             PATH=f"{MSRUN.parent}{os.pathsep}{os.environ.get('PATH', '')}",
             MS_ENABLE_TFT="{ARF:1}",
-            TASKD_CONTROLLER_PORT=str(_free_port()),
+            TASKD_CONTROLLER_PORT=str(free_port()),
             TASKD_JOB_ID=f"ms-{port}",
             TASKD_STOP_TIMEOUT="10",
             TASKD_SCHEDULER_GRACE="30",
@@ -99,7 +94,7 @@ class TwoNodeJob:
                 self.nodes.append(subprocess.Popen(cmd, env=env, cwd=self.root, stdout=log,
                                                    stderr=subprocess.STDOUT, start_new_session=True))
             if rank == 0:
-                wait_until(lambda: _listening(port), timeout=60, what="node 0's scheduler")
+                wait_until(lambda: _listening(port), deadline=60, what="node 0's scheduler")
 
     def progress(self) -> list[dict[str, Any]]:
         path = self.out / "progress.jsonl"
@@ -114,7 +109,7 @@ class TwoNodeJob:
         def reached() -> bool:
             return any(p["step"] >= step and all(p[k] == v for k, v in where.items()) for p in self.progress())
 
-        wait_until(reached, timeout=timeout, what=f"step {step} {where}")
+        wait_until(reached, deadline=timeout, what=f"step {step} {where}")
 
     def exit_codes(self, timeout: float = 400.0) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -142,7 +137,7 @@ def job(tmp_path: Path) -> Iterator[TwoNodeJob]:
 
 
 def _assert_nothing_left(job: TwoNodeJob) -> None:
-    wait_until(lambda: not _pids_mentioning(str(job.root)), timeout=10, what="every job process to end")
+    wait_until(lambda: not _pids_mentioning(str(job.root)), deadline=10, what="every job process to end")
 
 
 def test_sigkilled_worker_is_recovered_and_training_resumes(job: TwoNodeJob) -> None:
@@ -184,7 +179,7 @@ def test_faults_beyond_the_budget_give_the_job_up(job: TwoNodeJob) -> None:
     job.start()
     job.wait_step(3)
     os.kill(job.pid_of(1), signal.SIGKILL)
-    wait_until(lambda: any(p["restart"] == 1 and p["rank"] == 1 for p in job.progress()), timeout=300,
+    wait_until(lambda: any(p["restart"] == 1 and p["rank"] == 1 for p in job.progress()), deadline=300,
                what="rank 1 restarted")
     assert all(n.poll() is None for n in job.nodes), "the first fault alone must not end the job"
     os.kill(job.pid_of(1), signal.SIGKILL)

@@ -12,9 +12,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from pt_support import WORKERS, Launcher, events, finish, free_port, run_job, wait_for
+from pt_support import JOB_TOKEN, WORKERS, Launcher, events, finish, run_job
 
 from taskd_core.launcher.interrupt import StopRequest
+from taskd_core.testing import free_port, wait_until
 
 
 @pytest.fixture
@@ -30,7 +31,8 @@ def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
     made: list[TaskdElasticAgent] = []
 
     def make(
-        *worker_args: str, nproc: int = 2, script: str = "idle.py", nnodes: int = 1, stop: StopRequest | None = None
+        *worker_args: str, nproc: int = 2, script: str = "idle.py", nnodes: int = 1, stop: StopRequest | None = None,
+        job_token: str = JOB_TOKEN,
     ) -> TaskdElasticAgent:
         handler = get_rendezvous_handler(
             RendezvousParameters(
@@ -45,7 +47,9 @@ def make_agent(tmp_path: Path) -> Iterator[Callable[..., object]]:
             args=("-u", str(WORKERS / script), *worker_args),
             local_addr="127.0.0.1",
         )
-        agent = TaskdElasticAgent(spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), stop_timeout=5.0, stop=stop)
+        agent = TaskdElasticAgent(
+            spec, DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), stop_timeout=5.0, stop=stop, job_token=job_token
+        )
         made.append(agent)
         return agent
 
@@ -110,7 +114,7 @@ def etcd_server(tmp_path: Path) -> Iterator[str]:
             stdout=log, stderr=subprocess.STDOUT,
         )
     try:
-        wait_for(lambda: _serves(f"{client}/version"), 60, "etcd to serve")
+        wait_until(lambda: _serves(f"{client}/version"), "etcd to serve", 60)
         yield client.removeprefix("http://")
     finally:
         server.terminate()

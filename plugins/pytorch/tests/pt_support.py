@@ -5,30 +5,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from taskd_core.testing import free_port, process_running
+
 WORKERS = Path(__file__).parent / "workers"
+#: The token the agents of the ``make_agent`` fixture hand their workers (as a one-node taskdrun makes one).
+JOB_TOKEN = "the launch's own token"
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 #: The training job of the DDP tests (``examples/train_ddp.py`` or its live twin) and its options.
 STEPS = 30
 TRAIN_ARGS = ("--steps", str(STEPS), "--ckpt-every", "3", "--step-time", "0.1")
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> object:
-    """Poll ``predicate`` until it returns something truthy; fail the test at the deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def records(out: Path) -> list[dict[str, str]]:
@@ -36,23 +26,8 @@ def records(out: Path) -> list[dict[str, str]]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
     os.kill(pid, sig)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def taskdrun_exe() -> str:
@@ -85,7 +60,7 @@ class Launcher:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         for pid in worker_pids(self.root):
-            if pid_alive(pid):
+            if process_running(pid):
                 os.kill(pid, signal.SIGKILL)
 
 

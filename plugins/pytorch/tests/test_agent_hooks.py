@@ -7,12 +7,13 @@ import threading
 from pathlib import Path
 
 import pytest
-from pt_support import kill, pid_alive, records, wait_for
+from pt_support import JOB_TOKEN, kill, records
 
 from taskd_core.errors import LauncherInterrupted, WorkerControlError
 from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.models import WorkerState
 from taskd_core.plugins import load_adapter
+from taskd_core.testing import process_running, wait_until
 from taskd_pytorch import PytorchAdapter
 from taskd_pytorch.live._channel import LiveChannel
 
@@ -25,8 +26,8 @@ def test_restart_all_starts_every_rank_with_torchrun_environment(make_agent, out
 
     statuses = adapter.monitor()
     assert [statuses[r].global_rank for r in (0, 1)] == [0, 1]
-    assert all(s.state is WorkerState.RUNNING and pid_alive(s.pid) for s in statuses.values())
-    seen = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 30, "both workers")
+    assert all(s.state is WorkerState.RUNNING and process_running(s.pid) for s in statuses.values())
+    seen = wait_until(lambda: len(records(out_dir)) == 2 and records(out_dir), "both workers", 30)
     assert sorted(r["LOCAL_RANK"] for r in seen) == ["0", "1"]
     assert {r["TASKD_RESTART_COUNT"] for r in seen} == {"0"}
     # Workers join the round's own agent-hosted store, never the shared rendezvous store (SPEC §9).
@@ -42,7 +43,7 @@ def test_stop_given_ranks_leaves_the_others_running(make_agent, out_dir: Path) -
 
     after = adapter.monitor()
     assert after[1].state is WorkerState.EXITED and after[1].exit_code == -signal.SIGTERM
-    assert not pid_alive(before[1].pid)
+    assert not process_running(before[1].pid)
     assert [after[r].pid for r in (0, 2)] == [before[r].pid for r in (0, 2)]
     assert all(after[r].state is WorkerState.RUNNING for r in (0, 2))
 
@@ -50,7 +51,7 @@ def test_stop_given_ranks_leaves_the_others_running(make_agent, out_dir: Path) -
 def test_stop_escalates_to_sigkill_for_a_worker_that_ignores_sigterm(make_agent, out_dir: Path) -> None:
     adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir), "--ignore-sigterm", nproc=1)))
     adapter.restart_all()
-    wait_for(lambda: records(out_dir), 30, "the worker to ignore SIGTERM")
+    wait_until(lambda: records(out_dir), "the worker to ignore SIGTERM", 30)
 
     adapter.stop(None, timeout=0.5)
 
@@ -60,7 +61,7 @@ def test_stop_escalates_to_sigkill_for_a_worker_that_ignores_sigterm(make_agent,
 def test_a_stopped_worker_is_continued_so_that_sigterm_ends_it_before_the_timeout(make_agent, out_dir: Path) -> None:
     adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir), nproc=1)))
     adapter.restart_all()
-    wait_for(lambda: records(out_dir), 30, "the worker to start")
+    wait_until(lambda: records(out_dir), "the worker to start", 30)
     kill(adapter.monitor()[0].pid, signal.SIGSTOP)
 
     adapter.stop(None, timeout=120)
@@ -72,7 +73,7 @@ def test_live_recovery_is_offered_once_every_local_worker_joined_a_round(make_ag
     agent = make_agent(str(out_dir))
     adapter = load_adapter("pytorch", instance=PytorchAdapter(agent))
     adapter.restart_all()
-    first = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 30, "both workers")
+    first = wait_until(lambda: len(records(out_dir)) == 2 and records(out_dir), "both workers", 30)
     (path,) = {r["TASKD_LIVE_DIR"] for r in first}  # one channel per node
     channel = LiveChannel(Path(path))
     assert "recover-live" not in [s.value for s in adapter.strategies()]
@@ -91,20 +92,39 @@ def test_live_recovery_is_offered_once_every_local_worker_joined_a_round(make_ag
     assert channel.current_round() == 0 and "recover-live" not in [s.value for s in adapter.strategies()]
 
 
+def test_the_workers_get_the_launchs_token_and_without_one_no_live_recovery_is_offered(
+    make_agent, out_dir: Path, tmp_path: Path
+) -> None:
+    """The token keys the state hand-over: a launch that has none offers no hand-over nobody could authenticate."""
+    keyed = make_agent(str(out_dir))
+    keyed.restart_all()
+    assert {r["TASKD_JOB_TOKEN"] for r in wait_until(lambda: len(records(out_dir)) == 2 and records(out_dir), "both workers", 30)} == {JOB_TOKEN}
+    keyed.close()
+    bare_out = tmp_path / "bare"
+    bare_out.mkdir()
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(bare_out), job_token="")))
+    adapter.restart_all()
+    (path,) = {r["TASKD_LIVE_DIR"] for r in wait_until(lambda: len(records(bare_out)) == 2 and records(bare_out), "both workers", 30)}
+    channel = LiveChannel(Path(path))
+    channel.mark_joined(0, 0)
+    channel.mark_joined(1, 0)
+    assert "recover-live" not in [s.value for s in adapter.strategies()]
+
+
 def test_restart_list_keeps_other_pids_and_the_same_environment(make_agent, out_dir: Path) -> None:
     adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir)), in_place=True))
     adapter.restart_all()
-    first = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 30, "both workers")
+    first = wait_until(lambda: len(records(out_dir)) == 2 and records(out_dir), "both workers", 30)
     before = adapter.monitor()
     kill(before[1].pid)
-    wait_for(lambda: adapter.monitor()[1].state is WorkerState.EXITED, 10, "rank 1 to die")
+    wait_until(lambda: adapter.monitor()[1].state is WorkerState.EXITED, "rank 1 to die", 10)
 
     adapter.restart_list([1])
 
     after = adapter.monitor()
     assert after[0].pid == before[0].pid
     assert after[1].pid != before[1].pid and after[1].state is WorkerState.RUNNING
-    again = wait_for(lambda: len(records(out_dir)) == 3 and records(out_dir), 30, "rank 1 again")
+    again = wait_until(lambda: len(records(out_dir)) == 3 and records(out_dir), "rank 1 again", 30)
     old, new = (next(r for r in seen if r["pid"] == pid) for seen, pid in ((first, before[1].pid), (again, after[1].pid)))
     assert {k: v for k, v in new.items() if k != "pid"} == {k: v for k, v in old.items() if k != "pid"}
 
@@ -113,8 +133,8 @@ def test_monitor_reports_exit_codes_and_signals(make_agent, out_dir: Path) -> No
     adapter = load_adapter("pytorch", instance=PytorchAdapter(make_agent(str(out_dir), "--after", "0", "--exit-code", "3")))
     adapter.restart_all()
 
-    statuses = wait_for(
-        lambda: (s := adapter.monitor()) and all(x.state is WorkerState.EXITED for x in s.values()) and s, 30, "exits"
+    statuses = wait_until(
+        lambda: (s := adapter.monitor()) and all(x.state is WorkerState.EXITED for x in s.values()) and s, "exits", 30
     )
 
     assert {s.exit_code for s in statuses.values()} == {3}
@@ -128,7 +148,7 @@ def test_restart_all_gives_every_round_a_fresh_worker_store(make_agent, out_dir:
     ports = []
     for round_no in range(3):
         adapter.restart_all()
-        seen = wait_for(lambda n=round_no: len(records(out_dir)) == 2 * (n + 1) and records(out_dir), 30, "workers")
+        seen = wait_until(lambda n=round_no: len(records(out_dir)) == 2 * (n + 1) and records(out_dir), "workers", 30)
         this_round = [r for r in seen if r["TASKD_RESTART_COUNT"] == str(round_no)]
         assert len({r["MASTER_PORT"] for r in this_round}) == 1
         ports.append(this_round[0]["MASTER_PORT"])

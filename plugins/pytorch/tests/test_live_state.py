@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import pickle
 import socket
@@ -16,19 +14,21 @@ import pytest
 import torch
 from torch import nn
 
+from taskd_core.authstream import Listener, verify
+from taskd_core.errors import ConfigError, StreamError
 from taskd_pytorch.live._state import (
     StateTransferError,
     capture,
     check_registrable,
-    checksum,
     fetch,
     prepare,
-    recv_state,
     restore,
-    send_state,
     serve,
     state_key,
 )
+
+KEY = state_key("the job's token")
+CONTEXT = b"run\0taskd/live/0/1/"
 
 
 def trained() -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
@@ -43,11 +43,17 @@ def trained() -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
 
 
 def hand_over(
-    tree: Any, local: Any, sender_key: bytes = b"", receiver_key: bytes = b"", sender_errors: list[Exception] | None = None
+    tree: Any,
+    local: Any,
+    sender_key: bytes = KEY,
+    receiver_key: bytes = KEY,
+    sender_errors: list[Exception] | None = None,
+    receivers: tuple[int, ...] = (1,),
+    timeout: float = 30.0,
 ) -> Any:
-    """``tree`` sent by one thread over a real TCP connection, received by this one into ``local``.
+    """``tree`` served by one thread over a real TCP connection, fetched by this one into ``local`` as rank 1.
 
-    What the sending side raised goes to ``sender_errors`` (when given, else it fails the test).
+    What the serving side raised goes to ``sender_errors`` (when given, else it fails the test).
     """
     published: list[str] = []
     ready = threading.Event()
@@ -59,7 +65,7 @@ def hand_over(
 
     def send() -> None:
         try:
-            serve(prepare(tree), 1, "127.0.0.1", publish, 30.0, sender_key)
+            serve(prepare(tree), receivers, "127.0.0.1", publish, timeout, sender_key, CONTEXT)
         except StateTransferError as exc:
             errors.append(exc)
 
@@ -67,9 +73,11 @@ def hand_over(
     sender.start()
     try:
         assert ready.wait(30)
-        return fetch(published[0], 1, local, 30.0, receiver_key)
+        address = verify(sender_key, CONTEXT, published[0])
+        assert address is not None
+        return fetch(address, 1, local, 30.0, receiver_key, CONTEXT)
     finally:
-        sender.join(30)
+        sender.join(60)
         assert sender_errors is not None or not errors
 
 
@@ -109,64 +117,16 @@ def test_a_large_state_arrives_whole_into_the_receivers_own_tensors() -> None:
     assert all(torch.equal(t, m) for t, m in zip(tree, mine, strict=True))
 
 
-def test_a_payload_damaged_on_the_wire_is_refused_and_the_sender_hears_of_it() -> None:
-    tensor = torch.arange(10_000, dtype=torch.float32)
-    sender_side, relay_in = socket.socketpair()
-    relay_out, receiver_side = socket.socketpair()
-    errors: list[BaseException] = []
-
-    def send() -> None:
-        try:
-            send_state(prepare([tensor]), sender_side)
-        except StateTransferError as exc:
-            errors.append(exc)
-
-    def relay() -> None:
-        """Passes the rank up and everything down, with one bit of the payload's last byte flipped."""
-        relay_out.settimeout(30)
-        relay_in.settimeout(30)
-        relay_in.sendall(relay_out.recv(20))  # rank and nonce
-        data = bytearray()
-        while len(data) < 24 or len(data) < 24 + sum(struct.unpack("!QQ", data[8:24])) + 32 + 16:
-            data += relay_in.recv(65536)
-        data[-17] ^= 1  # the payload's last byte, before the 16-byte checksum
-        relay_out.sendall(data)
-        relay_in.sendall(relay_out.recv(1) or b"\x00")  # the receiver's verdict, or nothing
-
-    threads = [threading.Thread(target=send), threading.Thread(target=relay)]
-    for t in threads:
-        t.start()
-    try:
-        receiver_side.settimeout(30)
-        with pytest.raises(StateTransferError, match="arrived damaged"):
-            recv_state(receiver_side, 1, None)
-        receiver_side.close()
-    finally:
-        for t in threads:
-            t.join(30)
-        for sock in (sender_side, relay_in, relay_out, receiver_side):
-            sock.close()
-    assert len(errors) == 1 and "rejected" in str(errors[0])
-
-
 def test_an_unreachable_replica_is_a_clear_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]
     with pytest.raises(StateTransferError, match="cannot reach the replica"):
-        fetch(f"127.0.0.1:{port}", 1, None, 5.0)
+        fetch(f"127.0.0.1:{port}", 1, None, 5.0, KEY, CONTEXT)
 
 
 def test_a_replica_that_cannot_find_its_address_is_a_clear_error() -> None:
     with pytest.raises(StateTransferError, match="cannot listen for the state's receivers"):
-        serve(prepare([torch.ones(1)]), 1, "no-such-host.invalid", lambda at: None, 5.0)
-
-
-def test_the_checksum_sees_a_flipped_byte_and_a_shift() -> None:
-    payload = torch.arange(10_000, dtype=torch.float32).view(torch.uint8)
-    flipped, shifted = payload.clone(), torch.roll(payload, 8)
-    flipped[1234] ^= 1
-    assert checksum([flipped]) != checksum([payload])
-    assert checksum([shifted]) != checksum([payload])
+        serve(prepare([torch.ones(1)]), [1], "no-such-host.invalid", lambda at: None, 5.0, KEY, CONTEXT)
 
 
 @pytest.mark.parametrize("value", [3, "text", [torch.ones(1), 2], {"a": torch.ones(1)}])
@@ -185,68 +145,62 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def pose_as_replica(body: bytes, key: bytes) -> Any:
-    """What ``recv_state`` makes of a process answering on the published address with ``body`` as skeleton."""
-    server, client = socket.socketpair()
+def pose_as_replica(first_frame: bytes, key: bytes = KEY) -> Any:
+    """What ``fetch`` makes of a holder of ``key`` that serves ``first_frame`` in place of a state's header."""
+    with Listener(key, CONTEXT, host="127.0.0.1") as listener:
 
-    def answer() -> None:
-        server.settimeout(30)
-        _, nonce = struct.unpack("!I16s", server.recv(20))
-        header = struct.pack("!8sQQ", b"TASKDST1", len(body), 0)
-        server.sendall(header + body + hmac.new(key, nonce + header + body, hashlib.sha256).digest())
+        def answer() -> None:
+            try:
+                with listener.accept(30 if key == KEY else 2) as stream:
+                    stream.send(first_frame)
+            except StreamError:
+                pass  # the receiver hung up: what the test is about
 
-    thread = threading.Thread(target=answer)
-    thread.start()
-    try:
-        client.settimeout(30)
-        return recv_state(client, 1, None, state_key("the job's token"))
-    finally:
-        thread.join(30)
-        server.close()
-        client.close()
+        thread = threading.Thread(target=answer)
+        thread.start()
+        try:
+            return fetch(listener.address, 1, None, 30.0, KEY, CONTEXT)
+        finally:
+            thread.join(30)
+
+
+def state_frame(body: bytes, payload: int = 0) -> bytes:
+    return struct.pack("!8sQQ", b"TASKDST2", len(body), payload) + body
 
 
 @pytest.mark.parametrize("skeleton", ["code", "garbage"])
-def test_a_signed_skeleton_that_is_not_a_state_is_refused_and_runs_nothing(skeleton: str, tmp_path: Path) -> None:
-    """Even a holder of the token (or anyone, in a job without one) cannot run code in a replacement."""
+def test_a_skeleton_that_is_not_a_state_is_refused_and_runs_nothing(skeleton: str, tmp_path: Path) -> None:
+    """Even a holder of the token cannot run code in a replacement."""
     marker = tmp_path / "ran"
     body = pickle.dumps([_RunsCode(marker)]) if skeleton == "code" else b"\x80\x05not a pickle"
 
     with pytest.raises(StateTransferError, match="does not load|not a TaskD state"):
-        pose_as_replica(body, state_key("the job's token"))
+        pose_as_replica(state_frame(body))
 
     assert not marker.exists()
 
 
 def test_a_skeleton_too_large_to_be_a_description_is_refused_before_it_is_read() -> None:
-    server, client = socket.socketpair()
-    try:
-        server.sendall(struct.pack("!8sQQ", b"TASKDST1", 2**62, 0))
-        client.settimeout(30)
-        with pytest.raises(StateTransferError, match="announced a 4611686018427387904-byte skeleton"):
-            recv_state(client, 1, None)
-    finally:
-        server.close()
-        client.close()
+    with pytest.raises(StateTransferError, match=r"announced a \d+-byte frame, more than"):
+        pose_as_replica(state_frame(b"x" * (64 * 2**20 + 1)))
 
 
-def test_a_replica_without_the_jobs_token_is_refused_before_its_skeleton_is_read(tmp_path: Path) -> None:
-    marker = tmp_path / "ran"
-
-    with pytest.raises(StateTransferError, match="did not sign it with this job's key"):
-        pose_as_replica(pickle.dumps([_RunsCode(marker)]), state_key("another token"))
-
-    assert not marker.exists()
+def test_a_replica_without_the_jobs_token_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    with pytest.raises(StateTransferError, match="did not prove this job's key"):
+        pose_as_replica(state_frame(pickle.dumps([_RunsCode(tmp_path / "ran")])), state_key("another token"))
+    assert not (tmp_path / "ran").exists()
 
 
-def test_replicas_of_one_job_sign_and_check_with_its_token() -> None:
-    key = state_key("s3cret")
-    assert torch.equal(hand_over([torch.arange(4)], None, key, key)[0], torch.arange(4))
+def test_a_receiver_without_the_jobs_token_gets_nothing_and_the_replica_hears_of_it() -> None:
     sender_errors: list[Exception] = []
-    with pytest.raises(StateTransferError, match="did not sign"):
-        hand_over([torch.arange(4)], None, state_key("other"), key, sender_errors)
-    assert "the receiver is gone" in str(sender_errors[0])  # the replica hears of it at once
-    assert state_key("") == b""  # a job without a token: the skeleton check still holds
+    with pytest.raises(StateTransferError, match="did not prove this job's key"):
+        hand_over([torch.arange(4)], None, state_key("other"), KEY, sender_errors, timeout=2.0)
+    assert "did not fetch the state" in str(sender_errors[0])  # its wait ran out: nobody proved the key
+
+
+def test_a_job_without_a_token_has_no_key() -> None:
+    with pytest.raises(ConfigError, match="TASKD_JOB_TOKEN"):
+        state_key("")
 
 
 def test_every_optimizer_and_scheduler_state_passes_the_skeleton_check() -> None:
@@ -263,3 +217,39 @@ def test_every_optimizer_and_scheduler_state_passes_the_skeleton_check() -> None
     got = hand_over(capture(state), None)
     assert got["adam"]["param_groups"] == adam.state_dict()["param_groups"]
     assert got["onecycle"] == schedulers["onecycle"].state_dict()
+
+
+def test_a_silent_first_connection_does_not_hold_the_replica() -> None:
+    """Whoever connects first and says nothing (or anything) holds only itself: the replacement that proves
+    the key is served at once, long before the silent one's handshake deadline or the replica's timeout."""
+    published: list[str] = []
+    ready = threading.Event()
+    errors: list[Exception] = []
+    tree = [torch.arange(1000)]
+
+    def publish(at: str) -> None:
+        published.append(at)
+        ready.set()
+
+    def send() -> None:
+        try:
+            serve(prepare(tree), [1], "127.0.0.1", publish, 600.0, KEY, CONTEXT)
+        except StateTransferError as exc:
+            errors.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    assert ready.wait(30)
+    address = verify(KEY, CONTEXT, published[0])
+    assert address is not None
+    host, _, port = address.rpartition(":")
+    silent = [socket.create_connection((host, int(port)), timeout=30) for _ in range(3)]
+    try:
+        got = fetch(address, 1, None, 30.0, KEY, CONTEXT)
+        sender.join(30)  # served its one receiver: done, whatever the silent ones do
+        assert not sender.is_alive() and not errors
+        assert torch.equal(got[0], tree[0])
+    finally:
+        for sock in silent:
+            sock.close()
+        sender.join(30)

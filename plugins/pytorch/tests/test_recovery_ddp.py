@@ -12,7 +12,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from pt_support import FORMS, STEPS, events, finish, kill, pid_alive, run_job, wait_for
+from pt_support import FORMS, STEPS, events, finish, kill, run_job
+
+from taskd_core.testing import process_running, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +32,11 @@ def test_sigkills_of_rank_3_then_rank_0_recover_and_match_a_fault_free_run(
     # Rank 0 (the host of the workers' store) included.
     victims = (3, 0)
     for restart, victim in enumerate(victims):
-        wait_for(
+        wait_until(
             lambda n=restart: len(pids_of_round(progress, n)) == 4
             and any(e["event"] == "step" and e["restart"] == n and int(e["step"]) >= 6 * n + 5
                     for e in events(progress)),
-            120, f"round {restart} to train",
+            f"round {restart} to train", 120,
         )
         kill(pids_of_round(progress, restart)[victim], signal.SIGKILL)
 
@@ -49,7 +51,7 @@ def test_sigkills_of_rank_3_then_rank_0_recover_and_match_a_fault_free_run(
     assert {e["restart"] for e in events(progress)} == set(range(len(victims) + 1))
     assert final["steps"] == STEPS
     assert final["sha256"] == fault_free["sha256"]
-    assert not [pid for r in range(len(victims) + 1) for pid in pids_of_round(progress, r).values() if pid_alive(pid)]
+    assert not [pid for r in range(len(victims) + 1) for pid in pids_of_round(progress, r).values() if process_running(pid)]
     # Exactly one controller served the job, on the node the rendezvous made rank 0.
     logs = [p.read_text() for p in tmp_path.glob(f"killed-{form}*.log")]
     assert sum("embedded controller listening" in log for log in logs) == 1
@@ -114,7 +116,7 @@ def test_a_sigkilled_fork_server_is_recovered_by_exec_then_replaced(
             pids = pids_of_round(progress, r)
             return (r, pids) if len(steps) == 4 and min(steps.values()) >= 2 and len(pids) == 4 else None
 
-        return wait_for(newest, 120, f"a round after {after} to train")  # type: ignore[return-value]
+        return wait_until(newest, f"a round after {after} to train", 120)  # type: ignore[return-value]
 
     first, pids = training(-1)
     forked = [parent(pid) for pid in pids.values()]
@@ -128,7 +130,7 @@ def test_a_sigkilled_fork_server_is_recovered_by_exec_then_replaced(
     # meanwhile so that it cannot end first on a loaded machine.
     for pid in pids.values():
         kill(pid, signal.SIGSTOP)
-    wait_for(lambda: sum(log.count("ready after") for log in logs()) == 3, 300, "a new fork server to preload")
+    wait_until(lambda: sum(log.count("ready after") for log in logs()) == 3, "a new fork server to preload", 300)
     for pid in pids.values():
         kill(pid, signal.SIGCONT)
     kill(pids[0], signal.SIGKILL)
@@ -145,8 +147,8 @@ def test_a_sigkilled_fork_server_is_recovered_by_exec_then_replaced(
     node = next(log for log in logs() if f"fork server {server} died" in log)
     after_death = node[node.index(f"fork server {server} died") :]
     assert "started default local rank 0" in after_death.split("forked default local rank 0")[0]
-    assert not [pid for pid in servers if pid_alive(pid)]
-    assert not [pid for r in range(third + 2) for pid in pids_of_round(progress, r).values() if pid_alive(pid)]
+    assert not [pid for pid in servers if process_running(pid)]
+    assert not [pid for r in range(third + 2) for pid in pids_of_round(progress, r).values() if process_running(pid)]
 
 
 def test_a_ddp_job_with_torch_optim_ends_on_every_rank(launch, tmp_path: Path) -> None:

@@ -14,13 +14,13 @@ from functools import partial
 from typing import TypeVar
 
 import pytest
-from pt_support import wait_for
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from taskd_core.errors import LauncherInterrupted
 from taskd_core.launcher.interrupt import StopRequest
+from taskd_core.testing import wait_until
 from taskd_pytorch.rendezvous_reuse import Regroup, RoundReuse
 
 T = TypeVar("T")
@@ -105,7 +105,7 @@ def test_a_node_waiting_to_join_makes_the_restart_a_new_round_that_admits_it(
     agent = RoundReuse(first)
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(newcomer.next_rendezvous)
-        wait_for(lambda: first.num_nodes_waiting() == 1, 60, "the new node in the wait list")
+        wait_until(lambda: first.num_nodes_waiting() == 1, "the new node in the wait list", 60)
 
         assert agent.decide(info.store, 1, StopRequest()) is Regroup.NEW_ROUND
 

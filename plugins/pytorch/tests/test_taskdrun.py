@@ -8,7 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from pt_support import WORKERS, free_port, kill, pid_alive, records, taskdrun_exe, wait_for
+from pt_support import WORKERS, kill, records, taskdrun_exe
+
+from taskd_core.testing import free_port, process_running, wait_until
 
 IDLE = str(WORKERS / "idle.py")
 
@@ -69,15 +71,15 @@ def test_a_log_dir_under_a_file_ends_taskdrun_with_one_line(tmp_path: Path) -> N
 def test_recover_in_place_restarts_only_the_faulty_rank(launch, out_dir: Path, tmp_path: Path) -> None:
     until = tmp_path / "finish"
     job = launch("--nproc-per-node=2", "--taskd-in-place", IDLE, str(out_dir), "--until", str(until))
-    first = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 60, "both workers")
+    first = wait_until(lambda: len(records(out_dir)) == 2 and records(out_dir), "both workers", 60)
     pids = {r["RANK"]: r["pid"] for r in first}
 
     kill(pids["1"])
 
-    again = wait_for(lambda: len(records(out_dir)) == 3 and records(out_dir), 60, "rank 1 restarted")
+    again = wait_until(lambda: len(records(out_dir)) == 3 and records(out_dir), "rank 1 restarted", 60)
     new = next(r for r in again if r["pid"] not in pids.values())
     assert new["RANK"] == "1" and new["TASKD_RESTART_COUNT"] == "0"  # same environment, not a new round
-    assert pid_alive(pids["0"])
+    assert process_running(pids["0"])
     until.touch()
     assert job.wait(timeout=60) == 0
     assert len(records(out_dir)) == 3  # rank 0 was never restarted
@@ -100,7 +102,7 @@ def test_faults_past_the_budget_end_every_node_non_zero_with_no_worker_left(laun
     assert all(code != 0 for code in codes), codes
     seen = records(out_dir)
     assert {r["TASKD_RESTART_COUNT"] for r in seen} == {"0", "1"}  # one recovery, then given up
-    assert not [r["pid"] for r in seen if pid_alive(r["pid"])]
+    assert not [r["pid"] for r in seen if process_running(r["pid"])]
 
 
 @pytest.mark.slow
@@ -111,11 +113,11 @@ def test_etcd_rendezvous_recovers_a_killed_rank_with_one_controller(
     common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=etcd-v2", f"--rdzv-endpoint={etcd_server}",
               "--rdzv-id=etcd-job", "--taskd-stop-timeout", "5"]
     nodes = [launch(*common, IDLE, str(out_dir), "--until", str(until), log=f"etcd{n}") for n in (0, 1)]
-    first = wait_for(lambda: len(records(out_dir)) == 4 and records(out_dir), 120, "all four workers")
+    first = wait_until(lambda: len(records(out_dir)) == 4 and records(out_dir), "all four workers", 120)
 
     kill(next(r["pid"] for r in first if r["RANK"] == "3"))
 
-    again = wait_for(lambda: len(records(out_dir)) == 8 and records(out_dir), 120, "all four workers again")
+    again = wait_until(lambda: len(records(out_dir)) == 8 and records(out_dir), "all four workers again", 120)
     assert sorted(r["RANK"] for r in again if r["TASKD_RESTART_COUNT"] == "1") == ["0", "1", "2", "3"]
     until.touch()
     assert [node.wait(timeout=120) for node in nodes] == [0, 0]
@@ -129,7 +131,7 @@ def test_losing_the_node_that_hosts_the_controller_ends_the_other_node_with_a_cl
 ) -> None:
     common = [*c10d("lost"), "--taskd-connect-timeout", "3", "--taskd-stop-timeout", "5"]
     nodes = [launch(*common, IDLE, str(out_dir), log=f"lost{n}") for n in (0, 1)]
-    seen = wait_for(lambda: len(records(out_dir)) == 4 and records(out_dir), 120, "all four workers")
+    seen = wait_until(lambda: len(records(out_dir)) == 4 and records(out_dir), "all four workers", 120)
     logs = [tmp_path / f"lost{n}.{n}.log" for n in (0, 1)]
     host = next(n for n in (0, 1) if "embedded controller listening" in logs[n].read_text())
 
@@ -140,7 +142,7 @@ def test_losing_the_node_that_hosts_the_controller_ends_the_other_node_with_a_cl
 
     assert nodes[1 - host].wait(timeout=180) == 1
     assert "the job's controller is gone" in logs[1 - host].read_text()
-    assert not [r["pid"] for r in seen if r["GROUP_RANK"] != "0" and pid_alive(r["pid"])]
+    assert not [r["pid"] for r in seen if r["GROUP_RANK"] != "0" and process_running(r["pid"])]
 
 
 @pytest.mark.slow
@@ -148,7 +150,7 @@ def test_sigterm_while_waiting_in_the_rendezvous_ends_taskdrun_at_once(launch, o
     # The second node never comes: torch's rendezvous would wait 600 s for it.
     node = launch(*c10d("alone"), IDLE, str(out_dir), log="alone")
     log = tmp_path / "alone.0.log"
-    wait_for(lambda: "joining the c10d rendezvous" in log.read_text(), 120, "taskdrun to wait in the rendezvous")
+    wait_until(lambda: "joining the c10d rendezvous" in log.read_text(), "taskdrun to wait in the rendezvous", 120)
 
     node.send_signal(signal.SIGTERM)
 
@@ -166,7 +168,7 @@ def test_sigterm_while_the_controller_cannot_be_reached_ends_taskdrun_at_once(
     node = launch("--nproc-per-node=2", "--taskd-controller", dead, "--taskd-connect-timeout", "600", IDLE, str(out_dir),
                   log="unreachable")
     log = tmp_path / "unreachable.0.log"
-    wait_for(lambda: f"controller {dead}" in log.read_text(), 120, "taskdrun to try the controller")
+    wait_until(lambda: f"controller {dead}" in log.read_text(), "taskdrun to try the controller", 120)
 
     node.send_signal(signal.SIGTERM)
 
@@ -186,22 +188,22 @@ def test_nnodes_min_max_is_refused_at_start_with_a_clear_message(launch, out_dir
 @pytest.mark.slow
 def test_sigterm_stops_and_reaps_every_worker_and_exits_143(launch, out_dir: Path) -> None:
     job = launch("--nproc-per-node=2", IDLE, str(out_dir))
-    seen = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 60, "both workers")
+    seen = wait_until(lambda: len(records(out_dir)) == 2 and records(out_dir), "both workers", 60)
 
     job.send_signal(signal.SIGTERM)
 
     assert job.wait(timeout=60) == 128 + signal.SIGTERM
-    assert not [r["pid"] for r in seen if pid_alive(r["pid"])]
+    assert not [r["pid"] for r in seen if process_running(r["pid"])]
 
 
 @pytest.mark.slow
 def test_sigkill_of_taskdrun_leaves_no_worker(launch, out_dir: Path) -> None:
     """taskdrun is SIGKILLed (no cleanup runs): its lifeline guard kills every worker."""
     job = launch("--nproc-per-node=2", IDLE, str(out_dir))
-    seen = wait_for(lambda: len(records(out_dir)) == 2 and records(out_dir), 60, "both workers")
+    seen = wait_until(lambda: len(records(out_dir)) == 2 and records(out_dir), "both workers", 60)
 
     job.kill()
     job.wait(timeout=60)
 
     # Measured well under 1 s; the wait is generous for a loaded machine.
-    wait_for(lambda: not [r["pid"] for r in seen if pid_alive(r["pid"])], 5, "workers to die with taskdrun")
+    wait_until(lambda: not [r["pid"] for r in seen if process_running(r["pid"])], "workers to die with taskdrun", 5)

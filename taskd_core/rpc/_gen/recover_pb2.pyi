@@ -230,12 +230,16 @@ class JobView(_message.Message):
     def __init__(self, jobId: _Optional[str] = ..., state: _Optional[str] = ..., cycle: _Optional[int] = ..., strategy: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., cyclesUsed: _Optional[int] = ..., maxCycles: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[EventView, _Mapping]]] = ..., outcome: _Optional[str] = ..., legacy: _Optional[bool] = ...) -> None: ...
 
 class ControllerStatus(_message.Message):
-    __slots__ = ("status", "jobs")
+    __slots__ = ("status", "jobs", "leader", "leaderGeneration")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    LEADERGENERATION_FIELD_NUMBER: _ClassVar[int]
     status: Status
     jobs: _containers.RepeatedCompositeFieldContainer[JobView]
-    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[JobView, _Mapping]]] = ...) -> None: ...
+    leader: str
+    leaderGeneration: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., jobs: _Optional[_Iterable[_Union[JobView, _Mapping]]] = ..., leader: _Optional[str] = ..., leaderGeneration: _Optional[int] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
     __slots__ = ("kind", "rank", "localRank", "pid", "time", "exitCode", "step")

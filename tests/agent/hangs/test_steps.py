@@ -8,7 +8,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from taskd_core.agent.hangs import ProgressConfig, ProgressWatcher
 from taskd_core.agent.hangs.steps import StepTracker, WorkerId
 from taskd_core.errors import ConfigError
 from taskd_core.models import WorkerEventKind
+from taskd_core.testing import wait_until
 from taskd_core.worker import MAX_STEP, ProgressReporter
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -41,13 +41,6 @@ WORKER = textwrap.dedent(
 )
 
 
-def wait_until(check: Callable[[], bool], what: str) -> None:
-    end = time.monotonic() + WAIT
-    while not check():
-        assert time.monotonic() < end, f"no {what} within {WAIT}s"
-        time.sleep(0.05)
-
-
 def spawn(tmp_path: Path, start: int, stop: int) -> tuple[subprocess.Popen[bytes], Path]:
     flag = tmp_path / f"done-{start}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -66,7 +59,7 @@ def test_a_worker_reports_where_it_resumed_its_first_step_and_its_last(
         proc, flag = spawn(tmp_path, 40, 65)
         if track_first:
             watcher.track({proc.pid: (1, 3)})
-        wait_until(flag.exists, "worker done")
+        wait_until(flag.exists, "worker done", WAIT)
         # A worker can resume before the agent's next look: its datagrams wait for the tracking.
         watcher.track({proc.pid: (1, 3)})
         proc.kill()

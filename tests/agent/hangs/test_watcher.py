@@ -8,13 +8,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from taskd_core.agent.hangs import Hang, HangSignal, ProgressConfig, ProgressWatcher
+from taskd_core.testing import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 HANGS = Path(__file__).parents[1] / "workers" / "hangs.py"
@@ -22,13 +22,6 @@ HANGS = Path(__file__).parents[1] / "workers" / "hangs.py"
 WAIT = 60.0
 #: Small bounds, so each case is found quickly; the floor keeps the learned timeout sane on a loaded machine.
 FAST = ProgressConfig(floor=1.0, ceiling=30.0, min_samples=5, window=50, stopped_bound=0.3, stack_timeout=20.0)
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, f"no {what} within {timeout}s"
-        time.sleep(0.05)
 
 
 class Watched:
@@ -52,7 +45,7 @@ class Watched:
             self.hangs += self.watcher.take_hangs()
             return bool(self.hangs)
 
-        wait_until(found, WAIT, "a hang")
+        wait_until(found, "a hang", WAIT)
         return self.hangs[0]
 
     def close(self) -> None:
@@ -136,7 +129,7 @@ def test_torch_file_timer_protocol(tmp_path: Path) -> None:
 def test_healthy_worker_with_jittery_steps_is_left_alone(watched: Watched, tmp_path: Path) -> None:
     proc = watched.spawn("healthy", str(tmp_path))
     # Long enough for the learned timeout to be in force over many 5x-varying steps.
-    wait_until(lambda: "of 50)" in watched.watcher.describe(), WAIT, "a window full of beat intervals")
+    wait_until(lambda: "of 50)" in watched.watcher.describe(), "a window full of beat intervals", WAIT)
     (tmp_path / "finish").touch()
     assert proc.wait(timeout=WAIT) == 0
     assert watched.watcher.take_hangs() == []

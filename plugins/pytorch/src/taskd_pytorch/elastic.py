@@ -56,7 +56,7 @@ from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.models import WorkerState, WorkerStatus
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
-from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
+from taskd_pytorch.live._channel import JOB_TOKEN_ENV, LIVE_DIR_ENV, LiveChannel
 from taskd_pytorch.processes import Launch, RankProcesses
 from taskd_pytorch.rendezvous import run_interruptibly
 from taskd_pytorch.rendezvous_reuse import Regroup, RoundReuse
@@ -87,6 +87,10 @@ class TaskdElasticAgent(LocalElasticAgent):
         progress is abandoned and no worker starts any more.
     :param lifeline: kills the workers should taskdrun die.
     :param launcher: forks Python workers from the node's fork server; None starts them by exec.
+    :param store_host: where the workers' store of each round listens (group rank 0) and every
+        worker reaches it: loopback, or the address of the interface the job uses.
+    :param job_token: the job's token, handed to the workers: it keys their live state hand-over
+        (empty: no live recovery, nothing could authenticate the hand-over).
     """
 
     def __init__(
@@ -100,6 +104,8 @@ class TaskdElasticAgent(LocalElasticAgent):
         stop: StopRequest | None = None,
         lifeline: Lifeline | None = None,
         launcher: ForkLauncher | None = None,
+        store_host: str = "127.0.0.1",
+        job_token: str = "",
     ) -> None:
         if spec.virtual_local_rank:
             raise ConfigError("taskdrun does not support --virtual-local-rank")
@@ -124,7 +130,9 @@ class TaskdElasticAgent(LocalElasticAgent):
         self._taskd_starts = 0
         # The node agent serialises its hook calls; this also guards direct callers.
         self._taskd_lock = threading.RLock()
-        self._taskd_round_stores = RoundStores()
+        self._taskd_round_stores = RoundStores(store_host)
+        self._taskd_token = job_token
+        self._taskd_tokenless_told = False
         self._taskd_live = LiveChannel.create()
         self._taskd_stop = stop or StopRequest()
         #: the launcher joined the current round itself (:meth:`join`); the next start uses it.
@@ -174,8 +182,21 @@ class TaskdElasticAgent(LocalElasticAgent):
             return pids
 
     def live_ready(self) -> bool:
-        """Every local worker uses the live API (``taskd_pytorch.live``), so it survives a peer's loss."""
-        return self._taskd_live.opted_in(range(self.get_worker_group().spec.local_world_size))
+        """Every local worker uses the live API (``taskd_pytorch.live``), so it survives a peer's loss.
+
+        Never without the job's token: a state hand-over nobody can authenticate is not offered.
+        """
+        opted_in = self._taskd_live.opted_in(range(self.get_worker_group().spec.local_world_size))
+        if opted_in and not self._taskd_token:
+            if not self._taskd_tokenless_told:
+                self._taskd_tokenless_told = True
+                logger.warning(
+                    "live recovery is off: without TASKD_JOB_TOKEN nothing authenticates the state a "
+                    "replica hands a replacement; set it to the same secret on every node (a lost rank "
+                    "restarts the job from its checkpoint meanwhile)"
+                )
+            return False
+        return opted_in
 
     def begin_round(self, round_no: int) -> None:
         """Announce live recovery round ``round_no`` to the local workers."""
@@ -251,9 +272,7 @@ class TaskdElasticAgent(LocalElasticAgent):
             raise LauncherInterrupted("starting workers", self._taskd_stop.signum)
         if worker_group.store is None or spec.entrypoint is None:
             raise ConfigError("workers cannot start before the rendezvous has given them a store")
-        meet = self._taskd_round_stores.meet(
-            worker_group.store, worker_group.group_rank, self._taskd_starts, spec.local_addr
-        )
+        meet = self._taskd_round_stores.meet(worker_group.store, worker_group.group_rank, self._taskd_starts)
         launches = {}
         for worker in worker_group.workers:
             env = {
@@ -276,6 +295,8 @@ class TaskdElasticAgent(LocalElasticAgent):
                 LIVE_DIR_ENV: str(self._taskd_live.path),
                 RESTART_COUNT_ENV: str(self._taskd_starts),
             }
+            if self._taskd_token:  # a one-node launch makes its token itself: the workers learn it here
+                env[JOB_TOKEN_ENV] = self._taskd_token
             prefix = Template(self._taskd_prefix or "[${role_name}${local_rank}]:").safe_substitute(
                 role_name=spec.role, rank=worker.global_rank, local_rank=worker.local_rank
             )

@@ -41,6 +41,7 @@ from taskd_core.plugins import load_adapter
 from taskd_core.values import LOCALHOST, is_loopback
 from taskd_pytorch.adapter import PytorchAdapter
 from taskd_pytorch.elastic import TaskdElasticAgent
+from taskd_pytorch.listen import job_interface
 from taskd_pytorch.options import STOP_SIGNALS, TaskdOptions
 from taskd_pytorch.rendezvous import StoreBoard, run_interruptibly
 
@@ -231,7 +232,23 @@ def elastic_agent(
         stop=stop,
         lifeline=lifeline,
         launcher=launcher,
+        store_host=store_host(job.master_host, config.local_addr),
+        job_token=job.options.node.agent.credentials.token,
     )
+
+
+def store_host(rdzv_host: str, local_addr: str | None) -> str:
+    """Where the workers' stores listen and every worker reaches them (see :mod:`taskd_pytorch.listen`).
+
+    ``--local-addr`` when given, else the address by which this host reaches
+    the rendezvous: loopback when the whole job runs on this host.
+    """
+    if local_addr:
+        return local_addr
+    try:
+        return job_interface(rdzv_host)
+    except OSError as exc:
+        raise ConfigError(f"no route from this host to the rendezvous host {rdzv_host!r}: {exc}") from exc
 
 
 def run_agent(job: NodeJob, elastic: TaskdElasticAgent, stop: StopRequest) -> AgentOutcome:

@@ -41,9 +41,11 @@ killed by its agent):
    store (``taskd/live/<restart>/<round>/``). The ranks exchange their
    committed step; the live replica with the most steps sends the registered
    state to every rank that is new or behind over a TCP connection of their
-   own (its address published in the round's store): from its tensors'
-   memory straight into the receiver's tensors, with a checksum summed
-   while the bytes travel (the wire: ``taskd_pytorch.live._state``).
+   own (its address published, signed, in the round's store): from its
+   tensors' memory into the receiver's tensors, encrypted and authenticated
+   with a key from the job's token, ``TASKD_JOB_TOKEN`` (the wire:
+   ``taskd_pytorch.live._state``; a job of several nodes needs the token
+   for live recovery, a one-node ``taskdrun`` makes one).
 4. The interrupted step runs again on every rank; no committed step is lost.
 
 If a round cannot be formed in time (the node's ``--taskd-live-timeout``),

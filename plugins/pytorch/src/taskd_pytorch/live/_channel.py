@@ -31,6 +31,8 @@ from pathlib import Path
 
 #: Environment variable naming the channel directory in every worker.
 LIVE_DIR_ENV = "TASKD_LIVE_DIR"
+#: Environment variable holding the job's token, which keys the state hand-over.
+JOB_TOKEN_ENV = "TASKD_JOB_TOKEN"
 _ROUND = "round"
 
 

@@ -20,9 +20,20 @@ import torch.distributed as dist
 from torch.distributed import GradBucket, PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from taskd_core import worker
+from taskd_core.authstream import verify
 from taskd_core.errors import ConfigError, TaskdError
-from taskd_pytorch.live._channel import LIVE_DIR_ENV, LiveChannel
-from taskd_pytorch.live._state import capture, check_registrable, fetch, prepare, restore, serve, state_key
+from taskd_pytorch.listen import job_interface, listening_store
+from taskd_pytorch.live._channel import JOB_TOKEN_ENV, LIVE_DIR_ENV, LiveChannel
+from taskd_pytorch.live._state import (
+    StateTransferError,
+    capture,
+    check_registrable,
+    fetch,
+    prepare,
+    restore,
+    serve,
+    state_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +91,15 @@ class LiveSession:
         self.rank, self.world_size, self._local_rank = env.rank, env.world_size, env.local_rank
         self._prefix = f"taskd/live/{env.restart}/"
         self._master_addr = env.master_addr
-        self._key = state_key(env.token)
-        self._store = TCPStore(
-            env.master_addr, env.master_port, is_master=env.hosts_store, timeout=self._collective_timeout
-        )
+        self._token = env.token
+        self._run_id = env.run_id
+        if env.hosts_store:
+            # Plain torchrun: rank 0 hosts the store; on the job's interface only, not on every one.
+            self._store = listening_store(
+                job_interface(env.master_addr), env.master_port, self._collective_timeout
+            )
+        else:
+            self._store = TCPStore(env.master_addr, env.master_port, timeout=self._collective_timeout)
         self._channel = LiveChannel(env.live_dir) if env.live_dir is not None else None
         #: steps committed on every rank: the number of the next step to run.
         self.step = 0
@@ -292,11 +308,14 @@ class LiveSession:
         needy = [r for r, (step, new) in enumerate(table) if r != source and (new or step < target)]
         timeout = self._collective_timeout.total_seconds()
         if not table[source][1] and needy:
+            key = self._hand_over_key()
+            # Binds every proof and signed address to this round of this job.
+            context = f"{self._run_id}\0{self._prefix}{self.round}".encode()
             if self.rank == source:
                 began = time.monotonic()
                 outgoing = prepare(capture(self._state))
                 publish = partial(store.set, _TRANSFER_KEY)
-                serve(outgoing, len(needy), self._master_addr, publish, timeout, self._key)
+                serve(outgoing, needy, self._master_addr, publish, timeout, key, context)
                 logger.info(
                     "rank %s sent the state of step %s (%d bytes) to ranks %s in %.3fs",
                     self.rank,
@@ -306,9 +325,49 @@ class LiveSession:
                     time.monotonic() - began,
                 )
             elif self.rank in needy:
-                address = store.get(_TRANSFER_KEY).decode()
-                restore(self._state, fetch(address, self.rank, capture(self._state), timeout, self._key))
+                address = _replica_address(store, key, context, timeout)
+                restore(self._state, fetch(address, self.rank, capture(self._state), timeout, key, context))
         self.step = target
+
+    def _hand_over_key(self) -> bytes:
+        if not self._token:
+            raise LiveRecoveryError(
+                f"rank {self.rank}: the state hand-over needs the job's token ({JOB_TOKEN_ENV}) to "
+                "authenticate it, and this worker has none; set it to the same secret on every node"
+            )
+        return state_key(self._token)
+
+
+def _replica_address(store: PrefixStore, key: bytes, context: bytes, timeout: float) -> str:
+    """The address the round's replica published, signed with the job's key; forged ones are skipped.
+
+    Anyone who reaches the store can put a value there before the replica
+    does: such a value does not verify, and the replica's own overwrites it.
+    """
+    deadline = time.monotonic() + timeout
+    forged = 0
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            store.wait([_TRANSFER_KEY], timedelta(seconds=max(remaining, 0.001)))
+            value = store.get(_TRANSFER_KEY).decode("utf-8", "replace")
+        except RuntimeError as exc:  # the store's timeout, or the store is gone
+            raise StateTransferError(
+                f"no replica published a signed address for the state within {timeout:g}s "
+                f"({forged} forged value(s) skipped): {exc}"
+            ) from exc
+        address = verify(key, context, value)
+        if address is not None:
+            return address
+        if not forged:
+            logger.warning("skipped an address for the state that the job's key did not sign: %r", value[:99])
+        forged += 1
+        if time.monotonic() > deadline:
+            raise StateTransferError(
+                f"no replica published a signed address for the state within {timeout:g}s "
+                f"({forged} forged value(s) skipped)"
+            )
+        time.sleep(_ROUND_POLL)
 
 
 def _source(table: list[tuple[int, bool]]) -> int:
@@ -502,8 +561,9 @@ class _Env:
                 "start the script with taskdrun"
             ) from exc
         self.restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        # Signs the state a replica hands over (every node of a multi-node job has it).
-        self.token = env.get("TASKD_JOB_TOKEN", "").strip()
+        # Keys the state a replica hands over (taskdrun passes it on; every node of a job has the same).
+        self.token = env.get(JOB_TOKEN_ENV, "").strip()
+        self.run_id = env.get("TORCHELASTIC_RUN_ID", "")
         # torchrun and taskdrun host the workers' store in the agent, which outlives any rank.
         self.hosts_store = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and self.rank == 0
         live_dir = env.get(LIVE_DIR_ENV)

@@ -1,56 +1,58 @@
-"""The job's named state: registration, checksums, and its hand-over from a replica over a TCP socket.
+"""The job's named state: registration, and its hand-over from a replica over an authenticated stream.
 
-A live replica hands its state to a replacement over a plain TCP connection
-of their own, not through the process group: the bytes go straight from the
-replica's tensors into the receiver's (``sendall`` and ``recv_into`` on the
-tensors' memory), with no packing copy on either side. The wire, all
-integers big-endian:
+A live replica hands its state to a replacement over a TCP connection of
+their own, not through the process group, and every byte of it is
+authenticated and encrypted (:mod:`taskd_core.authstream`, keyed by the
+job's token, :func:`state_key`): the bytes go from the replica's tensors
+through one 256 KiB scratch buffer on each side (AES-GCM) into the
+receiver's tensors, with no packing copy. The hand-over:
 
-1. the receiver connects to the address the replica published in the
-   round's store and sends its global rank and a fresh 16-byte nonce
-   (``!I16s``);
-2. the replica sends a header ``!8sQQ``: the magic ``TASKDST1``, the
-   skeleton's length and the payload's length;
-3. the replica sends the *skeleton*: the pickled state with every tensor
-   replaced by a reference (its size, dtype and shape), then a 32-byte
-   HMAC-SHA256 of nonce, header and skeleton keyed by the job's token
-   (:func:`state_key`). The receiver checks the tag, so that only a
-   holder of ``TASKD_JOB_TOKEN`` can serve it a state, and unpickles plain
-   values, dtypes and tensor references only (:class:`_SkeletonUnpickler`),
-   so that no skeleton runs code in it, token or not;
+1. the replica listens on the address by which its host reaches the job's
+   store host and publishes it in the round's store, signed with the key
+   for this round (:func:`taskd_core.authstream.sign`); the receiver uses
+   only an address that verifies, so a value another process put there
+   first is skipped;
+2. the receiver connects; both sides prove the key to each other before
+   anything else (the receiver's hello is its global rank, ``!I``); a
+   connection that does not prove it within a few seconds is closed, and
+   the replica meanwhile serves the ones that do;
+3. the replica sends one frame: a header ``!8sQQ`` (the magic ``TASKDST2``,
+   the skeleton's length and the payload's length) and the *skeleton*: the
+   pickled state with every tensor replaced by a reference (its size, dtype
+   and shape). The receiver unpickles plain values, dtypes and tensor
+   references only (:class:`_SkeletonUnpickler`), so that no skeleton runs
+   code in it, even one from a holder of the key;
 4. the replica sends the *payload*: every tensor's bytes, in the skeleton's
-   order, unpadded;
-5. the replica sends the payload's checksum ``!qq`` (two signed 64-bit
-   sums, see :func:`checksum`), computed while the payload was on its way;
-6. the receiver, which summed each tensor while receiving the next,
-   compares and answers one byte, ``0x01``.
+   order, in frames of at most 256 KiB (none spans two tensors);
+5. the receiver answers one frame, ``0x01``, once every frame authenticated.
 
-The receiver reads each tensor into its own tensor at the same place of
+The receiver decrypts each tensor into its own tensor at the same place of
 its own state when dtype and shape match (a replacement's fresh model), so
 loading it afterwards copies nothing; other tensors (an optimizer without
-momentum buffers yet) arrive in new ones. A broken or damaged transfer
-fails the recovery; the controller then restarts the job from its
-checkpoint, which also replaces whatever the receiver had half-read.
+momentum buffers yet) arrive in new ones. A broken or forged transfer fails
+the recovery; the controller then restarts the job from its checkpoint,
+which also replaces whatever the receiver had half-read.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import io
-import os
+import logging
 import pickle
-import socket
 import struct
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from taskd_core.errors import TaskdError
+from taskd_core.authstream import HANDSHAKE_TIMEOUT, Listener, Stream, connect, sign, stream_key
+from taskd_core.errors import StreamError, TaskdError
+from taskd_pytorch.listen import job_interface
+
+logger = logging.getLogger(__name__)
 
 
 class StateTransferError(TaskdError):
@@ -87,19 +89,14 @@ class Outgoing:
         return sum(c.numel() for c in self.chunks)
 
 
-_MAGIC = b"TASKDST1"
+_MAGIC = b"TASKDST2"
 _HEADER = struct.Struct("!8sQQ")
-_TRAILER = struct.Struct("!qq")
-_HELLO = struct.Struct("!I16s")
-_TAG_SIZE = hashlib.sha256().digest_size
+_HELLO = struct.Struct("!I")
 #: A skeleton describes the state, it does not hold it: a larger one is not read (nor allocated).
 _MAX_SKELETON = 64 * 2**20
 _ACK = b"\x01"
-#: Checksum rows are this many 64-bit words.
-_ROW = 1024
-#: From this many payload bytes on, the checksum is summed beside the transfer.
-_OVERLAP_FROM = 16 * 2**20
-_T = TypeVar("_T")
+#: Seconds between two publications of the replica's address while it waits for receivers.
+_REPUBLISH = 0.2
 
 
 def check_registrable(name: str, obj: object) -> None:
@@ -189,35 +186,6 @@ def prepare(tree: Any) -> Outgoing:
     return Outgoing(buf.getvalue(), tuple(chunks))
 
 
-def checksum(chunks: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> tuple[int, int]:
-    """Two wrapping 64-bit sums over the chunks' bytes read as words: plain, and weighted by row.
-
-    One vectorised pass over the bytes (sums of rows of ``_ROW`` words; a
-    chunk's last, partial row is padded with zeros), several times faster
-    than CRC-32 in Python's zlib. It catches lost and flipped bytes and bytes
-    moved across rows; it is a transfer check, not a cryptographic one.
-    """
-    return _combine([_row_sums(c) for c in chunks])
-
-
-def _combine(sums: list[torch.Tensor]) -> tuple[int, int]:
-    rows = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64)
-    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64)
-    return int(rows.sum()), int((rows * weights).sum())
-
-
-def _row_sums(chunk: torch.Tensor) -> torch.Tensor:
-    if chunk.storage_offset() % 8:
-        chunk = chunk.clone()  # a word view needs 8-byte alignment
-    whole = chunk.numel() // (8 * _ROW) * 8 * _ROW
-    sums = chunk[:whole].view(torch.int64).view(-1, _ROW).sum(dim=1)
-    if whole == chunk.numel():
-        return sums
-    tail = torch.zeros(8 * _ROW, dtype=torch.uint8)
-    tail[: chunk.numel() - whole] = chunk[whole:]
-    return torch.cat([sums, tail.view(torch.int64).sum().reshape(1)])
-
-
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view."""
     return tensor.reshape(-1).view(torch.uint8)
@@ -229,84 +197,54 @@ def _memory(chunk: torch.Tensor) -> memoryview:
 
 
 def state_key(token: str) -> bytes:
-    """The key proving that a replica belongs to the job, from its token (empty: no token, no proof)."""
-    return hashlib.sha256(b"taskd live state\0" + token.encode()).digest() if token else b""
+    """The key of the state hand-over, from the job's token (``TASKD_JOB_TOKEN``).
+
+    :raises ConfigError: without a token: a hand-over nobody can authenticate is never made.
+    """
+    return stream_key(token, "live state")
 
 
-def _tag(key: bytes, nonce: bytes, header: bytes, skeleton: bytes) -> bytes:
-    return hmac.new(key, nonce + header + skeleton, hashlib.sha256).digest()
+def send_state(outgoing: Outgoing, stream: Stream) -> None:
+    """Hand ``outgoing`` to the receiver on ``stream`` (which proved the key).
 
-
-def send_state(outgoing: Outgoing, conn: socket.socket, key: bytes = b"") -> int:
-    """Hand ``outgoing`` to the receiver connected on ``conn``; returns the receiver's rank.
-
-    ``key`` (:func:`state_key`) signs the skeleton. Raises ``StateTransferError``
-    when the receiver goes away or does not acknowledge.
+    Raises ``StateTransferError`` when the receiver goes away or does not acknowledge.
     """
     try:
-        rank, nonce = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
         header = _HEADER.pack(_MAGIC, len(outgoing.skeleton), outgoing.nbytes)
-        conn.sendall(header)
-        conn.sendall(outgoing.skeleton)
-        conn.sendall(_tag(key, nonce, header, outgoing.skeleton))
-        with _Overlap(outgoing.nbytes) as overlap:
-            summed = overlap.run(checksum, outgoing.chunks)
-            for chunk in outgoing.chunks:
-                if chunk.numel():
-                    conn.sendall(_memory(chunk))
-            conn.sendall(_TRAILER.pack(*summed.result()))
-        if _recv_exact(conn, 1) != _ACK:
-            raise StateTransferError(f"the receiver on {conn.getpeername()} rejected the state")
-    except OSError as exc:
-        raise StateTransferError(f"sending the state failed: {exc}; the receiver is gone") from exc
-    return int(rank)
+        stream.send(header + outgoing.skeleton)
+        stream.send_buffers(_memory(c) for c in outgoing.chunks if c.numel())
+        if stream.receive(len(_ACK)) != _ACK:
+            raise StateTransferError(f"the receiver on {stream.peer} rejected the state")
+    except StreamError as exc:
+        raise StateTransferError(f"sending the state to {stream.peer} failed: {exc}") from exc
 
 
-def recv_state(conn: socket.socket, rank: int, local: Any, key: bytes = b"") -> Any:
-    """Receive the state a replica sends on ``conn``, reading tensors into ``local``'s where they fit.
+def recv_state(stream: Stream, local: Any) -> Any:
+    """Receive the state a replica sends on ``stream``, reading tensors into ``local``'s where they fit.
 
-    ``local`` is this rank's own :func:`capture`; ``key`` (:func:`state_key`)
-    checks the replica's signature. Raises ``StateTransferError`` when the
-    connection breaks, the signature or the checksum does not match, or the
+    ``local`` is this rank's own :func:`capture`. Raises ``StateTransferError``
+    when the stream breaks or a frame does not authenticate, or when the
     skeleton names anything but plain values.
     """
-    nonce = os.urandom(16)
     try:
-        conn.sendall(_HELLO.pack(rank, nonce))
-        header = _recv_exact(conn, _HEADER.size)
-        magic, skeleton_len, payload_len = _HEADER.unpack(header)
-        if magic != _MAGIC:
-            raise StateTransferError(f"the replica sent {magic!r}, not a TaskD state header")
-        if skeleton_len > _MAX_SKELETON:
-            raise StateTransferError(
-                f"the replica announced a {skeleton_len}-byte skeleton (at most {_MAX_SKELETON}); "
-                "it is not a TaskD replica of this version"
-            )
-        data = _recv_exact(conn, skeleton_len)
-        if not hmac.compare_digest(_recv_exact(conn, _TAG_SIZE), _tag(key, nonce, header, data)):
-            raise StateTransferError(
-                "the replica serving the state did not sign it with this job's key; "
-                "every node of the job must run with the same TASKD_JOB_TOKEN"
-            )
-        skeleton = _load_skeleton(data)
+        data = stream.receive(_HEADER.size + _MAX_SKELETON)
+        if len(data) < _HEADER.size:
+            raise StateTransferError(f"the replica sent {len(data)} bytes, not a TaskD state header")
+        magic, skeleton_len, payload_len = _HEADER.unpack_from(data)
+        if magic != _MAGIC or skeleton_len != len(data) - _HEADER.size:
+            raise StateTransferError(f"the replica sent {magic!r}, not a TaskD state header of this version")
+        skeleton = _load_skeleton(data[_HEADER.size :])
         tree = _targets(skeleton, local)
         chunks = [_bytes_of(t) for t in _tensors(tree)]
         if sum(c.numel() for c in chunks) != payload_len:
             raise StateTransferError(f"the replica's skeleton does not match its {payload_len} payload bytes")
-        with _Overlap(payload_len) as overlap:
-            sums = []
-            for chunk in chunks:
-                _recv_into(conn, _memory(chunk))
-                sums.append(overlap.run(_row_sums, chunk))
-            mine = _combine([s.result() for s in sums])
-        if _TRAILER.unpack(_recv_exact(conn, _TRAILER.size)) != mine:
-            raise StateTransferError(
-                f"the state arrived damaged (checksum mismatch over {payload_len} bytes); "
-                "the recovery fails and the controller falls back to a full restart"
-            )
-        conn.sendall(_ACK)
-    except OSError as exc:
-        raise StateTransferError(f"receiving the state failed: {exc}; the replica is gone") from exc
+        stream.receive_into(_memory(c) for c in chunks if c.numel())
+        stream.send(_ACK)
+    except StreamError as exc:
+        raise StateTransferError(
+            f"receiving the state failed: {exc}; the recovery fails and the controller falls back to a "
+            "full restart"
+        ) from exc
     return tree
 
 
@@ -346,31 +284,6 @@ def _load_skeleton(data: bytes) -> Any:
         raise StateTransferError(f"the replica's skeleton is not a TaskD state: {exc}") from exc
 
 
-class _Overlap:
-    """Runs the checksum's sums beside the socket for a large payload; inline for a small one.
-
-    Summing releases the GIL, so for a large state the checksum costs no time
-    of its own; for a small one, starting a thread would cost more than the sums.
-    """
-
-    def __init__(self, nbytes: int) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1) if nbytes >= _OVERLAP_FROM else None
-
-    def __enter__(self) -> _Overlap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-
-    def run(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
-        if self._pool is not None:
-            return self._pool.submit(fn, *args)
-        done: Future[_T] = Future()
-        done.set_result(fn(*args))
-        return done
-
-
 def _targets(skeleton: Any, local: Any) -> Any:
     """The skeleton with every reference replaced by the tensor its bytes go into."""
     if isinstance(skeleton, _Ref):
@@ -403,67 +316,64 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _recv_exact(conn: socket.socket, size: int) -> bytes:
-    buf = bytearray(size)
-    _recv_into(conn, memoryview(buf))
-    return bytes(buf)
-
-
-def _recv_into(conn: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            raise StateTransferError(f"the connection closed after {got} of {len(view)} bytes")
-        got += n
-
-
 def serve(
     outgoing: Outgoing,
-    receivers: int,
+    receivers: Collection[int],
     near: str,
     publish: Callable[[str], None],
     timeout: float,
-    key: bytes = b"",
+    key: bytes,
+    context: bytes,
 ) -> None:
-    """Send ``outgoing`` to ``receivers`` receivers, one after the other.
+    """Send ``outgoing`` to each of the ranks ``receivers`` once, within ``timeout`` seconds.
 
     Listens on the address by which this host reaches ``near`` (the job's
     store host, so that the receivers on other hosts reach it too) and
-    ``publish``es it as ``host:port`` before it accepts.
+    ``publish``es it, signed with ``key`` for ``context``, before it accepts.
+    Connections that do not prove the key, or come from a rank that is not
+    expected, are dropped without holding the others.
     """
+    deadline = time.monotonic() + timeout
+    pending = set(receivers)
     try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(near, 1, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(sockaddr)  # no packet is sent: this only picks the route's local address
-            host = probe.getsockname()[0]
-        server = socket.create_server((host, 0), family=family)
-    except OSError as exc:
+        listener = Listener(
+            key,
+            context,
+            host=job_interface(near),
+            hello_limit=_HELLO.size,
+            handshake_timeout=min(timeout, HANDSHAKE_TIMEOUT),
+        )
+    except (OSError, StreamError) as exc:
         raise StateTransferError(
             f"cannot listen for the state's receivers on the way to {near}: {exc}"
         ) from exc
-    with server:
-        server.settimeout(timeout)
-        port = server.getsockname()[1]
-        publish(f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}")
-        for _ in range(receivers):
+    with listener:
+        signed = sign(key, context, listener.address)
+        while pending:
+            # Published again every slice: a value another process wrote over it does not last.
+            publish(signed)
             try:
-                conn, _ = server.accept()
-            except OSError as exc:
-                raise StateTransferError(
-                    f"a receiver of the state did not connect within {timeout}s: {exc}"
-                ) from exc
-            with conn:
-                conn.settimeout(timeout)
-                send_state(outgoing, conn, key)
+                stream = listener.accept(min(_REPUBLISH, deadline - time.monotonic()))
+            except StreamError as exc:
+                if time.monotonic() < deadline:
+                    continue
+                raise StateTransferError(f"ranks {sorted(pending)} did not fetch the state: {exc}") from exc
+            with stream:
+                (rank,) = _HELLO.unpack(stream.hello) if len(stream.hello) == _HELLO.size else (-1,)
+                if rank not in pending:
+                    logger.warning("%s asked for the state as rank %s, which needs none", stream.peer, rank)
+                    continue
+                stream.settimeout(max(deadline - time.monotonic(), 1.0))
+                send_state(outgoing, stream)
+                pending.discard(rank)
 
 
-def fetch(address: str, rank: int, local: Any, timeout: float, key: bytes = b"") -> Any:
+def fetch(address: str, rank: int, local: Any, timeout: float, key: bytes, context: bytes) -> Any:
     """Receive the state from the replica serving at ``address`` (``host:port``); see :func:`recv_state`."""
-    host, _, port = address.rpartition(":")
     try:
-        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-    except OSError as exc:
+        stream = connect(address, key, context, _HELLO.pack(rank), timeout)
+    except StreamError as exc:
         raise StateTransferError(f"cannot reach the replica serving the state at {address}: {exc}") from exc
-    with conn:
-        return recv_state(conn, rank, local, key)
+    with stream:
+        stream.settimeout(timeout)
+        return recv_state(stream, local)

@@ -1,0 +1,335 @@
+"""The controller's durable state in SQLite: jobs, agents and the event journal, in one file.
+
+Each state-machine transition is written with its journal entries in one
+transaction, so a controller killed at any moment restarts either before or
+after a transition, never half-way, and the journal holds every event once.
+WAL with ``synchronous=NORMAL`` survives a killed process (not a power cut)
+and keeps commits cheap enough to run on the event loop. ``":memory:"`` gives
+a throw-away store.
+
+:class:`SqliteStore` is the file itself, synchronous (``taskd events --state``
+reads one with it); :class:`SqliteState` is the same file behind the
+controller's :class:`~taskd_core.controller.store.StateStore` interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Awaitable, Iterable, Sequence
+from pathlib import Path
+
+from taskd_core.controller.access import Claim
+from taskd_core.controller.machine import AgentInfo, JournalEntry
+from taskd_core.controller.store import (
+    MAX_EVENTS_PER_JOB,
+    ROTATE_EVERY,
+    Commit,
+    DropAgents,
+    EventRecord,
+    Forget,
+    JobRow,
+    StoredJob,
+    Write,
+    journal_detail,
+    json_object,
+)
+from taskd_core.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id   TEXT PRIMARY KEY,
+    inited   INTEGER NOT NULL,
+    policy   TEXT NOT NULL,
+    snapshot TEXT NOT NULL,
+    updated  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS agents (
+    job_id    TEXT NOT NULL,
+    agent_id  TEXT NOT NULL,
+    role      TEXT NOT NULL,
+    node_rank INTEGER,
+    rank_ids  TEXT NOT NULL,
+    exit_code INTEGER,
+    last_seen REAL NOT NULL,
+    PRIMARY KEY (job_id, agent_id)
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq    INTEGER PRIMARY KEY AUTOINCREMENT,
+    time   REAL NOT NULL,
+    job_id TEXT NOT NULL,
+    cycle  INTEGER NOT NULL,
+    kind   TEXT NOT NULL,
+    detail TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
+CREATE TABLE IF NOT EXISTS claims (
+    job_id       TEXT PRIMARY KEY,
+    token_digest TEXT NOT NULL,
+    launch       TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS damaged_jobs (
+    job_id   TEXT NOT NULL,
+    reason   TEXT NOT NULL,
+    row      TEXT NOT NULL,
+    set_aside REAL NOT NULL
+);
+"""
+
+
+class SqliteStore:
+    """One SQLite database; use from one thread (the controller's event loop)."""
+
+    def __init__(self, path: str, max_events: int = MAX_EVENTS_PER_JOB, *, readonly: bool = False) -> None:
+        """Open (or create) the store; ``readonly`` reads an existing file, even a live controller's."""
+        self.path = path
+        self.max_events = max_events
+        #: journal entries written per job since its last rotation.
+        self._unrotated: dict[str, int] = {}
+        try:
+            if readonly:
+                if path == ":memory:" or not Path(path).is_file():
+                    raise ConfigError(f"state file {path}: no such file; give a controller's --state file")
+                self._db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+                self._db.execute("SELECT 1 FROM events LIMIT 1")
+                return
+            self._db = sqlite3.connect(path, isolation_level=None)
+            if path != ":memory:":
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+            # Counted once; commits keep it up to date (a count(*) per scrape would grow with the journal).
+            self._entries: int = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
+        except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_READONLY"):
+                raise ConfigError(
+                    f"state file {path}: read-only for this process, and the controller writes every "
+                    "transition there; make the file and its directory writable, or give another --state"
+                ) from None
+            raise ConfigError(f"state file {path}: cannot open it as SQLite ({exc}); check --state") from None
+
+    def load(self) -> list[StoredJob]:
+        """Every stored job; a job whose rows cannot be read is set aside (see :meth:`set_aside`).
+
+        :raises ConfigError: the file itself is damaged (one line naming it).
+        """
+        try:
+            return self._load()
+        except sqlite3.Error as exc:
+            raise ConfigError(
+                f"state file {self.path} is damaged ({exc}); move it away to start with an empty state"
+            ) from None
+
+    def _load(self) -> list[StoredJob]:
+        agents: dict[str, list[AgentInfo]] = {}
+        damaged: dict[str, str] = {}
+        for job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen in self._db.execute(
+            "SELECT job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen FROM agents"
+        ):
+            try:
+                ranks = tuple(int(r) for r in json.loads(rank_ids))
+                agents.setdefault(job_id, []).append(
+                    AgentInfo(str(agent_id), str(role), node_rank, ranks, exit_code, float(last_seen))
+                )
+            except (ValueError, TypeError) as exc:
+                damaged[job_id] = f"agent {agent_id!r}: {exc}"
+        claims = {
+            job_id: Claim(digest, launch)
+            for job_id, digest, launch in self._db.execute("SELECT job_id, token_digest, launch FROM claims")
+        }
+        jobs = []
+        for job_id, inited, policy, snapshot in self._db.execute(
+            "SELECT job_id, inited, policy, snapshot FROM jobs ORDER BY job_id"
+        ).fetchall():
+            if job_id in damaged:
+                self.set_aside(job_id, damaged[job_id])
+                continue
+            try:
+                row = JobRow(
+                    job_id, bool(inited), json_object(policy), json_object(snapshot), claims.get(job_id)
+                )
+            except (ValueError, TypeError) as exc:
+                self.set_aside(job_id, str(exc))
+                continue
+            jobs.append(StoredJob(row, tuple(agents.get(job_id, ()))))
+        logger.info(
+            "state file %s: %d job(s), %d agent(s)", self.path, len(jobs), sum(map(len, agents.values()))
+        )
+        return jobs
+
+    def set_aside(self, job_id: str, reason: str) -> None:
+        """Move a job that cannot be loaded out of the way, keeping its row for inspection.
+
+        The controller starts without it (an agent of that job registers it
+        afresh); the row stays in table ``damaged_jobs``.
+        """
+        logger.error(
+            "state file %s: job %s is damaged (%s); set aside in table damaged_jobs, the other jobs load",
+            self.path,
+            job_id,
+            reason,
+        )
+        with self._transaction():
+            found = self._db.execute(
+                "SELECT inited, policy, snapshot FROM jobs WHERE job_id = ?", (job_id,)
+            ).fetchone()
+            self._db.execute(
+                "INSERT INTO damaged_jobs (job_id, reason, row, set_aside) VALUES (?, ?, ?, ?)",
+                (job_id, reason, json.dumps(found, default=str), time.time()),
+            )
+            self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+            self._db.execute("DELETE FROM agents WHERE job_id = ?", (job_id,))
+
+    def commit(
+        self,
+        row: JobRow,
+        journal: Sequence[JournalEntry] = (),
+        agents: Iterable[AgentInfo] = (),
+        *,
+        now: float,
+    ) -> None:
+        """Write the job, changed agents and new journal entries atomically."""
+        with self._transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO jobs (job_id, inited, policy, snapshot, updated)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (
+                    row.job_id,
+                    int(row.inited),
+                    json.dumps(row.policy),
+                    json.dumps(row.snapshot, separators=(",", ":")),
+                    now,
+                ),
+            )
+            self._db.executemany(
+                "INSERT OR REPLACE INTO agents"
+                " (job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        row.job_id,
+                        a.agent_id,
+                        a.role,
+                        a.node_rank,
+                        json.dumps(list(a.rank_ids)),
+                        a.exit_code,
+                        a.last_seen,
+                    )
+                    for a in agents
+                ],
+            )
+            if row.claim is not None:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO claims (job_id, token_digest, launch) VALUES (?, ?, ?)",
+                    (row.job_id, row.claim.token_digest, row.claim.launch),
+                )
+            self._db.executemany(
+                "INSERT INTO events (time, job_id, cycle, kind, detail) VALUES (?, ?, ?, ?, ?)",
+                [(now, row.job_id, e.cycle, e.kind, journal_detail(e)) for e in journal],
+            )
+            self._entries += len(journal)
+            written = self._unrotated.get(row.job_id, 0) + len(journal)
+            if written >= ROTATE_EVERY:
+                self._entries -= self._db.execute(
+                    "DELETE FROM events WHERE job_id = ? AND seq <= ("
+                    " SELECT seq FROM events WHERE job_id = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+                    (row.job_id, row.job_id, self.max_events),
+                ).rowcount
+                written = 0
+            self._unrotated[row.job_id] = written
+
+    def drop_agents(self, job_id: str) -> None:
+        """Forget a job's agents (its run is over and the id starts afresh)."""
+        with self._transaction():
+            self._db.execute("DELETE FROM agents WHERE job_id = ?", (job_id,))
+
+    def forget(self, job_id: str) -> None:
+        """Delete everything about a job, its journal included (evicted to make room for new jobs)."""
+        with self._transaction():
+            self._unrotated.pop(job_id, None)
+            for table in ("jobs", "agents", "claims", "events"):
+                deleted = self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,)).rowcount
+                if table == "events":
+                    self._entries -= deleted
+
+    def _transaction(self) -> sqlite3.Connection:
+        # isolation_level=None leaves transactions to us; the context manager commits or rolls back.
+        self._db.execute("BEGIN")
+        return self._db
+
+    def events(self, job_id: str, limit: int) -> list[EventRecord]:
+        """The newest ``limit`` journal entries of a job, oldest first."""
+        rows = self._db.execute(
+            "SELECT seq, time, job_id, cycle, kind, detail FROM events"
+            " WHERE job_id = ? ORDER BY seq DESC LIMIT ?",
+            (job_id, limit),
+        ).fetchall()
+        return [EventRecord(*r) for r in reversed(rows)]
+
+    def events_after(self, job_id: str, after: int, limit: int) -> list[EventRecord]:
+        """At most ``limit`` journal entries of a job with ``seq > after``, oldest first."""
+        rows = self._db.execute(
+            "SELECT seq, time, job_id, cycle, kind, detail FROM events"
+            " WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (job_id, after, limit),
+        ).fetchall()
+        return [EventRecord(*r) for r in rows]
+
+    def has_job(self, job_id: str) -> bool:
+        return self._db.execute("SELECT 1 FROM jobs WHERE job_id = ?", (job_id,)).fetchone() is not None
+
+    def journal_size(self) -> int:
+        """Entries in the journal now (rotation deletes old ones)."""
+        return self._entries
+
+    def close(self) -> None:
+        self._db.close()
+
+
+class SqliteState:
+    """A :class:`SqliteStore` as the controller's :class:`~taskd_core.controller.store.StateStore`.
+
+    Every write commits before :meth:`write` returns, so its awaitable is
+    already done: awaiting it never yields the event loop, and the runtime
+    keeps the order of a synchronous store.
+    """
+
+    def __init__(self, path: str, max_events: int = MAX_EVENTS_PER_JOB) -> None:
+        self.file = SqliteStore(path, max_events)
+        self.description = f"state file {path}"
+
+    async def load(self) -> list[StoredJob]:
+        return self.file.load()
+
+    async def set_aside(self, job_id: str, reason: str) -> None:
+        self.file.set_aside(job_id, reason)
+
+    def write(self, change: Write) -> Awaitable[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        match change:
+            case Commit(row, journal, agents, now):
+                self.file.commit(row, journal, agents, now=now)
+            case DropAgents(job_id):
+                self.file.drop_agents(job_id)
+            case Forget(job_id):
+                self.file.forget(job_id)
+        done.set_result(None)
+        return done
+
+    async def events(self, job_id: str, limit: int) -> list[EventRecord]:
+        return self.file.events(job_id, limit)
+
+    async def events_after(self, job_id: str, after: int, limit: int) -> list[EventRecord]:
+        return self.file.events_after(job_id, after, limit)
+
+    def journal_size(self) -> int:
+        return self.file.journal_size()
+
+    async def close(self) -> None:
+        # Every write was committed when it was made; closing checkpoints the WAL.
+        self.file.close()
