@@ -3,17 +3,22 @@
 Run by :mod:`taskd_core.forkserver.client` as a fresh ``exec`` of the job's
 interpreter, with the job's interpreter flags, as a *file* (not ``-m``), so
 that nothing of TaskD (gRPC, pluggy, the agent) is ever imported here: this
-module uses the standard library only. Its agent talks to it over one
-``AF_UNIX``/``SOCK_SEQPACKET`` socket (one JSON message per packet, file
-descriptors as ``SCM_RIGHTS``):
+module and the wire it loads by path (:mod:`taskd_core.forkserver._wire`, the
+messages and their encoding, shared with the agent) use the standard library
+only. Its agent talks to it over one ``AF_UNIX``/``SOCK_SEQPACKET`` socket.
 
-* server → agent, once: ``ready`` (what was preloaded) or ``refused`` (a
-  device context exists after preloading: forking it would be broken);
-* agent → server: ``spawn`` (argv, environment, cwd; stdin/stdout/stderr as
-  passed descriptors); server → agent: ``spawned`` (pid) or ``failed``;
-* server → agent: ``exited`` (pid, Popen-style return code: ``-N`` when
-  killed by signal N) as soon as a child is reaped; ``learned`` (modules the
-  workers imported that the server imported too, for a replacement server).
+What it imports, so that the first workers never wait for more than they
+need: ``--preload`` before it says :class:`~_wire.Ready` (what the first
+workers import anyway: ``torch`` for a torch job), then, once it has forked
+children and nothing asked for anything for a moment, the installed modules its
+workers reported importing (``--learn``: ``torch._dynamo`` once a worker took
+its first optimizer step, say; never what no worker needs), one module at a
+time, between requests. A batch is announced (:class:`~_wire.Importing`) and
+closed (:class:`~_wire.Imported`): meanwhile the server answers nothing, and a
+request whose deadline passed by the time it is read is refused, never forked
+late. ``--hooks`` names modules imported right after the preload that
+prepare the framework for the server's own forks (:class:`ForkHooks`); one that
+fails to import makes the server refuse to serve.
 
 A forked child becomes what ``python [flags] script.py ARGS`` / ``python
 [flags] -m module ARGS`` would have been: its own session and process group,
@@ -38,8 +43,8 @@ import argparse
 import ctypes
 import gc
 import importlib
+import importlib.util
 import io
-import json
 import os
 import select
 import signal
@@ -49,49 +54,36 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-#: Largest message either side sends (argv + environment of one worker).
-MAX_MESSAGE = 1 << 22
-#: Descriptors a ``spawn`` message carries: stdin, stdout, stderr.
-STDIO_FDS = 3
+if TYPE_CHECKING:
+    from taskd_core.forkserver import _wire as wire
+else:
+
+    def _load_wire() -> types.ModuleType:
+        """The wire module, loaded from this file's directory (TaskD need not be importable here)."""
+        # A name no job module can have: children keep it in sys.modules.
+        name = "_taskd_forkserver_wire"
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_wire.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+        return module
+
+    wire = _load_wire()
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
-#: The server's name in ``ps``/``top`` (``/proc/<pid>/comm``); each child takes the interpreter's back.
-SERVER_NAME = b"taskd-forksrv"
 #: Seconds after a child's start at which it reports the modules it imported (then its reporter ends).
 LEARN_AFTER = (1.0, 5.0, 30.0)
+#: Seconds without a request, after the first fork, before the server imports what its workers reported:
+#: a generation's workers are asked for back to back, and none of them may wait for an import.
+IDLE_BEFORE_IMPORT = 0.3
 #: A child's references to the server's standard streams (see :func:`_become_worker`).
 _RETIRED_STDIO: list[object] = []
-
-
-# --- the wire, shared with the agent side ------------------------------------------------------------
-
-
-def send_message(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-    """Send one message (one packet); ``fds`` travel with it as ``SCM_RIGHTS``."""
-    data = json.dumps(message).encode()
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.send(data)
-
-
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
-    """The next message and its descriptors; None at EOF (the peer closed or died)."""
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_MESSAGE, STDIO_FDS)
-    if not data:
-        for fd in fds:
-            os.close(fd)
-        return None
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("fork server message truncated")
-    message: dict[str, Any] = json.loads(data)
-    return message, fds
 
 
 # --- what runs in the server ------------------------------------------------------------------------
@@ -160,36 +152,97 @@ class FreshState:
 
 
 @dataclass(frozen=True)
+class ForkHooks:
+    """The framework's code around each fork of a worker (MindSpore's ``fork_utils``, say).
+
+    A hook module defines any of ``before_fork()`` (in the server, before it forks),
+    ``after_fork_in_parent()`` (in the server, after) and ``after_fork_in_child()``
+    (first thing in the child). Unlike ``os.register_at_fork`` handlers they run
+    around the server's forks only, not around those the workers make.
+    """
+
+    before: tuple[Callable[[], object], ...] = ()
+    parent: tuple[Callable[[], object], ...] = ()
+    child: tuple[Callable[[], object], ...] = ()
+
+    @classmethod
+    def load(cls, names: Sequence[str]) -> ForkHooks:
+        """Import the hook modules; the error of one that cannot be imported propagates."""
+        modules = [importlib.import_module(name) for name in names]
+
+        def named(attr: str) -> tuple[Callable[[], object], ...]:
+            return tuple(getattr(m, attr) for m in modules if callable(getattr(m, attr, None)))
+
+        return cls(named("before_fork"), named("after_fork_in_parent"), named("after_fork_in_child"))
+
+
+@dataclass(frozen=True)
 class ChildJob:
     """What a forked child runs, handed from the server loop up to :func:`main` in the child."""
 
-    request: dict[str, Any]
+    request: wire.Spawn
     stdio: tuple[int, int, int]
     learn_fd: int | None
     fresh: FreshState
     server_pid: int
     #: the server's descriptors the child must not keep.
     server_fds: tuple[int, ...]
+    #: why a fork hook failed in the child (the worker then says so and exits 1).
+    hook_error: str | None = None
+
+
+def _run_hooks(hooks: Sequence[Callable[[], object]]) -> str | None:
+    """Run ``hooks``; the first one's error, as a line, or None."""
+    for hook in hooks:
+        try:
+            hook()
+        except Exception as exc:  # noqa: BLE001 - reported to whoever waits on this fork
+            return f"fork hook {getattr(hook, '__module__', '?')}.{getattr(hook, '__name__', '?')}: {exc!r}"
+    return None
+
+
+def _close(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 class Server:
-    """The loop: fork on request, reap children, learn modules, exit with the control socket."""
+    """The loop: fork on request, reap children, import while idle, exit with the control socket."""
 
-    def __init__(self, control: socket.socket, fresh: FreshState, learn: bool) -> None:
+    def __init__(
+        self,
+        control: socket.socket,
+        fresh: FreshState,
+        learn: bool,
+        hooks: ForkHooks = ForkHooks(),  # noqa: B008 - frozen
+    ) -> None:
         self.control = control
         self.fresh = fresh
         self.learn = learn
+        self.hooks = hooks
         self.children: dict[int, int] = {}  # pidfd -> pid
         self.learning: dict[int, bytearray] = {}  # read end of a child's module report -> pending bytes
+        #: modules to import while nothing else is asked for (an ordered set).
+        self.pending: dict[str, None] = {}
+        self.forked = False
+        self.last_request = time.monotonic()
         self.poller = select.poll()
         self.poller.register(control.fileno(), select.POLLIN)
 
     def serve(self) -> ChildJob | None:
         """Serve until EOF (None, in the server) or until this process is a freshly forked child (its job)."""
         while True:
-            for fd, _ in self.poller.poll():
+            events = self.poller.poll(self._idle_wait())
+            if not events:
+                self.import_pending()
+                continue
+            for fd, _ in events:
                 if fd == self.control.fileno():
-                    received = recv_message(self.control)
+                    try:
+                        received = wire.recv(self.control)
+                    except ValueError as exc:
+                        wire.send(self.control, wire.Failed(None, str(exc)))
+                        continue
                     if received is None:
                         self.kill_children()
                         return None
@@ -201,35 +254,50 @@ class Server:
                 elif fd in self.learning:
                     self.read_learned(fd)
 
-    def spawn(self, request: dict[str, Any], fds: list[int]) -> ChildJob | None:
-        if request.get("op") != "spawn" or len(fds) != STDIO_FDS:
-            for fd in fds:
-                os.close(fd)
-            send_message(self.control, {"op": "failed", "id": request.get("id"), "reason": "bad request"})
+    def _idle_wait(self) -> int | None:
+        """Milliseconds ``poll`` may block before pending imports are due; None: no import is due."""
+        if not self.pending or not self.forked:
             return None
-        cwd = request["cwd"]
-        if not os.path.isdir(cwd):
-            for fd in fds:
-                os.close(fd)
-            send_message(self.control, {"op": "failed", "id": request["id"], "reason": f"no directory {cwd}"})
+        return max(0, round((self.last_request + IDLE_BEFORE_IMPORT - time.monotonic()) * 1000))
+
+    def spawn(self, message: wire.Message, fds: list[int]) -> ChildJob | None:
+        if not isinstance(message, wire.Spawn) or len(fds) != wire.STDIO_FDS:
+            _close(fds)
+            reason = f"not a spawn request: {message}"
+            wire.send(self.control, wire.Failed(getattr(message, "id", None), reason))
+            return None
+        self.last_request = time.monotonic()
+        if self.last_request > message.deadline:
+            # The agent stopped waiting and started the worker by exec: forking it now would make two.
+            _close(fds)
+            wire.send(self.control, wire.Failed(message.id, "the request expired before the server read it"))
+            return None
+        if not os.path.isdir(message.cwd):
+            _close(fds)
+            wire.send(self.control, wire.Failed(message.id, f"no directory {message.cwd}"))
             return None
         learn_r, learn_w = os.pipe() if self.learn else (None, None)
         # Output buffered here must not be written again by the child.
         sys.stdout.flush()
         sys.stderr.flush()
         server_pid = os.getpid()  # taken before the fork: the child's getppid() may already be another
+        refused = _run_hooks(self.hooks.before)
         try:
+            if refused is not None:
+                raise OSError(refused)
             pid = os.fork()
         except OSError as exc:
-            for fd in (*fds, *(x for x in (learn_r, learn_w) if x is not None)):
-                os.close(fd)
-            send_message(self.control, {"op": "failed", "id": request["id"], "reason": str(exc)})
+            _close([*fds, *(x for x in (learn_r, learn_w) if x is not None)])
+            _run_hooks(self.hooks.parent)
+            wire.send(self.control, wire.Failed(message.id, str(exc)))
             return None
         if pid == 0:
+            failed = _run_hooks(self.hooks.child)
             own = (self.control.fileno(), *self.children, *self.learning, *([learn_r] if learn_r else []))
-            return ChildJob(request, (fds[0], fds[1], fds[2]), learn_w, self.fresh, server_pid, own)
-        for fd in fds:
-            os.close(fd)
+            return ChildJob(message, (fds[0], fds[1], fds[2]), learn_w, self.fresh, server_pid, own, failed)
+        _run_hooks(self.hooks.parent)
+        _close(fds)
+        self.forked = True
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = pid
         self.poller.register(pidfd, select.POLLIN)
@@ -237,7 +305,7 @@ class Server:
             os.close(learn_w)
             self.learning[learn_r] = bytearray()
             self.poller.register(learn_r, select.POLLIN)
-        send_message(self.control, {"op": "spawned", "id": request["id"], "pid": pid})
+        wire.send(self.control, wire.Spawned(message.id, pid))
         return None
 
     def reap(self, pidfd: int) -> None:
@@ -245,7 +313,7 @@ class Server:
         self.poller.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
-        send_message(self.control, {"op": "exited", "pid": pid, "code": return_code(status)})
+        wire.send(self.control, wire.Exited(pid, return_code(status)))
 
     def read_learned(self, fd: int) -> None:
         chunk = os.read(fd, 1 << 16)
@@ -257,21 +325,31 @@ class Server:
             self.poller.unregister(fd)
             os.close(fd)
             del self.learning[fd]
-        names = sorted({n.decode() for n in lines if n} - sys.modules.keys())
-        if not names:
-            return
-        done, _ = preload(names)
-        unsafe = device_in_use()
-        if unsafe:
-            # Forking now would hand children a broken device context: stop serving; the agent execs.
-            send_message(
-                self.control, {"op": "refused", "reason": f"{unsafe} initialised by {', '.join(done)}"}
-            )
-            self.kill_children()
-            raise SystemExit(1)
+        for name in sorted({n.decode() for n in lines if n} - sys.modules.keys()):
+            self.pending[name] = None
+
+    def import_pending(self) -> None:
+        """Import pending modules one by one until all are imported or something asks to be served."""
+        wire.send(self.control, wire.Importing(tuple(self.pending)))
+        done: list[str] = []
+        for name in list(self.pending):
+            if self.poller.poll(0):
+                break  # a request, a child's end or a report: served before the next module
+            del self.pending[name]
+            if name in sys.modules:
+                continue
+            done += preload([name])[0]
+            unsafe = device_in_use()
+            if unsafe:
+                # Forking now would hand children a broken device context: stop serving; the agent execs.
+                self.refuse(f"{unsafe} initialised by {name}")
         gc.freeze()
-        if done:
-            send_message(self.control, {"op": "learned", "modules": done})
+        wire.send(self.control, wire.Imported(tuple(done)))
+
+    def refuse(self, reason: str) -> NoReturn:
+        wire.send(self.control, wire.Refused(reason))
+        self.kill_children()
+        _end_server(1)
 
     def kill_children(self) -> None:
         for pid in self.children.values():
@@ -279,6 +357,16 @@ class Server:
                 os.killpg(pid, signal.SIGKILL)
             except OSError:
                 pass  # gone, or its group is gone: nothing left to stop
+
+
+def _end_server(code: int) -> NoReturn:
+    """End the server at once: tearing down a process that imported torch takes a while and helps nobody."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 # --- what runs in a forked child --------------------------------------------------------------------
@@ -290,8 +378,8 @@ def _set_name(name: bytes) -> None:
 
 def _die_with_parent(server_pid: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != server_pid:  # the server died before prctl took effect
-        os._exit(128 + signal.SIGKILL)
+    if os.getppid() != server_pid:  # the server died before prctl took effect: die as it would have made us
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _stdio(fd: int, write: bool, errors: str, line_buffering: bool, unbuffered: bool) -> io.TextIOWrapper:
@@ -317,7 +405,7 @@ def _become_worker(job: ChildJob) -> None:
     """Everything of the process that a fresh interpreter would have had differently."""
     os.setsid()
     _die_with_parent(job.server_pid)
-    _set_name(job.request["comm"].encode())
+    _set_name(job.request.comm.encode())
     for fd in job.server_fds:
         os.close(fd)
     for target, fd in enumerate(job.stdio):
@@ -329,9 +417,9 @@ def _become_worker(job: ChildJob) -> None:
         signal.signal(sig, handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, job.fresh.mask)
     request = job.request
-    os.chdir(request["cwd"])
+    os.chdir(request.cwd)
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(request.env)
     out_errors = (sys.__stdout__.errors if sys.__stdout__ is not None else None) or "strict"
     # The server's streams close fds 0-2 when collected: they must outlive the worker's use of them.
     _RETIRED_STDIO.extend((sys.__stdin__, sys.__stdout__, sys.__stderr__, sys.stdin, sys.stdout, sys.stderr))
@@ -344,10 +432,10 @@ def _become_worker(job: ChildJob) -> None:
     for name, stream in streams.items():
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-    sys.argv = list(request["argv"])
-    sys.orig_argv = list(request["orig_argv"])
-    if request["path0"] is not None:
-        sys.path.insert(0, request["path0"])
+    sys.argv = list(request.argv)
+    sys.orig_argv = list(request.orig_argv)
+    if request.path0 is not None:
+        sys.path.insert(0, request.path0)
     _reseed()
     if job.learn_fd is not None:
         threading.Thread(
@@ -386,18 +474,19 @@ def _report_modules(fd: int, installed: Sequence[str]) -> None:
         os.close(fd)
 
 
-def _run_main(request: dict[str, Any]) -> None:
+def _run_main(request: wire.Spawn) -> None:
     """Run the script or module as ``__main__``, the way the interpreter's own startup does."""
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
-    if request["module"] is not None:
+    if request.module is not None:
         import runpy
 
-        runpy._run_module_as_main(request["module"], alter_argv=True)  # type: ignore[attr-defined]
+        runpy._run_module_as_main(request.module, alter_argv=True)  # type: ignore[attr-defined]
         return
     from importlib.machinery import SourceFileLoader
 
-    path = request["file"]
+    path = request.file
+    assert path is not None
     main.__dict__.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))
     main.__dict__["__builtins__"] = sys.modules["builtins"]
     with io.open_code(path) as f:
@@ -418,6 +507,9 @@ def _trim(exc: BaseException) -> types.TracebackType | None:
 def run_child(job: ChildJob) -> int:
     """The worker's whole life; ends the process the way the interpreter would."""
     _become_worker(job)
+    if job.hook_error is not None:
+        print(f"taskd fork server: {job.hook_error}", file=sys.stderr)
+        return 1
     try:
         _run_main(job.request)
     except SystemExit:
@@ -443,31 +535,54 @@ def run_child(job: ChildJob) -> int:
 # --- entry --------------------------------------------------------------------------------------------
 
 
+def _names(text: str) -> list[str]:
+    return [m for m in text.split(",") if m]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="TaskD fork server (started by the node agent)")
     p.add_argument("--fd", type=int, required=True, help="the control socket inherited from the agent")
     p.add_argument("--preload", default="", help="modules to import before serving, comma separated")
+    p.add_argument("--hooks", default="", help="modules with the framework's code around each fork")
     p.add_argument("--learn", action="store_true", help="also import the installed modules workers import")
     args = p.parse_args(argv)
     fresh = FreshState.now()
-    _set_name(SERVER_NAME)
+    _set_name(wire.SERVER_NAME)
     # This file's directory is sys.path[0]: it must not shadow anything; each child sets its own.
     del sys.path[0]
     control = socket.socket(fileno=args.fd)
-    done, failed = preload([m for m in args.preload.split(",") if m])
+    try:
+        job = _start_serving(control, args, fresh)
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the agent is gone (closed, or SIGKILLed with its launcher): nobody to serve
+    if job is None:
+        _end_server(0)
+    end_child(job)
+
+
+def _start_serving(control: socket.socket, args: argparse.Namespace, fresh: FreshState) -> ChildJob | None:
+    """Preload, say ready and serve: None once the agent is gone, in a forked child its job."""
+    done, failed = preload(_names(args.preload))
+    try:
+        hooks = ForkHooks.load(_names(args.hooks))
+    except BaseException as exc:  # noqa: BLE001 - without the framework's hooks, a fork is unsafe
+        wire.send(control, wire.Refused(f"a fork hook module failed to import: {type(exc).__name__}: {exc}"))
+        _end_server(1)
     unsafe = device_in_use()
     if unsafe:
-        send_message(control, {"op": "refused", "reason": f"{unsafe} was initialised while preloading"})
-        return 1
+        wire.send(control, wire.Refused(f"{unsafe} was initialised while preloading"))
+        _end_server(1)
     warnings.filterwarnings(
         "ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning
     )
     gc.freeze()  # objects from the preload are shared copy-on-write; the collector must not touch them
-    send_message(control, {"op": "ready", "pid": os.getpid(), "preloaded": done, "failed": failed})
-    job = Server(control, fresh, args.learn).serve()
-    if job is None:
-        return 0
-    end_child(job)
+    wire.send(control, wire.Ready(os.getpid(), tuple(done), failed))
+    server = Server(control, fresh, args.learn, hooks)
+    try:
+        return server.serve()
+    except (BrokenPipeError, ConnectionResetError):
+        server.kill_children()
+        raise
 
 
 def end_child(job: ChildJob) -> NoReturn:

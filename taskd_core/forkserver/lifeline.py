@@ -30,6 +30,8 @@ from typing import IO, Self
 logger = logging.getLogger(__name__)
 
 _GUARD = Path(__file__).with_name("_lifeline_guard.py")
+
+
 class Lifeline:
     """The launcher's end of the guard process; thread-safe. Use as a context manager.
 

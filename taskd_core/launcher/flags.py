@@ -22,7 +22,7 @@ from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
 from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
-from taskd_core.forkserver.client import TORCH_PRELOAD, ForkServerSettings
+from taskd_core.forkserver.client import ForkServerSettings
 from taskd_core.launcher.environment import check_temp_dir, controller_from_env, job_id_from_env
 from taskd_core.launcher.identity import controller_host, default_job_id, job_credentials, launch_identity
 from taskd_core.launcher.interrupt import STOP_SIGNALS
@@ -238,12 +238,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "fork-server-preload",
         parse_modules,
-        "modules the fork server imports before the first start, comma separated, '' for none; modules not "
+        "modules the fork server imports before its first fork, comma separated, '' for none; modules not "
         "installed are skipped, and the server also imports the installed modules the workers imported",
         _WARM,
         (ForkServerSettings, "preload"),
         metavar="MODULES",
-        unset=f"{','.join(TORCH_PRELOAD)}; taskd run: those if the script imports torch, else none",
+        unset="torch; taskd run: torch if the script imports torch, else none",
     ),
     Option(
         "strategies",

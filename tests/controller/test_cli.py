@@ -29,7 +29,8 @@ def test_status_prints_jobs_agents_cycle_and_events(controller, make_agent, caps
 
     assert main(["status", "--controller", controller.address, "--job", "job-s", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert set(data) == {"schema", "jobs"} and data["schema"] == 1
+    assert set(data) == {"schema", "leader", "leader_generation", "jobs"} and data["schema"] == 1
+    assert data["leader_generation"] == 0  # one controller on SQLite: no election
     (job,) = data["jobs"]
     assert set(job) == JOB_FIELDS
     assert (job["job"], job["state"], job["cycle"], job["strategy"], job["cycles_used"]) == ("job-s", "wait-stop", 1, None, 1)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from taskd_core import testing
-from taskd_core.forkserver._server import SERVER_NAME
+from taskd_core.forkserver._wire import SERVER_NAME
 from taskd_core.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]

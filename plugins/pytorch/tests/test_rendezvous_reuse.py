@@ -43,6 +43,9 @@ def nodes() -> Iterator[Nodes]:
             max_nodes=max_nodes,
             is_host=False,
             last_call_timeout=1,
+            # torch's default join timeout (600 s) outlasts the test's own ceiling: a round that never forms
+            # fails here with torch's message instead of as a pytest timeout.
+            join_timeout=120,
         )
         made.extend(get_rendezvous_handler(params) for _ in range(n))
         return made[-n:]

@@ -160,6 +160,16 @@ class Inbox:
         assert self._sock is not None
         select.select([self._sock], [], [], timeout)
 
+    def wake(self) -> None:
+        """End a :meth:`wait` now (an empty datagram, which is no message)."""
+        if self.socket_path is None:
+            return
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waker:
+            try:
+                waker.sendto(b"", self.socket_path)
+            except OSError:
+                pass  # queue full or socket gone: the wait ends on its own
+
     def datagrams(self, now: float) -> Iterator[Datagram]:
         """The datagrams waiting, read at ``now``, in the order they were sent."""
         assert self._sock is not None

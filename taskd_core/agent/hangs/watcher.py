@@ -133,6 +133,8 @@ class ProgressWatcher:
 
     def close(self) -> None:
         self._stop.set()
+        # Idle, the thread waits a second for its next scan: on every job's exit, without this.
+        self._inbox.wake()
         if self._thread is not None:
             self._thread.join(timeout=self.config.stack_timeout + 5.0)
         with self._lock:

@@ -31,18 +31,80 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from taskd_core.errors import ConfigError, FrameworkMissingError, TaskdError
 from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers
 from taskd_pytorch.adapter import require_torch
 
+if TYPE_CHECKING:
+    from taskd_core.forkserver.client import ForkLauncher
+
 logger = logging.getLogger(__name__)
+
+#: Options after which the workers' interpreter is not known before torch's parser ran, or no fork
+#: server is wanted (function entry points start through multiprocessing); prefixes, as argparse
+#: takes abbreviations. A script argument that looks like one only costs the early start.
+_NOT_EARLY = ("--taskd-no-f", "--taskd-fork-server-p", "--no-p", "--no_p", "--run-p", "--run_p", "-h", "--he")
+
+
+def _option(argv: Sequence[str], *names: str) -> str | None:
+    """The last value of option ``names`` in ``argv`` (``--name V``, ``--name=V``), as a scan tells it."""
+    value = None
+    for i, arg in enumerate(argv):
+        name, eq, given = arg.partition("=")
+        if name in names:
+            value = given if eq else argv[i + 1] if i + 1 < len(argv) else value
+    return value
+
+
+def _early_fork_launcher(argv: Sequence[str]) -> ForkLauncher | None:
+    """The node's fork server, started before anything else, so that it imports torch while taskdrun does.
+
+    torchrun runs every script as ``sys.executable -u``; which script only its parser says, and
+    that parser imports torch (2 s): a server started after it made the first workers wait. The
+    server gets the startup environment torch then gives the workers (``OMP_NUM_THREADS=1`` for more
+    than one per node); :func:`taskd_pytorch.launch.fork_launcher` starts another if it guessed wrong.
+    """
+    if any(arg.startswith(_NOT_EARLY) for arg in argv):
+        return None
+    env = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        nproc = _option(argv, "--nproc-per-node", "--nproc_per_node") or "1"
+        if not nproc.isdigit():
+            return None  # auto, cpu, gpu: what torch makes of it is known once it ran
+        env = {"OMP_NUM_THREADS": "1"} if int(nproc) > 1 else {}
+    from taskd_core.forkserver.client import ForkLauncher, ForkServerSettings
+
+    return ForkLauncher.for_interpreter(
+        sys.executable, ("-u",), ForkServerSettings(), imports_torch=True, env=env
+    )
+
+
+def _configure_logging(level: str) -> bool:
+    """taskdrun's log at ``level``; False when that is no level's name."""
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        return False
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s")
+    logging.getLogger().setLevel(level.upper())
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Before anything imports grpc: torch starts workers beside the agent's gRPC threads.
     disable_grpc_fork_handlers()
+    given = sys.argv[1:] if argv is None else argv
+    # Before the fork server starts, so that what it says (when it is ready, say) is in the log.
+    _configure_logging(_option(given, "--taskd-log-level") or os.environ.get("TASKD_LOG_LEVEL", "INFO"))
+    early = _early_fork_launcher(given)
+    try:
+        return _main(argv, early)
+    finally:
+        if early is not None:
+            early.close()  # a no-op when the launch took it over (and closed it)
+
+
+def _main(argv: Sequence[str] | None, early: ForkLauncher | None) -> int:
     try:
         require_torch()
     except FrameworkMissingError as exc:
@@ -53,19 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        logging.basicConfig(
-            level=args.taskd_log_level.upper(),
-            format="%(asctime)s %(levelname)s %(name)s [%(process)d]: %(message)s",
-            stream=sys.stderr,
-        )
-    except ValueError:
+    if not _configure_logging(args.taskd_log_level):
         parser.error(f"--taskd-log-level: unknown level {args.taskd_log_level!r}")
     try:
         # Imported here: `taskdrun --help` and the parser's errors need neither the agent nor torch.
         from taskd_pytorch.launch import launch
 
-        return launch(args)
+        return launch(args, early)
     except ConfigError as exc:
         parser.error(str(exc))
     except TaskdError as exc:

@@ -33,7 +33,7 @@ from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
 from taskd_core.agent.node_agent import AgentOutcome, Outcome
 from taskd_core.errors import ConfigError, LauncherInterrupted
-from taskd_core.forkserver.client import TORCH_PRELOAD, ForkLauncher
+from taskd_core.forkserver.client import ForkLauncher
 from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.node import run_node_agent
@@ -51,14 +51,15 @@ logger = logging.getLogger(__name__)
 _TORCHRUN_MASTER_PORT = 29500
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(args: argparse.Namespace, early: ForkLauncher | None = None) -> int:
     """Run this node's share of the job; the exit code.
 
+    :param early: the fork server started with taskdrun, taken over when it fits the workers.
     :raises ConfigError: for options that cannot work.
     """
     job = parse(args)
     stop = StopRequest()
-    node = Node(job, stop)
+    node = Node(job, stop, early)
     # Installed before the rendezvous: a signal must end taskdrun in every phase, not only once workers run.
     with forward_stop_signals(stop, "taskdrun", STOP_SIGNALS), contextlib.closing(node):
         try:
@@ -134,11 +135,11 @@ class Node:
     rendezvous and the agent get going; :meth:`run` starts the rest.
     """
 
-    def __init__(self, job: NodeJob, stop: StopRequest) -> None:
+    def __init__(self, job: NodeJob, stop: StopRequest, early: ForkLauncher | None = None) -> None:
         self.job = job
         self.stop = stop
         self.lifeline = Lifeline()
-        self.launcher = fork_launcher(job)
+        self.launcher = fork_launcher(job, early)
         self.rendezvous: RendezvousHandler | None = None
         self.elastic: TaskdElasticAgent | None = None
         self.outcome: AgentOutcome | None = None
@@ -165,14 +166,24 @@ class Node:
             self.launcher.close()
 
 
-def fork_launcher(job: NodeJob) -> ForkLauncher | None:
-    """The fork server that starts this node's workers warm, if enabled and the entrypoint is a script."""
+def fork_launcher(job: NodeJob, early: ForkLauncher | None = None) -> ForkLauncher | None:
+    """The fork server that starts this node's workers warm, if enabled and the entrypoint is a script.
+
+    ``early``, started with taskdrun before torch's parser ran, is taken over when it fits these
+    workers (same settings, same startup environment), else closed.
+    """
     forks = job.options.node.fork_server
-    if not forks.enabled or not isinstance(job.entrypoint, str):
-        return None
-    if forks.preload is None:  # the script may import torch through its own modules: always preload it
-        forks = replace(forks, preload=TORCH_PRELOAD)
-    return ForkLauncher([job.entrypoint, *job.entry_args], forks)
+    launcher = None
+    if forks.enabled and isinstance(job.entrypoint, str):
+        if early is not None and early.settings == forks and early.fits(os.environ):
+            launcher = early
+        else:
+            # The script may import torch through its own modules: always preload it.
+            launcher = ForkLauncher([job.entrypoint, *job.entry_args], forks, imports_torch=True)
+    if early is not None and early is not launcher:
+        logger.info("the fork server started with taskdrun does not fit these workers: starting another")
+        early.close()
+    return launcher
 
 
 def connect_rendezvous(job: NodeJob, stop: StopRequest) -> RendezvousHandler:
