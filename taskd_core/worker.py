@@ -43,7 +43,6 @@ import contextlib
 import faulthandler
 import functools
 import logging
-import math
 import operator
 import os
 import signal
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import IO
 
 from taskd_core.errors import ConfigError
+from taskd_core.values import check_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -157,10 +157,8 @@ class ProgressReporter:
     def enter(self, name: str, timeout: float | None = None) -> None:
         """Begin section ``name``; it must end within ``timeout`` seconds (None: a learned timeout)."""
         check_name(name)
-        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
-            raise ConfigError(
-                f"section {name!r}: timeout must be a positive number of seconds, not {timeout}"
-            )
+        if timeout is not None:
+            check_seconds(timeout, f"section {name!r}: timeout", positive=True)
         self._send(f"enter {name} {'-' if timeout is None else repr(float(timeout))}")
 
     def leave(self, name: str) -> None:

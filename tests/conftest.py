@@ -246,6 +246,24 @@ def controller_factory() -> Iterator[Callable[..., EmbeddedController]]:
 
 
 @pytest.fixture
+def outside_host() -> str:
+    """An address of this machine that other hosts reach (not loopback); skips where there is none."""
+    import socket
+
+    from taskd_core.values import is_loopback
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("203.0.113.1", 9))  # TEST-NET-3: picks the route's source address, sends nothing
+        except OSError:
+            pytest.skip("this machine has no route beyond loopback")
+        host = str(probe.getsockname()[0])
+    if is_loopback(host):
+        pytest.skip("this machine has no address beyond loopback")
+    return host
+
+
+@pytest.fixture
 def controller(controller_factory: Callable[..., EmbeddedController]) -> EmbeddedController:
     """A fresh in-memory controller with the test policy (every strategy, 10 s deadlines, no flush)."""
     return controller_factory()

@@ -9,22 +9,16 @@ apart from the agent itself so that building settings imports no gRPC.
 
 from __future__ import annotations
 
-import math
 import signal as signals
 from dataclasses import dataclass, field
 
 from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.errors import ConfigError
 from taskd_core.models import Credentials
+from taskd_core.values import check_catchable, check_seconds
 
-
-def check_seconds(value: float, what: str, *, positive: bool = False) -> None:
-    """Raise :class:`ConfigError` unless ``value`` is a finite number of seconds (>= 0, or > 0)."""
-    low_ok = value > 0 if positive else value >= 0
-    if not (math.isfinite(value) and low_ok):
-        rule = "> 0" if positive else ">= 0"
-        where = f"{what}: " if what else ""
-        raise ConfigError(f"{where}must be a finite number of seconds {rule}, not {value}")
+#: Seconds between SIGTERM and SIGKILL when stopping workers, unless the launcher is told otherwise.
+STOP_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +26,7 @@ class DispatchConfig:
     """How the controller's actions are carried out on this node."""
 
     #: seconds between SIGTERM and SIGKILL when stopping workers.
-    stop_timeout: float = 30.0
+    stop_timeout: float = STOP_TIMEOUT
     #: signal that asks a worker to save its state and exit (``dump``).
     dump_signal: signals.Signals = signals.SIGUSR1
     #: seconds workers get to save before they are stopped.
@@ -43,6 +37,7 @@ class DispatchConfig:
 
     def __post_init__(self) -> None:
         check_seconds(self.stop_timeout, "stop timeout")
+        check_catchable(self.dump_signal, "dump signal")
         check_seconds(self.dump_grace, "dump grace")
         check_seconds(self.live_timeout, "live timeout")
 

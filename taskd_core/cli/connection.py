@@ -13,16 +13,17 @@ import argparse
 import os
 from collections.abc import Mapping
 
-from taskd_core.launcher.settings import argtype, parse_seconds
 from taskd_core.models import Credentials
 from taskd_core.rpc.security import read_token_file
+from taskd_core.values import DEFAULT_CONTROLLER, argtype, check_secret, parse_controller, parse_seconds
 
 
 def add_connection_options(parser: argparse.ArgumentParser) -> None:
     """``--controller``, ``--tls-ca``, ``--admin-token-file`` and ``--timeout``."""
     parser.add_argument(
         "--controller",
-        default=os.environ.get("TASKD_CONTROLLER", "127.0.0.1:8899"),
+        type=argtype(parse_controller),
+        default=os.environ.get("TASKD_CONTROLLER", DEFAULT_CONTROLLER),
         help="controller HOST:PORT (default: %(default)s, or $TASKD_CONTROLLER)",
     )
     parser.add_argument(
@@ -53,4 +54,7 @@ def credentials(args: argparse.Namespace, env: Mapping[str, str] | None = None) 
     :raises ConfigError: for unreadable files.
     """
     token = read_token_file(args.admin_token_file, "--admin-token-file") if args.admin_token_file else None
-    return Credentials.from_env(os.environ if env is None else env, tls_ca=args.tls_ca, token=token)
+    given = Credentials.from_env(os.environ if env is None else env, tls_ca=args.tls_ca, token=token)
+    if token is None and given.token:
+        check_secret(given.token, "TASKD_JOB_TOKEN")  # gRPC cannot send it: say so now, not after retries
+    return given

@@ -10,10 +10,20 @@ from typing import Any
 
 from taskd_core.controller.etcd_client import EtcdTls, is_etcd_url, parse_etcd_url
 from taskd_core.controller.policy import load_policies, parse_strategies
-from taskd_core.controller.server import ControllerConfig, ControllerServer, serve, split_listen
+from taskd_core.controller.server import ControllerConfig, ControllerServer, listen_address, serve
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.settings import argtype, parse_count, parse_port, parse_seconds
 from taskd_core.rpc.security import ServerTls
+from taskd_core.values import (
+    DEFAULT_CONTROLLER,
+    MAX_SECONDS,
+    argtype,
+    check_writable_file,
+    join_address,
+    parse_address,
+    parse_count,
+    parse_port,
+    parse_seconds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--listen",
-        default="127.0.0.1:8899",
+        default=DEFAULT_CONTROLLER,
         help="HOST:PORT to serve on; port 0 picks one. Any address but loopback needs TLS or --insecure "
         "(default: %(default)s)",
     )
@@ -66,7 +76,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port-file", type=Path, help="write the bound HOST:PORT here once serving")
     p.add_argument(
         "--health-port",
-        type=_port,
+        type=argtype(parse_port),
         metavar="PORT",
         help="also serve the gRPC health service alone, in plaintext, on this port of the --listen host "
         "(for Kubernetes gRPC probes, which cannot use TLS)",
@@ -81,7 +91,7 @@ def add_parser(subparsers: Any) -> None:
     )
     rep.add_argument(
         "--lease-ttl",
-        type=argtype(parse_count),
+        type=argtype(lambda text: parse_count(text, high=int(MAX_SECONDS))),
         default=2,
         metavar="S",
         help="seconds of the leader's lease: a lost leader is replaced about this long later "
@@ -156,16 +166,14 @@ def etcd_tls(args: argparse.Namespace) -> EtcdTls | None:
     return EtcdTls(args.etcd_cacert, args.etcd_cert, args.etcd_key)
 
 
-def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0..65535)")
-    return int(text)
-
-
 def run(args: argparse.Namespace) -> int:
-    split_listen(args.listen)
+    listen_address(args.listen)
+    if args.port_file is not None:
+        check_writable_file(args.port_file, "--port-file")
     if is_etcd_url(args.state):
         parse_etcd_url(args.state)  # a malformed URL is one line before anything else happens
+    elif args.state != ":memory:":
+        check_writable_file(Path(args.state), "--state")
     if args.lease_ttl < 1:
         raise ConfigError("--lease-ttl 0: the leader's lease needs at least 1 second")
     flags = {
@@ -201,13 +209,16 @@ def run(args: argparse.Namespace) -> int:
     def ready(server: ControllerServer) -> None:
         if args.port_file is not None:
             tmp = args.port_file.with_suffix(".tmp")
-            tmp.write_text(server.address + "\n")
-            tmp.replace(args.port_file)  # readers never see a half-written file
+            try:
+                tmp.write_text(server.address + "\n")
+                tmp.replace(args.port_file)  # readers never see a half-written file
+            except OSError as exc:
+                raise ConfigError(f"--port-file {args.port_file}: cannot write it ({exc.strerror})") from None
         print(f"listening on {server.address}", flush=True)
         if server.metrics_port is not None:
             scheme = "http" if config.tls is None else "https"
-            host = server.address.rsplit(":", 1)[0]
-            print(f"metrics on {scheme}://{host}:{server.metrics_port}/metrics", flush=True)
+            host = parse_address(server.address).host
+            print(f"metrics on {scheme}://{join_address(host, server.metrics_port)}/metrics", flush=True)
 
     asyncio.run(serve(config, on_ready=ready, handle_signals=True))
     return 0

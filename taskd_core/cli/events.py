@@ -23,6 +23,7 @@ from taskd_core.cli.connection import add_connection_options, credentials
 from taskd_core.client.query import PAGE, QueryClient
 from taskd_core.errors import ConfigError, ControllerUnavailableError, TaskdError
 from taskd_core.models import JournalEvent
+from taskd_core.values import MAX_INT64, argtype, check_seconds, parse_count
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line (schema: docs/events.md)")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events as they happen")
     p.add_argument(
-        "--after", type=int, default=0, metavar="SEQ", help="only events after this sequence number"
+        "--after",
+        type=argtype(lambda text: parse_count(text, high=MAX_INT64)),
+        default=0,
+        metavar="SEQ",
+        help="only events after this sequence number",
     )
     p.add_argument(
         "--interval",
@@ -148,8 +153,7 @@ def follow(
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.interval <= 0:
-        raise TaskdError(f"--interval must be greater than 0, not {args.interval}")
+    check_seconds(args.interval, "--interval", positive=True)
     line = as_json_line if args.json else render
     with journal_reader(args) as read:
         events = (

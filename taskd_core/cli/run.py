@@ -23,15 +23,21 @@ from pathlib import Path
 
 from taskd_core.forkserver.client import ForkLauncher
 from taskd_core.forkserver.lifeline import Lifeline
+from taskd_core.launcher.flags import OptionValues, add_node_options, node_settings
 from taskd_core.launcher.process_adapter import ProcessAdapter
-from taskd_core.launcher.settings import add_node_options, argtype, node_settings_from_args, parse_count
 from taskd_core.launcher.spec import DEFAULT_MASTER_PORT, LaunchSpec
 from taskd_core.plugins import load_adapter
+from taskd_core.values import (
+    LOCALHOST,
+    MAX_LOCAL_WORKERS,
+    MAX_NODES,
+    argtype,
+    check_creatable_dir,
+    check_writable_file,
+    parse_count,
+)
 
 logger = logging.getLogger(__name__)
-
-
-_at_least_one = argtype(lambda text: parse_count(text, low=1))
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -42,14 +48,26 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     topo = p.add_argument_group("workers")
     topo.add_argument(
-        "--nproc", "--nproc-per-node", type=_at_least_one, default=1, help="workers on this node"
+        "--nproc",
+        "--nproc-per-node",
+        type=argtype(lambda text: parse_count(text, low=1, high=MAX_LOCAL_WORKERS)),
+        default=1,
+        help=f"workers on this node (1..{MAX_LOCAL_WORKERS})",
     )
-    topo.add_argument("--nnodes", type=_at_least_one, default=1, help="nodes in the job")
     topo.add_argument(
-        "--node-rank", type=argtype(parse_count), default=0, help="this node's rank (0..nnodes-1)"
+        "--nnodes",
+        type=argtype(lambda text: parse_count(text, low=1, high=MAX_NODES)),
+        default=1,
+        help=f"nodes in the job (1..{MAX_NODES})",
     )
     topo.add_argument(
-        "--master-addr", default="127.0.0.1", help="host of rank 0 and of the embedded controller"
+        "--node-rank",
+        type=argtype(lambda text: parse_count(text, high=MAX_NODES - 1)),
+        default=0,
+        help="this node's rank (0..nnodes-1)",
+    )
+    topo.add_argument(
+        "--master-addr", default=LOCALHOST, help="host of rank 0 and of the embedded controller"
     )
     topo.add_argument(
         "--master-port",
@@ -59,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     topo.add_argument(
         "--log-dir",
-        type=Path,
+        type=argtype(lambda text: check_creatable_dir(Path(text))),
         default=None,
         help="write each worker's output to <dir>/rank<R>/restart<K>.log",
     )
@@ -88,7 +106,7 @@ def build_spec(args: argparse.Namespace, job_id: str, stop_timeout: float) -> La
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.master_port is None:
         one_node = args.nnodes == 1
-        master_port = _free_port("127.0.0.1") if one_node else DEFAULT_MASTER_PORT
+        master_port = _free_port(LOCALHOST) if one_node else DEFAULT_MASTER_PORT
     else:
         master_port = args.master_port
     return LaunchSpec(
@@ -109,9 +127,10 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: the agent pulls in the gRPC client, which `taskd run --help` does not need.
     from taskd_core.launcher.node import run_node_agent
 
-    settings = node_settings_from_args(
-        args,
-        os.environ,
+    if args.controller_state != ":memory:":
+        check_writable_file(Path(args.controller_state), "--controller-state")
+    settings = node_settings(
+        OptionValues(os.environ, args),
         launcher="taskd",
         shared=f"{args.master_addr}:{args.master_port or DEFAULT_MASTER_PORT}",
         node_rank=args.node_rank,

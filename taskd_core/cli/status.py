@@ -13,9 +13,8 @@ from typing import Any
 
 from taskd_core.cli.connection import add_connection_options, credentials
 from taskd_core.client.query import QueryClient
-from taskd_core.errors import ConfigError
-from taskd_core.launcher.settings import argtype, parse_count
 from taskd_core.models import ControllerStatus, JournalEvent
+from taskd_core.values import MAX_INT32, argtype, parse_count
 
 
 def add_parser(subparsers: Any) -> None:
@@ -28,24 +27,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--job", default="", help="only this job id")
     p.add_argument(
         "--events",
-        type=argtype(_event_count),
+        type=argtype(parse_count),
         default=10,
         metavar="N",
-        help=f"latest journal events per job, 0..{MAX_EVENTS} (default: %(default)s)",
+        help=f"latest journal events per job, 0..{MAX_INT32} (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text (schema: docs/events.md)")
     p.set_defaults(func=run)
-
-
-#: The wire field is an int32; the controller keeps far fewer events anyway.
-MAX_EVENTS = 2**31 - 1
-
-
-def _event_count(text: str) -> int:
-    count = parse_count(text)
-    if count > MAX_EVENTS:
-        raise ConfigError(f"{text!r} is more than {MAX_EVENTS}")
-    return count
 
 
 def _safe(text: str) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 
 from taskd_core.errors import ConfigError
 from taskd_core.models import LADDER, JobPolicy, Strategy
+from taskd_core.values import MAX_INT32, MAX_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,10 @@ def _number(key: str, value: object, *, minimum: float, integer: bool, exclusive
     if value < minimum or (exclusive and value == minimum):
         bound = f"greater than {minimum:g}" if exclusive else f"at least {minimum:g}"
         raise ConfigError(f"{key}: must be {bound}, got {value!r}")
+    # The wire carries counts as int32; no wait or window of a recovery is longer than a day.
+    if value > (MAX_INT32 if integer else MAX_SECONDS):
+        bound = str(MAX_INT32) if integer else f"{MAX_SECONDS:g} seconds (a day)"
+        raise ConfigError(f"{key}: must be at most {bound}, got {value!r}")
     return float(value)
 
 
@@ -178,6 +183,11 @@ def load_policies(path: str | Path | None = None, **overrides: object) -> Policy
             ) from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"policy file {path}: not valid TOML ({exc}); fix the syntax") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"policy file {path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+                "TOML files are UTF-8, save it as UTF-8"
+            ) from None
     unknown = set(data) - {"defaults", "jobs"}
     if unknown:
         raise ConfigError(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import signal
 import socket
@@ -46,12 +47,15 @@ from taskd_core.controller.store import StateStore
 from taskd_core.errors import ConfigError, NotLeaderError, TaskdError
 from taskd_core.models import JobPolicy
 from taskd_core.rpc import SERVICE_NAME, recover_pb2_grpc
-from taskd_core.rpc.security import (
-    RequestGuard,
-    ServerTls,
-    is_loopback_listener,
-    read_token_file,
-    token_digest,
+from taskd_core.rpc.security import RequestGuard, ServerTls, read_token_file, token_digest
+from taskd_core.values import (
+    DEFAULT_CONTROLLER,
+    LOCALHOST,
+    Address,
+    is_loopback,
+    is_wildcard,
+    join_address,
+    parse_address,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,7 +94,7 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 class ControllerConfig:
     """Everything one controller process needs."""
 
-    listen: str = "127.0.0.1:8899"
+    listen: str = DEFAULT_CONTROLLER
     #: SQLite file of jobs, agents and the journal (":memory:" for throw-away runs), or
     #: ``etcd://HOST:PORT[,HOST:PORT...]/PREFIX`` for replicas sharing the state in etcd.
     state: str = "./taskd-state.db"
@@ -130,8 +134,7 @@ class ControllerConfig:
 
     def access(self) -> AccessRules:
         """The authorisation rules; checks the listener's security (:class:`ConfigError`)."""
-        host, _ = split_listen(self.listen)
-        loopback = is_loopback_listener(host)
+        loopback = is_loopback(listen_address(self.listen).host)
         if self.tls is None and not loopback:
             if not self.insecure:
                 raise ConfigError(
@@ -149,25 +152,45 @@ class ControllerConfig:
         return AccessRules(admin_digest=token_digest(admin) if admin else "", allow_legacy=legacy)
 
 
-def split_listen(listen: str, flag: str = "--listen") -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) as its parts; ConfigError when malformed."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"{flag} {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:8899 or [::]:8899")
-    return host, int(port)
+def listen_address(listen: str, flag: str = "--listen") -> Address:
+    """A listener's ``HOST:PORT`` (``[v6]:PORT`` too; port 0 picks one); ConfigError when malformed."""
+    return parse_address(listen, flag, allow_zero=True)
+
+
+def cannot_bind(what: str, host: str, port: int, exc: Exception) -> ConfigError:
+    """What a failed bind of ``host:port`` means, found out again with a plain socket."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        return ConfigError(
+            f"{what}: cannot resolve {host!r} ({err.strerror}); give an address of this machine"
+        )
+    family, kind, proto, _, address = infos[0]
+    reason = f"{exc}; pick a free port"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            reason = {
+                errno.EADDRINUSE: "the port is in use; pick a free port",
+                errno.EADDRNOTAVAIL: "not an address of this machine; give one of its addresses",
+                errno.EACCES: f"port {port} needs privileges; pick one above 1023",
+            }.get(err.errno or 0, err.strerror or str(err))
+    return ConfigError(f"{what}: cannot bind on {host} ({reason})")
 
 
 class ControllerServer:
     """The gRPC server with the Recover and health services, and its replica; use on one event loop."""
 
     def __init__(self, config: ControllerConfig) -> None:
-        split_listen(config.listen)
+        listen_address(config.listen)
         if config.keepalive_interval <= 0:
             raise ConfigError("--keepalive-interval must be greater than 0")
         if config.lease_ttl < 1:
             raise ConfigError(f"--lease-ttl {config.lease_ttl}: give a whole number of seconds, at least 1")
         if config.advertise:
-            split_listen(config.advertise, "--advertise")
+            listen_address(config.advertise, "--advertise")
         self._access = config.access()
         self._credentials = config.tls.credentials() if config.tls is not None else None
         if config.metrics_port is not None and not 0 <= config.metrics_port <= 65535:
@@ -191,18 +214,16 @@ class ControllerServer:
     @property
     def address(self) -> str:
         """Where clients on this host reach the server (wildcard hosts become loopback)."""
-        host, _ = split_listen(self.config.listen)
-        if host in _WILDCARDS:
-            host = "127.0.0.1"
-        return f"{host}:{self.port}"
+        host = listen_address(self.config.listen).host
+        return join_address(LOCALHOST if is_wildcard(host) else host, self.port)
 
     @property
     def advertised(self) -> str:
         """Where other hosts reach this replica: ``advertise``, else the listener (a wildcard: this host)."""
         if self.config.advertise:
             return self.config.advertise
-        host, _ = split_listen(self.config.listen)
-        return f"{socket.getfqdn() if host in _WILDCARDS else host}:{self.port}"
+        host = listen_address(self.config.listen).host
+        return join_address(socket.getfqdn() if is_wildcard(host) else host, self.port)
 
     @property
     def replica(self) -> Replica:
@@ -249,9 +270,8 @@ class ControllerServer:
             else:
                 self.port = server.add_insecure_port(self.config.listen)
         except RuntimeError as exc:
-            raise ConfigError(
-                f"--listen {self.config.listen}: cannot bind ({exc}); pick a free port"
-            ) from None
+            host, port = listen_address(self.config.listen)
+            raise cannot_bind(f"--listen {self.config.listen}", host, port, exc) from None
         self._server = server
         try:
             await self._start_replica(server, metrics, timeout)
@@ -283,12 +303,10 @@ class ControllerServer:
         replica = self._replica = Replica(election, self._new_controller, self._health, self.advertised)
         if metrics is not None and self.config.metrics_port is not None:
             metrics.attach(on_loop(asyncio.get_running_loop(), replica.gauges))
-            host, _ = split_listen(self.config.listen)
-            self._metrics_endpoint = MetricsEndpoint(
-                metrics, host.strip("[]"), self.config.metrics_port, self.config.tls
-            )
+            host = listen_address(self.config.listen).host
+            self._metrics_endpoint = MetricsEndpoint(metrics, host, self.config.metrics_port, self.config.tls)
             scheme = "http" if self.config.tls is None else "https"
-            logger.info("metrics on %s://%s:%d/metrics", scheme, host, self._metrics_endpoint.port)
+            logger.info("metrics on %s://%s/metrics", scheme, join_address(host, self._metrics_endpoint.port))
         await server.start()
         if self.config.health_port is not None:
             await self._start_probe_server(self.config.health_port)
@@ -297,15 +315,13 @@ class ControllerServer:
 
     async def _start_probe_server(self, port: int) -> None:
         """The health service alone, in plaintext: it tells only whether the controller serves."""
-        host, _ = split_listen(self.config.listen)
+        host = listen_address(self.config.listen).host
         probe = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, probe)
         try:
-            self.health_port = probe.add_insecure_port(f"{host}:{port}")
+            self.health_port = probe.add_insecure_port(join_address(host, port))
         except RuntimeError as exc:
-            raise ConfigError(
-                f"--health-port {port}: cannot bind on {host} ({exc}); pick a free port"
-            ) from None
+            raise cannot_bind(f"--health-port {port}", host, port, exc) from None
         self._probe_server = probe
         await probe.start()
 
@@ -323,9 +339,6 @@ class ControllerServer:
         if self._metrics_endpoint is not None:
             self._metrics_endpoint.close()
         logger.info("controller on %s stopped", self.address)
-
-
-_WILDCARDS = ("0.0.0.0", "[::]", "::")
 
 
 async def serve(
@@ -434,7 +447,7 @@ class EmbeddedController:
             raise ConfigError(
                 f"embedded controller on {listen} did not start within {start_timeout}s"
             ) from None
-        self.port = split_listen(self.address)[1]
+        self.port = parse_address(self.address).port
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)

@@ -106,6 +106,11 @@ class SqliteStore:
             # Counted once; commits keep it up to date (a count(*) per scrape would grow with the journal).
             self._entries: int = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
         except sqlite3.Error as exc:
+            if getattr(exc, "sqlite_errorname", "").startswith("SQLITE_READONLY"):
+                raise ConfigError(
+                    f"state file {path}: read-only for this process, and the controller writes every "
+                    "transition there; make the file and its directory writable, or give another --state"
+                ) from None
             raise ConfigError(f"state file {path}: cannot open it as SQLite ({exc}); check --state") from None
 
     def load(self) -> list[StoredJob]:

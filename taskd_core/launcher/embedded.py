@@ -4,9 +4,10 @@ Launchers do not make users run a controller for a single job. The rule:
 
 1. an explicit controller address (``--controller HOST:PORT``) always wins;
 2. otherwise node 0 starts an embedded controller inside its own launcher
-   process, listening on ``controller_port`` — on every interface, or only on
-   ``127.0.0.1`` when the job's master address is loopback (a one-machine job
-   needs no open port);
+   process, listening on ``controller_port`` where the other nodes dial it
+   (:func:`bind_host`): on the master address itself when that is loopback (a
+   one-machine job needs no open port; ``127.0.0.2`` is loopback too), else on
+   every interface;
 3. every other node reaches it at ``MASTER_ADDR:controller_port``, the same
    host that serves the job's rendezvous.
 
@@ -25,18 +26,14 @@ that the other nodes' agents can still report their end to it.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from taskd_core.launcher.settings import (
-    ControllerBoard,
-    check_port,
-    is_loopback,
-    join_address,
-    parse_controller,
-)
+from taskd_core.launcher.settings import ControllerBoard
 from taskd_core.models import Credentials, JobPolicy
+from taskd_core.values import LOCALHOST, check_port, is_loopback, join_address, parse_controller
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +44,37 @@ class ControllerEndpoint:
 
     address: str
     embedded: bool
+
+
+def bind_host(master_addr: str) -> str:
+    """Where node 0's embedded controller listens so that the nodes dialling ``master_addr`` reach it.
+
+    A loopback master address is bound itself (``localhost`` as ``127.0.0.1``):
+    every node dials exactly it, and nothing beyond this machine can. Any other
+    master address is served on every interface of its family, which includes
+    the one the master address names (a name may resolve to an address behind
+    a NAT or a service, which could not be bound).
+    """
+    if is_loopback(master_addr):
+        return LOCALHOST if master_addr.lower() == "localhost" else master_addr
+    try:
+        family = ipaddress.ip_address(master_addr).version
+    except ValueError:
+        family = 4
+    return "::" if family == 6 else "0.0.0.0"
+
+
+def dial_host(bind: str, master_addr: str, *, tls: bool) -> str:
+    """Where node 0's own agent reaches the controller bound at ``bind``.
+
+    Over loopback whatever interface serves the others; with TLS at the master
+    address, the name its certificate carries for the other nodes.
+    """
+    if tls:
+        return master_addr
+    if is_loopback(bind):
+        return bind
+    return "::1" if bind == "::" else LOCALHOST
 
 
 @contextlib.contextmanager
@@ -96,9 +124,9 @@ def controller_address(
 
     own = credentials or Credentials()
     tls = ServerTls(own.tls_cert, own.tls_key, own.tls_ca) if own.tls_cert and own.tls_key else None
-    bind = "127.0.0.1" if is_loopback(master_addr) else "0.0.0.0"
+    bind = bind_host(master_addr)
     with EmbeddedController(
-        listen=f"{bind}:{controller_port}",
+        listen=join_address(bind, controller_port),
         state=state,
         defaults=policy,
         tls=tls,
@@ -106,19 +134,18 @@ def controller_address(
         metrics_port=metrics_port,
     ) as controller:
         logger.info(
-            "embedded controller listening on %s:%s (%s)",
-            bind,
-            controller.port,
+            "embedded controller listening on %s (%s)",
+            join_address(bind, controller.port),
             "mutual TLS" if tls else "plaintext",
         )
         if controller.metrics_port is not None:
             scheme = "https" if tls else "http"
             logger.info(
-                "embedded controller metrics on %s://%s:%s/metrics", scheme, bind, controller.metrics_port
+                "embedded controller metrics on %s://%s/metrics",
+                scheme,
+                join_address(bind, controller.metrics_port),
             )
         if board is not None:
             board.publish(join_address(master_addr, controller.port))
-        # Node 0's own agent reaches it over loopback, whatever interface serves the others; with
-        # TLS at the master address, the name its certificate carries for the other nodes.
-        host = master_addr if tls is not None else "127.0.0.1"
-        yield ControllerEndpoint(f"{host}:{controller.port}", embedded=True)
+        host = dial_host(bind, master_addr, tls=tls is not None)
+        yield ControllerEndpoint(join_address(host, controller.port), embedded=True)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from taskd_core.agent.config import DispatchConfig
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.settings import check_host, check_port, default_of
+from taskd_core.launcher.settings import default_of
+from taskd_core.values import LOCALHOST, MAX_LOCAL_WORKERS, check_count, check_host, check_port, check_seconds
 
 #: torchrun's default rendezvous port, used when several nodes must agree on one.
 DEFAULT_MASTER_PORT = 29500
@@ -25,7 +26,7 @@ class LaunchSpec:
     nproc: int = 1
     nnodes: int = 1
     node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    master_addr: str = LOCALHOST
     master_port: int = DEFAULT_MASTER_PORT
     job_id: str = "default"
     #: per-rank logs go to ``<log_dir>/rank<R>/restart<K>.log``; None: inherit the launcher's streams.
@@ -41,18 +42,15 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         if not self.command:
             raise ConfigError("no command to launch: give it after '--'")
-        if self.nproc < 1:
-            raise ConfigError(f"nproc must be at least 1, not {self.nproc}")
-        if self.nnodes < 1:
-            raise ConfigError(f"nnodes must be at least 1, not {self.nnodes}")
+        check_count(self.nproc, "nproc", low=1, high=MAX_LOCAL_WORKERS)
+        check_count(self.nnodes, "nnodes", low=1)
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"node rank {self.node_rank} is outside 0..{self.nnodes - 1} (nnodes {self.nnodes})"
             )
         if not self.job_id:
             raise ConfigError("job id must not be empty")
-        if self.stop_timeout < 0:
-            raise ConfigError(f"stop timeout must not be negative, not {self.stop_timeout}")
+        check_seconds(self.stop_timeout, "stop timeout")
         check_host(self.master_addr, "master address")
         check_port(self.master_port, "master port")
 

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,24 +31,15 @@ from google.protobuf.message import DecodeError
 
 from taskd_core.errors import ConfigError, ProtocolError
 from taskd_core.models import Credentials
+from taskd_core.values import check_secret
 
 logger = logging.getLogger(__name__)
 
 #: Metadata keys (gRPC wants them lower case).
 AUTHORIZATION = "authorization"
 LAUNCH = "x-taskd-launch"
-#: Longest token or launch identity accepted; a longer header is refused before any lookup.
-MAX_SECRET = 512
-#: Hosts a listener may use without TLS and where legacy clients are allowed by default.
-#: Deliberately exact: any other address, even another 127/8 one, counts as reachable by others.
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "[::1]", "localhost"})
 
 _GARBAGE_TEXT = "the request is not a valid protobuf message for this RPC"
-
-
-def is_loopback_listener(host: str) -> bool:
-    """Whether a listener on ``host`` is reachable from this machine only."""
-    return host.lower() in LOOPBACK_HOSTS
 
 
 def _read(path: str, what: str) -> bytes:
@@ -82,19 +74,14 @@ def read_token_file(path: str, what: str = "token file") -> str:
     return token
 
 
-def check_secret(value: str, what: str) -> None:
-    """Tokens and launch identities: printable ASCII without spaces, at most :data:`MAX_SECRET` long."""
-    if len(value) > MAX_SECRET or not all("!" <= c <= "~" for c in value):
-        raise ConfigError(f"{what}: must be printable ASCII without spaces, at most {MAX_SECRET} characters")
-
-
 # --- client side ----------------------------------------------------------------------------
 
 
 def call_metadata(credentials: Credentials) -> tuple[tuple[str, str], ...]:
-    """The metadata every call of a client carries."""
+    """The metadata every call of a client carries; :class:`ConfigError` for a token gRPC cannot send."""
     pairs: list[tuple[str, str]] = []
     if credentials.token:
+        check_secret(credentials.token, "the job token")
         pairs.append((AUTHORIZATION, f"Bearer {credentials.token}"))
     if credentials.launch:
         pairs.append((LAUNCH, credentials.launch))
@@ -172,6 +159,14 @@ class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
 # --- server side ----------------------------------------------------------------------------
 
 
+def _loads(load: Callable[[], object], problem: str) -> None:
+    """Run one of :mod:`ssl`'s loaders; its error becomes :class:`ConfigError` ``problem``."""
+    try:
+        load()
+    except ssl.SSLError:
+        raise ConfigError(problem) from None
+
+
 @dataclass(frozen=True, slots=True)
 class ServerTls:
     """The controller's certificate and key; ``client_ca`` set requires client certificates from it."""
@@ -181,8 +176,24 @@ class ServerTls:
     client_ca: str = ""
 
     def credentials(self) -> grpc.ServerCredentials:
+        """The server's gRPC credentials; :class:`ConfigError` for files that are no usable PEM."""
         pair = (_read(self.key, "TLS key"), _read(self.cert, "TLS certificate"))
         roots = _read(self.client_ca, "TLS client CA") if self.client_ca else None
+        # gRPC itself would only fail at bind time, with a message about the port.
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        _loads(
+            lambda: context.load_verify_locations(cafile=self.cert),
+            f"TLS certificate {self.cert}: no PEM certificate in it; check --tls-cert",
+        )
+        _loads(
+            lambda: context.load_cert_chain(self.cert, self.key, password=lambda: b""),
+            f"TLS key {self.key}: not the unencrypted PEM private key of {self.cert}; check --tls-key",
+        )
+        if self.client_ca:
+            _loads(
+                lambda: context.load_verify_locations(cafile=self.client_ca),
+                f"TLS client CA {self.client_ca}: no PEM certificate in it; check --tls-client-ca",
+            )
         return grpc.ssl_server_credentials(
             [pair], root_certificates=roots, require_client_auth=roots is not None
         )

@@ -394,5 +394,5 @@ def test_restart_backoff_delays() -> None:
     backoff = RestartBackoff(initial=1.0, cap=5.0)
     assert [backoff.delay(n) for n in range(1, 7)] == [0.0, 1.0, 2.0, 4.0, 5.0, 5.0]
     assert RestartBackoff(initial=0.0).delay(9) == 0.0
-    with pytest.raises(ConfigError, match="restart backoff cap: must be"):
+    with pytest.raises(ConfigError, match="restart backoff cap must be"):
         RestartBackoff(cap=-1.0)

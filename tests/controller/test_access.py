@@ -186,15 +186,23 @@ def test_reference_client_without_token_works_on_loopback(controller, make_agent
     agent.expect("stopTrain")
 
 
-def test_reference_client_is_refused_beyond_loopback_without_allow_legacy(controller_factory, make_agent) -> None:
-    # 127.0.0.2 stays on this machine, but only 127.0.0.1/::1/localhost count as loopback listeners.
-    ctl = controller_factory(listen="127.0.0.2:0", insecure=True)
+def test_every_loopback_address_is_loopback_to_the_controller(controller_factory, make_agent) -> None:
+    """127.0.0.2 is loopback (Linux routes all of 127/8 to lo): plaintext and legacy clients as on 127.0.0.1."""
+    ctl = controller_factory(listen="127.0.0.2:0")
+    assert ctl.address.startswith("127.0.0.2:")
+    assert make_agent(ctl.address, "ref-job", role="ref").join().job().legacy
+
+
+def test_reference_client_is_refused_beyond_loopback_without_allow_legacy(
+    controller_factory, make_agent, outside_host
+) -> None:
+    ctl = controller_factory(listen=f"{outside_host}:0", insecure=True)
     agent = make_agent(ctl.address, "ref-job", role="ref")
     reply = agent.stub.Init(agent.info, timeout=10)
     assert reply.code == Code.FORBIDDEN and "TASKD_JOB_TOKEN" in reply.info
     token_agent = make_agent(ctl.address, "tok-job", "node-0", credentials=Credentials(token=TOKEN)).join()
     assert not token_agent.job().legacy
-    allowing = controller_factory(listen="127.0.0.2:0", insecure=True, allow_legacy=True)
+    allowing = controller_factory(listen=f"{outside_host}:0", insecure=True, allow_legacy=True)
     assert make_agent(allowing.address, "ref-job", role="ref").join().job().legacy
 
 

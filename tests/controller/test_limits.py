@@ -69,10 +69,13 @@ def test_report_fields_one_past_their_bounds_are_409(controller, make_agent) -> 
         stub.SetJobPolicy(
             pb.JobPolicyRequest(jobId=JOB, strategies=["exit"] * (MAX_STRATEGIES + 1), maxCycles=-1), timeout=10
         ),
+        # No wait of a recovery is longer than a day.
+        stub.SetJobPolicy(pb.JobPolicyRequest(jobId=JOB, reportTimeoutSeconds=1e308, maxCycles=-1), timeout=10),
     ]
     for reply in cases:
         assert reply.code == Code.INVALID_PARAM, reply
     assert "unknown strategy 'teleport'" in cases[2].info
+    assert "must be at most 86400 seconds (a day)" in cases[-1].info
     # The reference's own strategy names are known (stored, never chosen).
     ok = stub.ReportRecoverStrategy(
         pb.RecoverStrategyRequest(jobId=JOB, agentId="node-0", strategies=["elastic-training", "downgrade"]),

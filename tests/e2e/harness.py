@@ -87,12 +87,13 @@ class TaskdRun:
 class Cluster:
     """The ``taskd run`` processes of one test, sharing one job id; :meth:`close` leaves nothing running."""
 
-    def __init__(self, tmp_path: Path, job_id: str) -> None:
+    def __init__(self, tmp_path: Path, job_id: str, master_addr: str = "127.0.0.1") -> None:
         self.tmp_path = tmp_path
         self.job_id = job_id
+        self.master_addr = master_addr
         self.runs: list[TaskdRun] = []
-        self.master_port = free_port()
-        self.controller_port = free_port()
+        self.master_port = free_port(master_addr)
+        self.controller_port = free_port(master_addr)
         self.state = tmp_path / "controller.db"
 
     def node(self, node_rank: int, nnodes: int, nproc: int, command: list[str], *extra: str) -> TaskdRun:
@@ -104,7 +105,7 @@ class Cluster:
             "--nproc",
             str(nproc),
             "--master-addr",
-            "127.0.0.1",
+            self.master_addr,
             "--master-port",
             str(self.master_port),
             "--controller-port",

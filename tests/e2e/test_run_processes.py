@@ -69,6 +69,21 @@ def test_all_workers_finish(tmp_path: Path, cluster: Cluster) -> None:
     assert job_processes(cluster.job_id) == []
 
 
+def test_two_nodes_on_a_loopback_alias_finish(tmp_path: Path, cluster: Cluster) -> None:
+    """--master-addr 127.0.0.2 (Linux routes all of 127/8 to lo): node 0's controller listens where node 1 dials."""
+    cluster.master_addr = "127.0.0.2"
+    command = worker(tmp_path, "finish")
+    for node in (0, 1):
+        cluster.node(node, 2, 1, command)
+    assert cluster.wait_all() == [0, 0], cluster.diagnostics()
+    assert set(starts(tmp_path)) == {(0, 0), (1, 0)}
+    assert "job finished" in kinds(cluster)
+    node0 = cluster.runs[0].output()
+    assert f"embedded controller listening on 127.0.0.2:{cluster.controller_port} (plaintext)" in node0
+    assert f"controller 127.0.0.2:{cluster.controller_port} (embedded)" in node0
+    assert job_processes(cluster.job_id) == []
+
+
 def test_children_left_by_finished_workers_are_stopped(tmp_path: Path, cluster: Cluster) -> None:
     """Workers that exit 0 but leave children running: `taskd run` exits 0 and leaves no process behind."""
     run = cluster.node(0, 1, 2, worker(tmp_path, "orphan"))

@@ -10,10 +10,10 @@ import pytest
 from taskd_core.errors import ConfigError, ControllerUnavailableError
 from taskd_core.launcher.embedded import ControllerEndpoint, controller_address
 from taskd_core.launcher.node import wait_for_agents
-from taskd_core.launcher.settings import parse_address
 from taskd_core.models import JobPolicy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
+from taskd_core.values import parse_address
 
 POLICY = JobPolicy(max_cycles=7)
 

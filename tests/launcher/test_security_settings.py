@@ -6,13 +6,14 @@ import pytest
 
 from taskd_core.cli import build_parser
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.settings import NodeSettings, node_settings_from_args
+from taskd_core.launcher.flags import OptionValues, node_settings
+from taskd_core.launcher.settings import NodeSettings
 
 
 def settings(argv: list[str], env: dict[str, str] | None = None) -> NodeSettings:
     args = build_parser().parse_args(["run", *argv, "--", "true"])
-    return node_settings_from_args(
-        args, env or {}, launcher="taskd", shared=f"{args.master_addr}:{args.master_port}",
+    return node_settings(
+        OptionValues(env or {}, args), launcher="taskd", shared=f"{args.master_addr}:{args.master_port}",
         node_rank=args.node_rank, nnodes=args.nnodes, master_addr=args.master_addr,
     )
 

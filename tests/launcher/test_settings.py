@@ -12,25 +12,18 @@ from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
 from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.cli import build_parser
 from taskd_core.errors import ConfigError
-from taskd_core.launcher.settings import (
-    DEFAULT_CONTROLLER_PORT,
-    NodeSettings,
-    add_node_options,
-    controller_from_env,
-    embedded_port,
-    job_id_from_env,
-    join_address,
-    node_settings_from_args,
-    parse_address,
-)
+from taskd_core.launcher.environment import controller_from_env, job_id_from_env
+from taskd_core.launcher.flags import OptionValues, add_node_options, node_settings
+from taskd_core.launcher.settings import NodeSettings, embedded_port
 from taskd_core.models import Credentials, JobPolicy, Strategy
+from taskd_core.values import DEFAULT_CONTROLLER_PORT, join_address, parse_address
 
 
 def run_settings(argv: list[str], env: dict[str, str] | None = None) -> NodeSettings:
     """The NodeSettings `taskd run ARGV -- true` builds."""
     args = build_parser().parse_args(["run", *argv, "--", "true"])
-    settings = node_settings_from_args(
-        args, env or {}, launcher="taskd", shared=f"{args.master_addr}:{args.master_port}", job_id="default",
+    settings = node_settings(
+        OptionValues(env or {}, args), launcher="taskd", shared=f"{args.master_addr}:{args.master_port}", job_id="default",
         node_rank=args.node_rank, nnodes=args.nnodes, master_addr=args.master_addr,
     )
     # Credentials have their own tests (test_security_settings.py); the rest of the chain is compared here.

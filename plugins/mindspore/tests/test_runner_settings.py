@@ -60,14 +60,29 @@ def test_the_port_rule_is_the_launchers_one() -> None:
         ({"TASKD_REPORT_DEADLINE": "soon"}, "TASKD_REPORT_DEADLINE: 'soon' is not a finite number"),
         ({"MINDX_SERVER_IP": "bad host!"}, "MINDX_SERVER_IP"),
         ({"TASKD_MAX_CYCLES": "1.5"}, "TASKD_MAX_CYCLES: '1.5' is not a whole number >= 0"),
-        ({"TASKD_HANG_DETECTION": "yes"}, "TASKD_HANG_DETECTION: 'yes' is neither 0 .off. nor 1 .on."),
+        ({"TASKD_HANG_DETECTION": "maybe"}, "TASKD_HANG_DETECTION: 'maybe' is neither on .1, on, true, yes. nor off"),
         ({"TASKD_HANG_FLOOR": "-1"}, "TASKD_HANG_FLOOR: '-1' is not a finite number of seconds > 0"),
         ({"TASKD_HANG_FLOOR": "9", "TASKD_HANG_CEILING": "8"}, "floor 9.0s is above ceiling 8.0s"),
+        ({"TASKD_DUMP_SIGNAL": "KILL"}, "TASKD_DUMP_SIGNAL: SIGKILL cannot be caught"),
+        ({"TASKD_STOP_TIMEOUT": "1e308"}, r"TASKD_STOP_TIMEOUT: '1e308' is more than 86400 seconds \(a day\)"),
+        ({"TASKD_MAX_CYCLES": "99999999999"}, "TASKD_MAX_CYCLES: '99999999999' is more than 2147483647"),
+        ({"MS_WORKER_NUM": "99999999999"}, "MS_WORKER_NUM: '99999999999' is more than"),
+        ({"TASKD_INSECURE": "maybe"}, "TASKD_INSECURE: 'maybe' is neither on"),
+        ({"TASKD_CONTROLLER": "ctl:7000", "TASKD_MAX_CYCLES": "5"}, "TASKD_MAX_CYCLES sets the budget of the embedded"),
     ],
 )
 def test_bad_variables_are_named(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         settings(**env)
+
+
+def test_every_shared_setting_has_its_variable() -> None:
+    """msrun reads the same settings as `taskd run`'s flags, by their TASKD_ names: one builder for all."""
+    node = settings(TASKD_JOB_ID="j", TASKD_DUMP_SIGNAL="USR2", TASKD_RESTART_BACKOFF="0", TASKD_REPORT_TIMEOUT="30",
+                    TASKD_CYCLE_WINDOW="0", TASKD_METRICS_PORT="0", TASKD_FORK_SERVER="0").node
+    assert node.agent.dispatch.dump_signal.name == "SIGUSR2" and node.agent.restart_backoff.initial == 0.0
+    assert (node.policy.report_timeout, node.policy.cycle_window, node.metrics_port) == (30.0, 0.0, 0)
+    assert not node.fork_server.enabled
 
 
 def test_msrun_credentials_and_launch_identity() -> None:

@@ -33,6 +33,17 @@ def test_help_shows_torchrun_options_and_taskd_options() -> None:
         (["--taskd-controller", "nowhere"], "'nowhere' is not HOST:PORT"),
         (["--taskd-controller-port", "70000"], "controller port: 70000 is not a TCP port"),
         (["--nnodes", "1:2"], "--nnodes=1:2: taskdrun needs a fixed number of nodes (--nnodes=N)"),
+        (["--taskd-max-cycles", "99999999999"], "--taskd-max-cycles: '99999999999' is more than 2147483647"),
+        (["--taskd-stop-timeout", "1e308"], "--taskd-stop-timeout: '1e308' is more than 86400 seconds (a day)"),
+        (["--taskd-dump-signal", "KILL"], "--taskd-dump-signal: SIGKILL cannot be caught"),
+        # torchrun's own options, which torch checks only when it uses them (with a traceback), or never.
+        (["--nproc-per-node=0"], "--nproc-per-node/--nproc_per_node: '0' is not a whole number >= 1"),
+        (["--nproc-per-node=1000000000"], "--nproc-per-node/--nproc_per_node: '1000000000' is more than 1024"),
+        (["--rdzv-backend=bogus"], "unknown rendezvous backend 'bogus'; use one of: c10d, etcd, etcd-v2, static"),
+        (["--rdzv-endpoint=::::"], "--rdzv-endpoint/--rdzv_endpoint: '::::' is not HOST[:PORT]"),
+        (["--master-port=99999"], "--master-port/--master_port: '99999' is not a TCP port (0..65535)"),
+        (["--max-restarts=99999999999"], "--max-restarts/--max_restarts: '99999999999' is more than 2147483647"),
+        (["--monitor-interval=nan"], "--monitor-interval/--monitor_interval: 'nan' is not a finite number"),
     ],
 )
 def test_bad_taskd_option_values_give_a_clear_error(argv: list[str], message: str, tmp_path: Path, capsys) -> None:
@@ -41,7 +52,19 @@ def test_bad_taskd_option_values_give_a_clear_error(argv: list[str], message: st
     with pytest.raises(SystemExit) as ended:
         main([*argv, IDLE, str(tmp_path)])
     assert ended.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_a_log_dir_under_a_file_ends_taskdrun_with_one_line(tmp_path: Path) -> None:
+    """The real command: nothing starts (no fork server to break its pipe), exit 2, no traceback."""
+    (tmp_path / "file").write_text("")
+    done = subprocess.run(
+        [taskdrun_exe(), f"--log-dir={tmp_path / 'file' / 'logs'}", "--nproc-per-node=0", IDLE, str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(f"{tmp_path / 'file'} is a file, not a directory; pick a directory")
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from taskd_core.errors import ConfigError
+from taskd_core.values import check_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,26 +43,12 @@ class ProgressConfig:
     stack_timeout: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "stopped_bound",
-            "disk_sleep_bound",
-            "multiplier",
-            "floor",
-            "ceiling",
-            "poll",
-            "stack_timeout",
-        ):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(
-                    f"hang detection: {name.replace('_', ' ')} must be a positive number, not {value}"
-                )
-        if self.heartbeat_timeout is not None and not (
-            math.isfinite(self.heartbeat_timeout) and self.heartbeat_timeout > 0
-        ):
-            raise ConfigError(
-                f"hang detection: heartbeat timeout must be positive, not {self.heartbeat_timeout}"
-            )
+        for name in ("stopped_bound", "disk_sleep_bound", "floor", "ceiling", "poll", "stack_timeout"):
+            check_seconds(getattr(self, name), f"hang detection: {name.replace('_', ' ')}", positive=True)
+        if not (math.isfinite(self.multiplier) and self.multiplier > 0):
+            raise ConfigError(f"hang detection: multiplier must be a positive number, not {self.multiplier}")
+        if self.heartbeat_timeout is not None:
+            check_seconds(self.heartbeat_timeout, "hang detection: heartbeat timeout", positive=True)
         if self.floor > self.ceiling:
             raise ConfigError(f"hang detection: floor {self.floor}s is above ceiling {self.ceiling}s")
         if self.min_samples < 1 or self.window < self.min_samples:

@@ -31,7 +31,7 @@ def test_learned_timeout_follows_the_samples() -> None:
         ({"floor": 0.0}, "floor must be a positive number"),
         ({"stopped_bound": float("nan")}, "stopped bound"),
         ({"floor": 10.0, "ceiling": 5.0}, "above ceiling"),
-        ({"heartbeat_timeout": -1.0}, "heartbeat timeout must be positive"),
+        ({"heartbeat_timeout": -1.0}, "heartbeat timeout must be a positive number"),
         ({"min_samples": 50, "window": 10}, "min samples"),
     ],
 )

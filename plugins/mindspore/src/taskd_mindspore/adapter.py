@@ -36,6 +36,7 @@ import signal as signals
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from taskd_core.agent.config import STOP_TIMEOUT
 from taskd_core.agent.pidwatch import wait_gone
 from taskd_core.errors import ConfigError
 from taskd_core.models import Strategy, WorkerState, WorkerStatus
@@ -111,7 +112,7 @@ class MSRunAdapter:
         recover_in_place: bool = False,
         scheduler: Scheduler | None = None,
         rank_offset: int = 0,
-        stop_timeout: float = 30.0,
+        stop_timeout: float = STOP_TIMEOUT,
     ) -> None:
         require_module(
             "mindspore", "mindspore", "MindSpore (module mindspore, which provides msrun)", INSTALL_MINDSPORE

@@ -18,11 +18,14 @@ node rank                  ``MS_NODE_RANK``; else global rank of local rank 0 (f
                            divided by the local worker count (msrun does not export it)
 recover-in-place           ``TASKD_RECOVER_IN_PLACE`` or the reference's
                            ``ENABLE_RESTART_FAULT_PROCESS`` = on / 1 / true
-embedded policy            ``TASKD_STRATEGIES`` (comma list), ``TASKD_MAX_CYCLES``; every node's
-                           agent is expected (``MS_WORKER_NUM / local workers``)
-agent deadlines            ``TASKD_STOP_TIMEOUT``, ``TASKD_DUMP_GRACE``, ``TASKD_CONNECT_TIMEOUT``,
-                           ``TASKD_REPORT_DEADLINE``, ``TASKD_HEALTH_INTERVAL`` seconds (defaults:
-                           :class:`~taskd_core.agent.config.AgentConfig`)
+embedded policy            ``TASKD_STRATEGIES`` (comma list), ``TASKD_MAX_CYCLES``,
+                           ``TASKD_CYCLE_WINDOW`` (refused with an explicit controller, whose policy
+                           it is); every node's agent is expected (``MS_WORKER_NUM / local workers``)
+every shared setting       ``TASKD_<NAME>`` for each flag ``taskd run --<name>`` has
+                           (:data:`taskd_core.launcher.flags.OPTIONS`): ``TASKD_STOP_TIMEOUT``,
+                           ``TASKD_DUMP_GRACE``, ``TASKD_CONNECT_TIMEOUT``, ``TASKD_REPORT_DEADLINE``,
+                           ``TASKD_HEALTH_INTERVAL``, ``TASKD_HANG_*``, ``TASKD_REPORT_TIMEOUT`` ...
+                           (defaults: the settings' own types, as for ``taskd run``)
 scheduler grace            ``TASKD_SCHEDULER_GRACE`` seconds (default 30) the scheduler gets to
                            exit by itself after the job succeeded
 controller linger          ``TASKD_LINGER`` seconds (default 60) node 0 keeps its embedded
@@ -30,8 +33,8 @@ controller linger          ``TASKD_LINGER`` seconds (default 60) node 0 keeps it
 security                   ``TASKD_JOB_TOKEN`` (generated on one node when unset, required on several
                            unless the controller is on loopback); ``TASKD_TLS_CA``,
                            ``TASKD_TLS_CERT``, ``TASKD_TLS_KEY`` (node 0's embedded controller then
-                           serves mutual TLS); ``TASKD_INSECURE`` = 1 lets it serve plaintext
-                           beyond loopback (docs/security.md)
+                           serves mutual TLS); ``TASKD_INSECURE`` = 1 (on, true, yes) lets it serve
+                           plaintext beyond loopback (docs/security.md)
 metrics                    ``TASKD_METRICS_PORT``: node 0's embedded controller serves Prometheus
                            ``/metrics`` there (default: off)
 =========================  ======================================================================
@@ -40,27 +43,15 @@ metrics                    ``TASKD_METRICS_PORT``: node 0's embedded controller 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
+from taskd_core.launcher.flags import OptionValues, node_settings
 from taskd_core.launcher.node import run_node_agent
-from taskd_core.launcher.settings import (
-    NodeSettings,
-    agent_config_from_env,
-    controller_from_env,
-    controller_host,
-    default_job_id,
-    default_of,
-    embedded_port,
-    env_count,
-    env_seconds,
-    job_credentials,
-    job_id_from_env,
-    launch_identity,
-)
-from taskd_core.models import JobPolicy, WorkerState, WorkerStatus
+from taskd_core.launcher.settings import NodeSettings
+from taskd_core.models import WorkerState, WorkerStatus
 from taskd_core.plugins import load_adapter
+from taskd_core.values import LOCALHOST, MAX_NODES, parse_count, parse_seconds, parse_switch
 from taskd_mindspore.adapter import MSRunAdapter
 from taskd_mindspore.callbacks import MsrunCallbacks
 from taskd_mindspore.scheduler import Scheduler
@@ -69,7 +60,13 @@ from taskd_mindspore.warm import WarmStarts
 FRAME = "mindspore"
 #: msrun's default ``--master_port``.
 _MSRUN_MASTER_PORT = 8118
-_TRUE = frozenset({"on", "1", "true", "yes"})
+#: seconds the scheduler gets to exit by itself after the job succeeded (``TASKD_SCHEDULER_GRACE``).
+_SCHEDULER_GRACE = 30.0
+
+
+def _count(env: Mapping[str, str], key: str, default: int, *, high: int) -> int:
+    text = env.get(key, "").strip()
+    return parse_count(text, key, high=high) if text else default
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,61 +84,32 @@ class MsrunSettings:
             raise ConfigError("msrun's MONITOR reports no local workers; check --local_worker_num")
         local = len(statuses)
         if env.get("MS_NODE_RANK", "").strip():
-            node_rank = env_count(env, "MS_NODE_RANK", 0)
+            node_rank = _count(env, "MS_NODE_RANK", 0, high=MAX_NODES - 1)
         else:
             node_rank = min(s.global_rank for s in statuses.values()) // local
-        world = env_count(env, "MS_WORKER_NUM", local)
+        world = _count(env, "MS_WORKER_NUM", local, high=MAX_NODES * local)
         nnodes = max(1, -(-world // local))
-        host = env.get("MS_SCHED_HOST", "127.0.0.1")
-        sched_port = env_count(env, "MS_SCHED_PORT", _MSRUN_MASTER_PORT)
-        policy = JobPolicy(
-            max_cycles=env_count(env, "TASKD_MAX_CYCLES", default_of(JobPolicy, "max_cycles")),
-            expected_agents=nnodes,
-        )
-        if env.get("TASKD_STRATEGIES", "").strip():
-            policy = replace(
-                policy, strategies=parse_strategies(env["TASKD_STRATEGIES"], key="TASKD_STRATEGIES")
-            )
-        explicit = controller_from_env(env)
-        launch = launch_identity(nnodes, f"{host}:{sched_port}")
-        credentials = job_credentials(
-            env,
-            tls_ca=None,
-            nnodes=nnodes,
-            controller_host=controller_host(explicit) if explicit else host,
-            launch=launch,
-        )
-        agent = agent_config_from_env(
-            env,
-            job_id=job_id_from_env(env) or default_job_id("msrun", launch),
+        host = env.get("MS_SCHED_HOST", "").strip() or LOCALHOST
+        sched_port = _count(env, "MS_SCHED_PORT", _MSRUN_MASTER_PORT, high=65534)
+        node = node_settings(
+            OptionValues(env),
+            launcher="msrun",
+            shared=f"{host}:{sched_port}",
             node_rank=node_rank,
-            credentials=credentials,
-        )
-        port_text = env.get("TASKD_CONTROLLER_PORT", "").strip()
-        node = NodeSettings(
-            agent=agent,
             nnodes=nnodes,
             master_addr=host,
-            controller_port=embedded_port(
-                env_count(env, "TASKD_CONTROLLER_PORT", 0) if port_text else None,
-                nnodes=nnodes,
-                controller=agent.controller,
-                multi_node=sched_port + 1,
-            ),
-            metrics_port=env_count(env, "TASKD_METRICS_PORT", 0)
-            if env.get("TASKD_METRICS_PORT", "").strip()
-            else None,
-            policy=policy,
-            linger=env_seconds(env, "TASKD_LINGER", default_of(NodeSettings, "linger")),
-            insecure=env.get("TASKD_INSECURE", "").strip().lower() in _TRUE,
+            # msrun's --master_port plus one: known to every node, next to the scheduler's port.
+            multi_node_port=sched_port + 1,
         )
+        grace = env.get("TASKD_SCHEDULER_GRACE", "").strip()
         return cls(
             node=node,
             recover_in_place=any(
-                env.get(k, "").strip().lower() in _TRUE
+                parse_switch(env[k], k)
                 for k in ("TASKD_RECOVER_IN_PLACE", "ENABLE_RESTART_FAULT_PROCESS")
+                if env.get(k, "").strip()
             ),
-            scheduler_grace=env_seconds(env, "TASKD_SCHEDULER_GRACE", 30.0),
+            scheduler_grace=parse_seconds(grace, "TASKD_SCHEDULER_GRACE") if grace else _SCHEDULER_GRACE,
         )
 
 

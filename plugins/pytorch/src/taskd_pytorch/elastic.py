@@ -49,6 +49,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.utils.api import macros
 
+from taskd_core.agent.config import STOP_TIMEOUT
 from taskd_core.errors import ConfigError, LauncherInterrupted
 from taskd_core.forkserver.client import ForkLauncher
 from taskd_core.forkserver.lifeline import Lifeline
@@ -99,7 +100,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         *,
         start_method: str = "spawn",
         log_line_prefix_template: str | None = None,
-        stop_timeout: float = 30.0,
+        stop_timeout: float = STOP_TIMEOUT,
         stop: StopRequest | None = None,
         lifeline: Lifeline | None = None,
         launcher: ForkLauncher | None = None,

@@ -37,8 +37,8 @@ from taskd_core.forkserver.client import ForkLauncher
 from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.node import run_node_agent
-from taskd_core.launcher.settings import is_loopback
 from taskd_core.plugins import load_adapter
+from taskd_core.values import LOCALHOST, is_loopback
 from taskd_pytorch.adapter import PytorchAdapter
 from taskd_pytorch.elastic import TaskdElasticAgent
 from taskd_pytorch.listen import job_interface
@@ -295,7 +295,7 @@ def controller_host(backend: str, rdzv_host: str, local_addr: str | None) -> str
     if backend == "static":
         return rdzv_host
     if is_loopback(rdzv_host):
-        return "127.0.0.1"
+        return LOCALHOST
     return local_addr or socket.getfqdn()
 
 

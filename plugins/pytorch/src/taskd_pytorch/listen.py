@@ -16,7 +16,7 @@ from datetime import timedelta
 # torch.distributed re-exports its C stores without listing them in __all__.
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-from taskd_core.launcher.settings import is_loopback
+from taskd_core.values import is_loopback
 
 
 def job_interface(near: str) -> str:
