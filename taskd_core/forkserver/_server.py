@@ -157,7 +157,8 @@ class ForkHooks:
 
     A hook module defines any of ``before_fork()`` (in the server, before it forks),
     ``after_fork_in_parent()`` (in the server, after) and ``after_fork_in_child()``
-    (first thing in the child). Unlike ``os.register_at_fork`` handlers they run
+    (in the child, once its signal dispositions and mask are a fresh interpreter's,
+    so that a handler the hook installs stays). Unlike ``os.register_at_fork`` handlers they run
     around the server's forks only, not around those the workers make.
     """
 
@@ -187,8 +188,8 @@ class ChildJob:
     server_pid: int
     #: the server's descriptors the child must not keep.
     server_fds: tuple[int, ...]
-    #: why a fork hook failed in the child (the worker then says so and exits 1).
-    hook_error: str | None = None
+    #: the child's fork hooks, run by :func:`_become_worker` (a failure: the worker says so and exits 1).
+    child_hooks: tuple[Callable[[], object], ...] = ()
 
 
 def _run_hooks(hooks: Sequence[Callable[[], object]]) -> str | None:
@@ -292,9 +293,10 @@ class Server:
             wire.send(self.control, wire.Failed(message.id, str(exc)))
             return None
         if pid == 0:
-            failed = _run_hooks(self.hooks.child)
             own = (self.control.fileno(), *self.children, *self.learning, *([learn_r] if learn_r else []))
-            return ChildJob(message, (fds[0], fds[1], fds[2]), learn_w, self.fresh, server_pid, own, failed)
+            return ChildJob(
+                message, (fds[0], fds[1], fds[2]), learn_w, self.fresh, server_pid, own, self.hooks.child
+            )
         _run_hooks(self.hooks.parent)
         _close(fds)
         self.forked = True
@@ -401,8 +403,9 @@ def _stdio(fd: int, write: bool, errors: str, line_buffering: bool, unbuffered: 
     )
 
 
-def _become_worker(job: ChildJob) -> None:
-    """Everything of the process that a fresh interpreter would have had differently."""
+def _become_worker(job: ChildJob) -> str | None:
+    """Everything of the process that a fresh interpreter would have had differently; a child fork hook's
+    error, if one failed."""
     os.setsid()
     _die_with_parent(job.server_pid)
     _set_name(job.request.comm.encode())
@@ -416,6 +419,7 @@ def _become_worker(job: ChildJob) -> None:
     for sig, handler in job.fresh.dispositions.items():
         signal.signal(sig, handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, job.fresh.mask)
+    hook_error = _run_hooks(job.child_hooks)
     request = job.request
     os.chdir(request.cwd)
     os.environ.clear()
@@ -441,6 +445,7 @@ def _become_worker(job: ChildJob) -> None:
         threading.Thread(
             target=_report_modules, args=(job.learn_fd, job.fresh.installed), name="taskd-learn", daemon=True
         ).start()
+    return hook_error
 
 
 def _reseed() -> None:
@@ -506,9 +511,9 @@ def _trim(exc: BaseException) -> types.TracebackType | None:
 
 def run_child(job: ChildJob) -> int:
     """The worker's whole life; ends the process the way the interpreter would."""
-    _become_worker(job)
-    if job.hook_error is not None:
-        print(f"taskd fork server: {job.hook_error}", file=sys.stderr)
+    hook_error = _become_worker(job)
+    if hook_error is not None:
+        print(f"taskd fork server: {hook_error}", file=sys.stderr)
         return 1
     try:
         _run_main(job.request)

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers
 from taskd_mindspore.callbacks import CallbackRegistry
+from taskd_mindspore.warm import quick_heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class MSRunPlugin:
         # kill some of them at birth (see taskd_core.forkserver.forksafe). This is
         # the first call msrun makes into TaskD, before anything imports grpc.
         disable_grpc_fork_handlers()
+        if env is None:
+            # Also before msrun starts its scheduler: it and every worker inherit msrun's environment.
+            quick_heartbeat(os.environ)
 
     def register_callbacks(self, operator: str, func: Callable[..., Any]) -> None:
         """Register msrun's callback for ``operator`` (``KILL_WORKER``, ``START_ALL_WORKER``,

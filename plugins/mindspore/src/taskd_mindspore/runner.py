@@ -55,6 +55,7 @@ from taskd_core.values import LOCALHOST, MAX_NODES, parse_count, parse_seconds, 
 from taskd_mindspore.adapter import MSRunAdapter
 from taskd_mindspore.callbacks import MsrunCallbacks
 from taskd_mindspore.scheduler import Scheduler
+from taskd_mindspore.warm import WarmStarts
 
 FRAME = "mindspore"
 #: msrun's default ``--master_port``.
@@ -115,9 +116,20 @@ class MsrunSettings:
 def run_node(callbacks: MsrunCallbacks, env: Mapping[str, str]) -> int:
     """Run this msrun node's workers under TaskD to the end; returns the job's exit code for this node.
 
-    Never leaves a worker or the scheduler behind, whatever the outcome.
+    Workers (and the schedulers TaskD starts) are forked from a MindSpore fork
+    server where they can be (:mod:`taskd_mindspore.warm`). Never leaves a
+    worker, the scheduler or the fork server behind, whatever the outcome.
     """
-    scheduler = Scheduler()
+    warm = WarmStarts.install(callbacks, env)
+    try:
+        return _run_node(callbacks, env, warm)
+    finally:
+        if warm is not None:
+            warm.close()
+
+
+def _run_node(callbacks: MsrunCallbacks, env: Mapping[str, str], warm: WarmStarts | None) -> int:
+    scheduler = Scheduler(start=None if warm is None else warm.start_scheduler)
     impl = MSRunAdapter(callbacks, scheduler=scheduler)
     before = impl.statuses()
     settings = MsrunSettings.from_env(env, before)
