@@ -62,7 +62,7 @@ def test_core_wheel_carries_stubs_proto_types_and_entry_points(dist: Path) -> No
 @pytest.mark.parametrize(
     ("name", "package", "lines"),
     [
-        ("taskd-pytorch", "taskd_pytorch", ["taskdrun = taskd_pytorch.cli:console_main", "pytorch = taskd_pytorch.adapter:PytorchAdapter"]),
+        ("taskd-pytorch", "taskd_pytorch", ["taskdrun = taskd_pytorch._entry:console_main", "pytorch = taskd_pytorch.adapter:PytorchAdapter"]),
         ("taskd-mindspore", "taskd_mindspore", ["mindspore = taskd_mindspore.adapter:MSRunAdapter"]),
     ],
 )

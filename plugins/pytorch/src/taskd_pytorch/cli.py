@@ -93,6 +93,12 @@ def _configure_logging(level: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     # Before anything imports grpc: torch starts workers beside the agent's gRPC threads.
     disable_grpc_fork_handlers()
+    try:
+        # Checked without importing torch, before a fork server that would preload it starts.
+        require_torch()
+    except FrameworkMissingError as exc:
+        print(f"taskdrun: {exc}", file=sys.stderr)
+        return 2
     given = sys.argv[1:] if argv is None else argv
     # Before the fork server starts, so that what it says (when it is ready, say) is in the log.
     _configure_logging(_option(given, "--taskd-log-level") or os.environ.get("TASKD_LOG_LEVEL", "INFO"))
@@ -105,11 +111,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None, early: ForkLauncher | None) -> int:
-    try:
-        require_torch()
-    except FrameworkMissingError as exc:
-        print(f"taskdrun: {exc}", file=sys.stderr)
-        return 2
     # Imported once torch is known to be there: the parser is torchrun's own.
     from taskd_pytorch.options import build_parser
 
