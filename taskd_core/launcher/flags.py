@@ -47,6 +47,8 @@ _CONTROLLER = "controller"
 _POLICY = "recovery policy (embedded controller only)"
 _WARM = "warm restarts"
 _HANGS = "hang detection"
+#: Seconds between the health checks of a node of a job with several nodes, unless set.
+NODE_HEALTH_INTERVAL = 1.0
 
 
 def _positive_seconds(text: str, what: str) -> float:
@@ -276,6 +278,14 @@ OPTIONS: tuple[Option, ...] = (
         (JobPolicy, "report_timeout"),
     ),
     Option(
+        "node-lost-timeout",
+        _positive_seconds,
+        "seconds without a health check after which a node counts as lost (hung, cut off) and a waiting "
+        "spare takes its place",
+        _POLICY,
+        (JobPolicy, "node_lost_timeout"),
+    ),
+    Option(
         "flush-seconds",
         parse_seconds,
         "window in which the embedded controller collects faults that arrive together",
@@ -492,6 +502,10 @@ def node_settings(
         controller_host=controller_host(controller) if controller else master_addr,
         launch=launch,
     )
+    checks = values.fields(AgentConfig)
+    if nnodes > 1 and values.given("health-interval") is None:
+        # The controller finds a hung node by its missing health checks: several per timeout.
+        checks["health_interval"] = min(checks["health_interval"], NODE_HEALTH_INTERVAL)
     agent = AgentConfig(
         job_id=values.flag("job-id") or job_id_from_env(env) or job_id or default_job_id(launcher, launch),
         controller=controller,
@@ -500,7 +514,7 @@ def node_settings(
         credentials=credentials,
         progress=ProgressConfig(**values.fields(ProgressConfig)),
         restart_backoff=RestartBackoff(**values.fields(RestartBackoff)),
-        **values.fields(AgentConfig),
+        **checks,
     )
     return NodeSettings(
         agent=agent,
