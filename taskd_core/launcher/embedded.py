@@ -132,6 +132,7 @@ def controller_address(
         tls=tls,
         insecure=insecure,
         metrics_port=metrics_port,
+        job_token=own.token,
     ) as controller:
         logger.info(
             "embedded controller listening on %s (%s)",
