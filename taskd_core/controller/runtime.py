@@ -15,10 +15,12 @@ refusals are raised as :class:`~taskd_core.errors.RequestRejected` carrying
 the wire code, and the service turns them into ``Status`` or gRPC errors.
 
 Each job carries its :class:`~taskd_core.controller.access.Claim` (token
-digest, launch identity); every RPC for a job is checked against it before it
-touches the job. A job that ended, or whose launch is gone, is retired when a
-new launch registers its id; jobs and their inputs are bounded by
-:class:`Limits`.
+digest, launch identity, start); every RPC for a job is checked against it
+before it touches the job. A job that ended is retired when a new launch
+registers its id; one that has not ended only when a new launch *of the same
+token* registers it after the job was silent for ``Limits.abandon_after`` (its
+agents have given up by then), or when the admin token does. Jobs and their
+inputs are bounded by :class:`Limits`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from taskd_core.controller.access import (
     check_new_claim,
     check_policy_change,
     forbidden,
+    journal_since,
     may_see,
 )
 from taskd_core.controller.machine import (
@@ -69,6 +72,7 @@ from taskd_core.controller.store import (
 from taskd_core.controller.subscriber import Subscriber
 from taskd_core.errors import DuplicateSubscriberError, LeadershipLostError, RequestRejected, TaskdError
 from taskd_core.models import (
+    CONNECT_TIMEOUT,
     AgentStatus,
     Code,
     FaultRank,
@@ -87,9 +91,12 @@ from taskd_core.rpc.security import Caller
 logger = logging.getLogger(__name__)
 
 MAX_JOB_ID = 256
-#: Seconds a job whose agents hold no signal stream still counts as live after their last contact;
-#: a registration from another launch is refused while a job is live.
+#: Seconds an agent whose signal stream ended has to subscribe again before the wait in flight
+#: counts it as a failed answer.
 LIVE_GRACE = 30.0
+#: Seconds past the agents' own connect timeout before a silent job counts as abandoned: an agent
+#: frozen (a GC pause, a partition) for less comes back to its job, never to an id taken over.
+ABANDON_MARGIN = 30.0
 #: Least seconds between two journal entries about refused requests of one job (log floods stay out).
 DENIAL_JOURNAL_INTERVAL = 1.0
 #: Journal entries one QueryEvents answer carries at most.
@@ -115,6 +122,9 @@ class Limits:
     max_agents: int = 4096
     #: distinct faulty ranks one job may hold when its agents did not say how many ranks it has.
     max_faults: int = 65_536
+    #: seconds a job whose agents hold no signal stream still counts as live after their last
+    #: contact; only then may a new launch of the same token take its id over.
+    abandon_after: float = CONNECT_TIMEOUT + ABANDON_MARGIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +192,15 @@ class _Job:
     """A job's live state: the machine plus what only exists while running."""
 
     __slots__ = (
-        "agents", "claim", "denied_at", "inited", "lost", "machine", "sent", "subscribers", "timer",
+        "agents",
+        "claim",
+        "denied_at",
+        "inited",
+        "lost",
+        "machine",
+        "sent",
+        "subscribers",
+        "timer",
         "timer_step",
     )
 
@@ -312,7 +330,7 @@ class Controller:
             job = self._jobs[job_id] = _Job(job_id, policy)
         if job.claim is None:
             check_new_claim(job_id, self._access, caller)
-            job.claim = Claim.of(caller)
+            job.claim = Claim.of(caller, self._clock())
             journal.append(
                 JournalEntry(
                     "job claimed",
@@ -446,9 +464,7 @@ class Controller:
         agent.exit_code = code
         return await self._apply(job, AgentExited(agent.agent_id, code), [agent])
 
-    async def set_policy(
-        self, job_id: str, changes: dict[str, object], caller: Caller = _ANONYMOUS
-    ) -> Reply:
+    async def set_policy(self, job_id: str, changes: dict[str, object], caller: Caller = _ANONYMOUS) -> Reply:
         """Change a job's policy (ConfigError for invalid values); known or not yet."""
         job_id = check_job_id(job_id)
         job = self._jobs.get(job_id)
@@ -493,8 +509,14 @@ class Controller:
             )
         page = min(limit, EVENTS_PAGE) if limit > 0 else EVENTS_PAGE
         state = job.machine.state
-        records = await self._store.events_after(job.job_id, max(0, after), page)
-        return JournalPage(tuple(journal_event(r) for r in records), state)
+        since = journal_since(self._access, job.claim, caller)
+        while True:
+            records = await self._store.events_after(job.job_id, max(0, after), page)
+            mine = [r for r in records if r.time >= since]
+            # Entries of an earlier claim come first; skip whole pages of them (the journal is bounded).
+            if mine or len(records) < page:
+                return JournalPage(tuple(journal_event(r) for r in mine), state)
+            after = records[-1].seq
 
     def gauges(self) -> ControllerGauges:
         """Counts over every job for a metrics scrape (cheap: one pass, no I/O)."""
@@ -522,9 +544,10 @@ class Controller:
         if events > 0:
             # Read after the views are taken: each job's journal is at least as new as its view.
             journals = await asyncio.gather(*(self._store.events(v.job_id, events) for v in views))
+            starts = [journal_since(self._access, job.claim, caller) for job in visible]
             views = [
-                replace(v, events=tuple(journal_event(r) for r in j))
-                for v, j in zip(views, journals, strict=True)
+                replace(v, events=tuple(journal_event(r) for r in j if r.time >= since))
+                for v, j, since in zip(views, journals, starts, strict=True)
             ]
         return views
 
@@ -591,28 +614,34 @@ class Controller:
             raise
 
     def _live(self, job: _Job) -> bool:
-        """Some agent of the job holds a signal stream or was heard from within :data:`LIVE_GRACE`."""
+        """Some agent of the job holds a signal stream or was heard from within ``abandon_after``."""
         if job.machine.state in _TERMINAL:
             return False
         if job.subscribers:
             return True
         now = self._clock()
-        return any(a.exit_code is None and now - a.last_seen < LIVE_GRACE for a in job.agents.values())
+        patience = self._limits.abandon_after
+        return any(a.exit_code is None and now - a.last_seen < patience for a in job.agents.values())
 
     def _replaceable(self, job: _Job, caller: Caller) -> bool:
-        """Init starts the job afresh: it ended (a new launch reuses its id) or its launch is gone."""
+        """Init starts the job afresh: it ended (a new launch reuses its id), or it was abandoned.
+
+        A job that has not ended is never taken by another token (the admin
+        token excepted): only a new launch holding the job's own token
+        replaces it, once the job was silent for ``abandon_after``.
+        """
         claim = job.claim
         if claim is None:
             return False
         if job.machine.state in _TERMINAL:
             return not (caller.launch and caller.launch == claim.launch)
-        if self._live(job):
-            return False
         try:
             check_claim(job.job_id, claim, caller)
         except RequestRejected:
-            return True  # nobody of the launch that owns it is left to object
-        return False
+            if self._access.is_admin(caller):
+                return True
+            return claim.owned_by(caller) and not self._live(job)
+        return False  # the caller belongs to the run in progress
 
     def _retire(self, job: _Job) -> JournalEntry:
         """Forget a job's run (its journal stays); the caller starts the id afresh."""
