@@ -122,7 +122,8 @@ class ControllerConfig:
     #: flight counts it as a failed answer (instead of waiting out the report timeout).
     stream_grace: float = LIVE_GRACE
     #: ``HOST:PORT`` other hosts reach this replica at (the leader key carries it; standbys
-    #: redirect clients there); "" derives it from ``listen`` (a wildcard host: this host's name).
+    #: redirect clients there; port 0: the bound port); "" derives it from ``listen`` (a wildcard
+    #: host: this host's name).
     advertise: str = ""
     #: etcd: seconds of the leader's lease; a killed leader is replaced about this long later.
     lease_ttl: int = 2
@@ -230,9 +231,13 @@ class ControllerServer:
 
     @property
     def advertised(self) -> str:
-        """Where other hosts reach this replica: ``advertise``, else the listener (a wildcard: this host)."""
+        """Where other hosts reach this replica: ``advertise``, else the listener (a wildcard: this host).
+
+        An advertised port 0 is the bound port (a replica listening on any free port).
+        """
         if self.config.advertise:
-            return self.config.advertise
+            advertised = listen_address(self.config.advertise, "--advertise")
+            return join_address(advertised.host, advertised.port or self.port)
         host = listen_address(self.config.listen).host
         return join_address(socket.getfqdn() if is_wildcard(host) else host, self.port)
 

@@ -366,7 +366,8 @@ def add_node_options(
     if published:
         embedded = (
             "the node the rendezvous makes rank 0 hosts an embedded controller and publishes its address "
-            "in the rendezvous store"
+            "in the rendezvous store; with an etcd rendezvous every node runs a replica of it, "
+            "its state in that etcd"
         )
         port_default = "any free port; the other nodes read it from the rendezvous store"
     else:
