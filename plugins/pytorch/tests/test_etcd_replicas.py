@@ -143,3 +143,52 @@ def test_losing_the_leaders_node_leaves_the_job_a_leader_the_other_agents_follow
     wait_until(
         lambda: not [pid for pid in tree if process_running(pid)], "nothing of the lost node to be left", 30
     )
+
+
+def test_etcd_briefly_unreachable_training_goes_on_and_a_recovery_waits_for_it(
+    launch: Launcher, etcd_v2: EtcdServer, out_dir: Path, tmp_path: Path
+) -> None:
+    until = tmp_path / "finish"
+    nodes = start_job(launch, etcd_v2, out_dir, until, "outage")
+    first = wait_until(lambda: len(records(out_dir)) == NODES and records(out_dir), "every worker", 120)
+    etcd_v2.stop()
+    # Longer than the leader's lease (2 s): it stepped down, no replica leads, yet nothing stops.
+    wait_until(
+        lambda: sum("stopped leading" in t for t in logs(tmp_path, "outage")) == 1,
+        "the leader to step down",
+        30,
+    )
+    assert all(process_running(int(r["pid"])) for r in first)
+    assert all(node.poll() is None for node in nodes)
+    # A rank lost meanwhile: its recovery waits for etcd (within --taskd-report-deadline, 60 s).
+    kill(next(int(r["pid"]) for r in first if r["RANK"] == "1"))
+    wait_until(
+        lambda: any("ReportProcessFault for job outage failed" in t for t in logs(tmp_path, "outage")),
+        "the fault report to wait for a leader",
+        30,
+    )
+    etcd_v2.start()
+    again = wait_until(
+        lambda: len(records(out_dir)) == 2 * NODES and records(out_dir), "every worker again", 120
+    )
+    assert sorted(r["RANK"] for r in again if r["TASKD_RESTART_COUNT"] == "1") == ["0", "1", "2"]
+    until.touch()
+    assert [node.wait(timeout=120) for node in nodes] == [0] * NODES
+
+
+def test_etcd_gone_past_the_bound_ends_the_job_with_a_line_that_says_so(
+    launch: Launcher, etcd_v2: EtcdServer, out_dir: Path, tmp_path: Path
+) -> None:
+    bound = ("--taskd-connect-timeout", "5", "--taskd-report-deadline", "5")
+    nodes = start_job(launch, etcd_v2, out_dir, tmp_path / "never", "gone", *bound)
+    first = wait_until(lambda: len(records(out_dir)) == NODES and records(out_dir), "every worker", 120)
+    etcd_v2.stop()
+    kill(next(int(r["pid"]) for r in first if r["RANK"] == "2"))
+    assert [node.wait(timeout=120) for node in nodes] == [1] * NODES
+    for text in logs(tmp_path, "gone"):
+        assert "agent of job gone ends: failed (exit 1)" in text
+        # The bound passed: one ERROR line says the controller was unreachable, and why.
+        errors = [line for line in text.splitlines() if " ERROR " in line and "unreachable for 5 s" in line]
+        assert any("stands by: etcd does not answer it" in line for line in errors), errors
+        assert "Traceback" not in text
+    wait_until(lambda: not [r for r in first if process_running(int(r["pid"]))], "no worker to be left", 30)
