@@ -159,6 +159,10 @@ class ControllerGauges:
     agents_registered: int
     agents_connected: int
     journal_entries: int
+    #: writes made but not durable yet (held while the storage refuses them).
+    writes_held: int = 0
+    #: writes the storage refused so far (each try counts).
+    write_failures: int = 0
 
 
 def worker_detail(agent: str, event: WorkerEvent) -> dict[str, object]:
@@ -565,7 +569,10 @@ class Controller:
             states[job.machine.snap.state] += 1
             registered += sum(1 for a in job.agents.values() if a.exit_code is None)
             connected += len(job.subscribers)
-        return ControllerGauges(states, registered, connected, self._store.journal_size())
+        backlog = self._store.write_backlog()
+        return ControllerGauges(
+            states, registered, connected, self._store.journal_size(), backlog.pending, backlog.failures
+        )
 
     async def status(
         self, job_id: str = "", events: int = 10, caller: Caller = _ANONYMOUS
