@@ -88,7 +88,7 @@ class JobStore:
         for name in sorted(set(job) | set(command)):
             if job.get(name) != command.get(name):
                 raise ConfigError(
-                    f"this taskdrun would stand by as a spare of job {command.get('--rdzv-id', '?')}, but its "
+                    f"this taskdrun would stand by as a spare of job {command.get('--rdzv-id')}, but its "
                     f"{name} is {command.get(name)!r} where the job's is {job.get(name)!r}: start a spare "
                     "with the job's own command line"
                 )
