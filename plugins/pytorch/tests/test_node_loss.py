@@ -137,8 +137,47 @@ def test_a_lost_node_is_replaced_by_the_spare_and_the_job_finishes(launch: Launc
     resumed = [e for e in after if e["event"] == "resumed"]
     assert {e["rank"] for e in resumed} == {0, 1, 2, 3} and len({e["step"] for e in resumed}) == 1
     # The lost ranks ran on the spare, warm: forked by its fork server, which existed before the loss.
-    spare_pids = {int(e["pid"]) for e in after if e["rank"] in lost_ranks}
-    assert spare_pids and not spare_pids & killed
+    spare_pids = {int(e["pid"]) for e in after if e["rank"] in lost_ranks and e["event"] == "start"}
+    assert len(spare_pids) >= 2 and not spare_pids & killed
     assert "takes the place of lost node 1" in job.log(used)
     assert "node node-1 (node rank 1) lost: its signal stream ended and did not come back" in job.log(0)
     no_leftovers(job, killed, spare_tree)
+
+
+def signal_tree(pids: set[int], sig: signal.Signals) -> None:
+    for each in pids:
+        try:
+            os.kill(each, sig)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_hung_node_is_replaced_and_fenced_when_it_comes_back(launch: Launcher, tmp_path: Path) -> None:
+    """Every process of node 1 stopped (sockets open): declared lost after its silent HealthChecks, replaced;
+    resumed, it learns it was replaced, stops its workers and ends with that line."""
+    job = Job(launch, tmp_path / "hung", "--taskd-node-lost-timeout", "3")
+    node0, node1, spare = start_nodes(job)
+    tree = {node1.pid, *descendants(node1.pid)}
+    stopped_at = len(events(job.progress))
+    signal_tree(tree, signal.SIGSTOP)
+    try:
+        wait_until(
+            lambda: "takes the place of lost node 1" in job.log(2), "the spare to be given node 1", WAIT
+        )
+        wait_until(
+            lambda: (
+                {e["rank"] for e in events(job.progress)[stopped_at:] if e["event"] == "resumed"}
+                == {0, 1, 2, 3}
+            ),
+            "every rank to resume, the lost ones on the spare",
+            WAIT,
+        )
+    finally:
+        signal_tree(tree, signal.SIGCONT)
+    assert node1.wait(timeout=WAIT) == 1, job.log(1)[-3000:]
+    assert "was declared lost and spare" in job.log(1) and "took its place" in job.log(1)
+    assert node0.wait(timeout=WAIT) == 0, job.log(0)[-3000:]
+    assert spare.wait(timeout=WAIT) == 0, job.log(2)[-3000:]
+    assert json.loads(job.result.read_text())["steps"] == STEPS
+    assert "lost: no HealthCheck for" in job.log(0)
+    no_leftovers(job, tree)
