@@ -430,9 +430,12 @@ class _RoundWatch:
     threads holding it (the script hung when a DDP wrapper was freed).
     """
 
-    def __init__(self, new_round: Callable[[], int | None], timeout: timedelta, work: WorkClock) -> None:
+    def __init__(
+        self, new_round: Callable[[], int | None], timeout: timedelta, work: WorkClock | None = None
+    ) -> None:
         self._new_round = new_round
-        self._work = work
+        #: where each collective's pending span goes (the session's step clock).
+        self._work = work or WorkClock()
         self._timeout = timeout.total_seconds()
         self._lock = threading.Condition()
         self._pending: deque[_Reduction] = deque()
