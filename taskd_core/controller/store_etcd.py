@@ -353,7 +353,10 @@ class EtcdStore:
                     bool(data["inited"]),
                     dict(data["policy"]),
                     dict(data["snapshot"]),
-                    Claim(str(claim[0]), str(claim[1])) if claim else None,
+                    # A claim written before claims had a start has two fields.
+                    Claim(str(claim[0]), str(claim[1]), float(claim[2]) if len(claim) > 2 else 0.0)
+                    if claim
+                    else None,
                 )
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 await self.set_aside(job_id, f"{type(exc).__name__}: {exc}")
@@ -438,7 +441,7 @@ class EtcdStore:
 
     @staticmethod
     def _job_value(row: JobRow, now: float) -> bytes:
-        claim = [row.claim.token_digest, row.claim.launch] if row.claim is not None else None
+        claim = [row.claim.token_digest, row.claim.launch, row.claim.since] if row.claim is not None else None
         return _dumps(
             {
                 "job_id": row.job_id,

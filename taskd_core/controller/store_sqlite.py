@@ -71,7 +71,8 @@ CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
 CREATE TABLE IF NOT EXISTS claims (
     job_id       TEXT PRIMARY KEY,
     token_digest TEXT NOT NULL,
-    launch       TEXT NOT NULL
+    launch       TEXT NOT NULL,
+    since        REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS damaged_jobs (
     job_id   TEXT NOT NULL,
@@ -103,6 +104,9 @@ class SqliteStore:
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(claims)")}
+            if "since" not in columns:  # a state file written before claims had a start
+                self._db.execute("ALTER TABLE claims ADD COLUMN since REAL NOT NULL DEFAULT 0")
             # Counted once; commits keep it up to date (a count(*) per scrape would grow with the journal).
             self._entries: int = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
         except sqlite3.Error as exc:
@@ -139,8 +143,10 @@ class SqliteStore:
             except (ValueError, TypeError) as exc:
                 damaged[job_id] = f"agent {agent_id!r}: {exc}"
         claims = {
-            job_id: Claim(digest, launch)
-            for job_id, digest, launch in self._db.execute("SELECT job_id, token_digest, launch FROM claims")
+            job_id: Claim(digest, launch, float(since))
+            for job_id, digest, launch, since in self._db.execute(
+                "SELECT job_id, token_digest, launch, since FROM claims"
+            )
         }
         jobs = []
         for job_id, inited, policy, snapshot in self._db.execute(
@@ -225,8 +231,8 @@ class SqliteStore:
             )
             if row.claim is not None:
                 self._db.execute(
-                    "INSERT OR REPLACE INTO claims (job_id, token_digest, launch) VALUES (?, ?, ?)",
-                    (row.job_id, row.claim.token_digest, row.claim.launch),
+                    "INSERT OR REPLACE INTO claims (job_id, token_digest, launch, since) VALUES (?, ?, ?, ?)",
+                    (row.job_id, row.claim.token_digest, row.claim.launch, row.claim.since),
                 )
             self._db.executemany(
                 "INSERT INTO events (time, job_id, cycle, kind, detail) VALUES (?, ?, ?, ?, ?)",
