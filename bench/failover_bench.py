@@ -555,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The bench's own status reads go to whichever replica leads: their hops are no news.
     logging.getLogger("taskd_core.client.endpoints").setLevel(logging.WARNING)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    report: dict[str, Any] = {"machine": machine()}
+    report: dict[str, Any] = {"machine": machine(), "command": sys.argv}
     with contextlib.ExitStack() as stack:
         root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="taskd-failover-")))
         root.mkdir(parents=True, exist_ok=True)
@@ -569,6 +569,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["scale"] = scale(root, children, etcd, args.agents, args.procs, args.lease_ttl)
         if "chaos" in parts:
             report["chaos"] = chaos(root, children, etcd, args.kills, args.freezes, args.lease_ttl, args.seed)
+    report["loadavg_at_end"] = os.getloadavg()
     print(render(report))
     write_json(args.json, report)
     return 0

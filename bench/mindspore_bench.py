@@ -50,6 +50,7 @@ Run (the whole table; ``--trials 1 --modes fork`` is a smoke run)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -378,7 +379,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings(
         args.trials, args.step_sleep, args.settle, args.startup_deadline, args.recovery_deadline, args.server_window
     )
-    results: dict[str, Any] = {"machine": machine(), "mindspore": metadata.version("mindspore"), "runs": {}}
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "mindspore": metadata.version("mindspore"),
+        "settings": dataclasses.asdict(settings),
+        "command": sys.argv,
+        "runs": {},
+    }
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="msbench-"))
     server_done = False
     for job in args.jobs.split(","):
