@@ -2,8 +2,9 @@
 
 The sample results in ``tests/bench_samples/`` are the JSON of small real runs of
 the benches (``--kills 3``, ``--seconds 2``, ``--faults 4`` ...: shapes, not figures
-to publish); section 2's is built here, since even a small recovery run starts torch
-under four launchers.
+to publish), or of a full run with its per-trial lists cut short (first_start,
+mindspore, failover); section 2's is built here, since even a small recovery run
+starts torch under four launchers.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ HEADINGS = [
     "## 7. Signals: SIGTERM → launcher gone",
     "## 8. Chaos: faults of the workers and of TaskD itself",
     "## 9. Live recovery: state transfer from a replica",
+    "## 10. First start: taskdrun and `taskd run` against torchrun",
+    "## 11. MindSpore under real msrun: kill → the rank stepping again, against a cold start",
+    "## 12. Controller replicas on etcd: fail-over, cost against SQLite, 2048 agents, chaos",
 ]
 #: Words that state an outcome; a template may hold them only inside a block a renderer decides.
 OUTCOME_WORDS = re.compile(r"\b(met|missed|faster|slower|yes|NO|exceeded|within noise)\b")
