@@ -283,8 +283,8 @@ def failover(root: Path, children: Children, etcd: str, trials: int, ttl: int) -
                 lambda c=current: (
                     (v := job_view(c.address, "bench-failover"))
                     and v.state.value == "idle"
-                    and v["agents"]
-                    and all(a["subscribed"] for a in v["agents"])
+                    and v.agents
+                    and all(a.subscribed for a in v.agents)
                     or None
                 ),
                 60,
