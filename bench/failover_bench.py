@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -681,6 +681,10 @@ def chaos(
 def table(report: dict[str, Any]) -> str:
     """One row per figure of the parts that ran: what, measured, the issue's target."""
     rows = []
+    for part in ("failover", "latency", "scale", "chaos"):
+        if "error" in report.get(part, {}):
+            rows.append([f"{part}: did not finish", report[part]["error"], ""])
+    report = {k: v for k, v in report.items() if not (isinstance(v, dict) and "error" in v)}
     if "failover" in report:
         f = report["failover"]
         rows.append(
@@ -792,18 +796,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         children = stack.enter_context(Children(grace=15.0))
         etcd = start_etcd(children, root)
-        if "failover" in parts:
-            report["failover"] = failover(root, children, etcd, args.failovers, args.lease_ttl)
-        if "latency" in parts:
-            report["latency"] = latency(root, children, etcd, args.cycles)
-        if "scale" in parts:
-            report["scale"] = scale(root, children, etcd, args.agents, args.procs, args.lease_ttl)
-        if "chaos" in parts:
-            report["chaos"] = chaos(root, children, etcd, args.kills, args.freezes, args.lease_ttl, args.seed)
+        runs: dict[str, Callable[[], dict[str, Any]]] = {
+            "failover": lambda: failover(root, children, etcd, args.failovers, args.lease_ttl),
+            "latency": lambda: latency(root, children, etcd, args.cycles),
+            "scale": lambda: scale(root, children, etcd, args.agents, args.procs, args.lease_ttl),
+            "chaos": lambda: chaos(root, children, etcd, args.kills, args.freezes, args.lease_ttl, args.seed),
+        }
+        for part in (p for p in runs if p in parts):
+            try:
+                report[part] = runs[part]()
+            except (TimeoutError, RuntimeError, TaskdError, grpc.RpcError, OSError) as exc:
+                # One part that does not finish is its own result; the others still run and are kept.
+                logger.error("%s failed: %s", part, exc)
+                report[part] = {"error": f"{type(exc).__name__}: {exc}"}
+            write_json(args.json, {**report, "loadavg_at_end": os.getloadavg()})
     report["loadavg_at_end"] = os.getloadavg()
     print(render(report))
     write_json(args.json, report)
-    return 0
+    return 0 if not any("error" in report[p] for p in runs if p in report) else 1
 
 
 if __name__ == "__main__":

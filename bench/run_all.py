@@ -787,7 +787,9 @@ def mindspore_fields(data: dict[str, Any]) -> Rendered:
 
 def failover_fields(data: dict[str, Any]) -> Rendered:
     bench = failover_bench
-    fo, lat, sc, ch = (data.get(part) for part in ("failover", "latency", "scale", "chaos"))
+    names = ("failover", "latency", "scale", "chaos")
+    errors = {part: data[part]["error"] for part in names if "error" in data.get(part, {})}
+    fo, lat, sc, ch = (data.get(part) if part not in errors else None for part in names)
     fields: dict[str, Value] = {
         "etcd": data["etcd"].removeprefix("etcd Version: "),
         "load_start": _loads(data["machine"]["loadavg_at_start"]),
@@ -809,8 +811,10 @@ def failover_fields(data: dict[str, Any]) -> Rendered:
         "chaos_cycles": str(ch["cycles"]) if ch else None,
         "agent_exit": str(ch["agent_exit"]) if ch else None,
         "leftover": str(ch["leftover_processes"]) if ch else None,
+        "errors": bool(errors),
+        "error_list": "; ".join(f"{part}: {error}" for part, error in errors.items()) or None,
     }
-    rows = []
+    rows = [[f"failover_bench's {part} part finishes", error, "missed"] for part, error in errors.items()]
     if fo:
         serve, taken = fo["kill_to_serving_s"], fo["serving_to_report_taken_s"]
         rows.append(

@@ -181,6 +181,12 @@ def test_first_start_mindspore_and_failover_verdicts_follow_their_results(run_al
     assert "parameters DIFFERENT | missed |" in text
     assert "(63/64 followed) | missed |" in text
 
+    slow["failover"]["scale"] = {"error": "TimeoutError: the cycle over all agents did not happen within 300s"}
+    text = render_all(run_all, slow)
+    assert "| failover_bench's scale part finishes | TimeoutError: the cycle over all agents" in text
+    assert "Parts that did not finish (their targets have no figure in this run): scale: TimeoutError" in text
+    assert "*Scale*" not in text
+
 
 def test_templates_state_no_outcome_outside_the_blocks_renderers_decide(report: ModuleType) -> None:
     for path in sorted(report.TEMPLATES.glob("*.md")):
