@@ -155,10 +155,16 @@ def test_first_start_mindspore_and_failover_verdicts_follow_their_results(run_al
     text = render_all(run_all, data)
     targets = text.split("## Targets")[1].split("## 1.")[0]
     # The first_start sample: taskdrun's median ratio 0.84, torchrun's init_method from 1 of its 5 trials.
-    assert "| first start, taskdrun/torchrun (launch → workers done), median over the cases ≤ 1.1 | 0.84 (" in targets
+    assert (
+        "| first start, taskdrun/torchrun (launch → workers done), median over the cases ≤ 1.1 | 0.84 ("
+        in targets
+    )
     assert "torchrun's from init_method 1/5 trials) | met |" in targets
     assert "Trials that did not count: init_method/torchrun 4 of 5 (exit code 1, 2 of 2 workers done)" in text
-    assert "| kill1 | 2/2 |" in text and "| MindSpore fork server idle CPU < 0.1 % of a core | 0.000 % over 20 s | met |" in targets
+    assert (
+        "| kill1 | 2/2 |" in text
+        and "| MindSpore fork server idle CPU < 0.1 % of a core | 0.000 % over 20 s | met |" in targets
+    )
     assert "| MindSpore: 100 % of kills recovered (every job and mode) | collective / fork 4/4," in targets
     assert "| 64 agents: one node's fault → stopTrain at every agent, p99 ≤ 1 s |" in targets
     assert "fault → changeStrategy on etcd ≤ 2 × SQLite (p50, same run) | 15.32 × " in targets
@@ -174,14 +180,22 @@ def test_first_start_mindspore_and_failover_verdicts_follow_their_results(run_al
     slow["failover"]["chaos"]["params_equal"] = False
     slow["failover"]["scale"]["followed"] = 63
     text = render_all(run_all, slow)
-    assert "| first start, taskdrun/torchrun (launch → workers done), median over the cases ≤ 1.1 | 1.30 (" in text
+    assert (
+        "| first start, taskdrun/torchrun (launch → workers done), median over the cases ≤ 1.1 | 1.30 ("
+        in text
+    )
     assert "Trials that did not count" not in text and "Over the cases where every torchrun trial" not in text
-    assert "whole-node restart (both ranks killed) ≤ 0.3 × the job's cold start (medians) | collective 1.00 | missed |" in text
+    assert (
+        "whole-node restart (both ranks killed) ≤ 0.3 × the job's cold start (medians) | collective 1.00 | missed |"
+        in text
+    )
     assert "| MindSpore: 100 % of kills recovered (every job and mode) | collective / fork 3/4," in text
     assert "parameters DIFFERENT | missed |" in text
     assert "(63/64 followed) | missed |" in text
 
-    slow["failover"]["scale"] = {"error": "TimeoutError: the cycle over all agents did not happen within 300s"}
+    slow["failover"]["scale"] = {
+        "error": "TimeoutError: the cycle over all agents did not happen within 300s"
+    }
     text = render_all(run_all, slow)
     assert "| failover_bench's scale part finishes | TimeoutError: the cycle over all agents" in text
     assert "Parts that did not finish (their targets have no figure in this run): scale: TimeoutError" in text
