@@ -185,6 +185,17 @@ class RawAgent:
             timeout=WAIT,
         )
 
+    def recover(self, cycle: int) -> None:
+        """One whole recovery cycle of rank 0 (fault, stop, strategies, recover), until the job is idle."""
+        assert self.fault({0: 1}).code == 0
+        stop = self.expect("stopTrain", cycle=cycle)
+        assert self.stopped(uuid=stop.uuid).code == 0
+        self.expect("globalFault")
+        assert self.strategies(["recover", "exit"], uuid=stop.uuid).code == 0
+        self.expect("changeStrategy", changeStrategy="recover")
+        assert self.status(0, "recover", uuid=stop.uuid).code == 0
+        wait_until(lambda: self.job().state == "idle", "the job to be idle again", WAIT)
+
     def set_report_timeout(self, seconds: float) -> None:
         """Waits the job enters from now on end after ``seconds``; armed ones keep their deadline."""
         request = pb.JobPolicyRequest(

@@ -161,6 +161,10 @@ class ControllerGauges:
     agents_registered: int
     agents_connected: int
     journal_entries: int
+    #: writes made but not durable yet (held while the storage refuses them).
+    writes_held: int = 0
+    #: writes the storage refused so far (each try counts).
+    write_failures: int = 0
     #: ranks slower than their peers now, over every job.
     slow_ranks: int = 0
 
@@ -599,7 +603,10 @@ class Controller:
             registered += sum(1 for a in job.agents.values() if a.exit_code is None)
             connected += len(job.subscribers)
             slow += len(job.slow.slow())
-        return ControllerGauges(states, registered, connected, self._store.journal_size(), slow)
+        backlog = self._store.write_backlog()
+        return ControllerGauges(
+            states, registered, connected, self._store.journal_size(), backlog.pending, backlog.failures, slow
+        )
 
     async def status(
         self, job_id: str = "", events: int = 10, caller: Caller = _ANONYMOUS
