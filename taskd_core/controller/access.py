@@ -32,6 +32,8 @@ class AccessRules:
     admin_digest: str = field(default="", repr=False)
     #: accept jobs registered without a token (reference-style clients).
     allow_legacy: bool = True
+    #: digest of the one job token this controller serves (a launch's embedded controller); empty: any.
+    only_digest: str = field(default="", repr=False)
 
     def is_admin(self, caller: Caller) -> bool:
         return token_matches(self.admin_digest, caller.token)
@@ -91,7 +93,13 @@ def check_claim(job_id: str, claim: Claim, caller: Caller) -> None:
 
 
 def check_new_claim(job_id: str, rules: AccessRules, caller: Caller) -> None:
-    """Refuse a registration without a token where legacy clients are not allowed."""
+    """Refuse a registration without a token where legacy clients are refused, or with a foreign token."""
+    if rules.only_digest and not token_matches(rules.only_digest, caller.token):
+        raise forbidden(
+            job_id,
+            "this controller is embedded in one launch and serves only that launch's job token; "
+            "run your job under its own launcher or a `taskd controller`",
+        )
     if not caller.token and not rules.allow_legacy:
         raise forbidden(
             job_id,

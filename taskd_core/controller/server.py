@@ -40,6 +40,7 @@ from taskd_core.controller.access import AccessRules
 from taskd_core.controller.etcd_client import EtcdTls, is_etcd_url
 from taskd_core.controller.metrics import ControllerMetrics, MetricsEndpoint, RpcMetricsInterceptor, on_loop
 from taskd_core.controller.policy import PolicyBook, validated
+from taskd_core.controller.quotas import Quotas
 from taskd_core.controller.replica import Replica, open_election
 from taskd_core.controller.runtime import LIVE_GRACE, Controller, Limits
 from taskd_core.controller.service import RecoverService
@@ -132,6 +133,10 @@ class ControllerConfig:
     replace_policy: bool = False
     #: etcd: seconds to reach etcd at start before giving up.
     state_timeout: float = 5.0
+    #: how much one job token or one host may use (jobs, agents, requests, journal bytes).
+    quotas: Quotas = field(default_factory=Quotas)
+    #: the one job token this controller serves (a launch's embedded controller); "": any.
+    job_token: str = field(default="", repr=False)
 
     def access(self) -> AccessRules:
         """The authorisation rules; checks the listener's security (:class:`ConfigError`)."""
@@ -150,7 +155,13 @@ class ControllerConfig:
             )
         admin = read_token_file(self.admin_token_file, "--admin-token-file") if self.admin_token_file else ""
         legacy = loopback if self.allow_legacy is None else self.allow_legacy
-        return AccessRules(admin_digest=token_digest(admin) if admin else "", allow_legacy=legacy)
+        if self.job_token:
+            legacy = False
+        return AccessRules(
+            admin_digest=token_digest(admin) if admin else "",
+            allow_legacy=legacy,
+            only_digest=token_digest(self.job_token) if self.job_token else "",
+        )
 
 
 def listen_address(listen: str, flag: str = "--listen") -> Address:
@@ -257,6 +268,7 @@ class ControllerServer:
             stream_grace=self.config.stream_grace,
             access=self._access,
             limits=self.config.limits,
+            quotas=self.config.quotas,
             observer=self._metrics,
         )
 
@@ -394,6 +406,7 @@ class EmbeddedController:
     that prefix (in this process or others): it returns once it leads or stands
     by; ``advertise`` is the address the others send clients to, ``lease_ttl``
     how long a lost leader holds on, ``etcd_tls`` the files etcd wants.
+    ``job_token`` makes it serve that one job token only (a launch's own controller).
     """
 
     def __init__(
@@ -418,6 +431,8 @@ class EmbeddedController:
         etcd_tls: EtcdTls | None = None,
         replace_policy: bool = False,
         state_timeout: float = 5.0,
+        quotas: Quotas | None = None,
+        job_token: str = "",
     ) -> None:
         book = policies or PolicyBook(validated(defaults or JobPolicy(), "defaults: "))
         self._config = ControllerConfig(
@@ -438,6 +453,8 @@ class EmbeddedController:
             etcd_tls=etcd_tls,
             replace_policy=replace_policy,
             state_timeout=state_timeout,
+            quotas=quotas or Quotas(),
+            job_token=job_token,
         )
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None

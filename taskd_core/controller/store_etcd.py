@@ -52,6 +52,7 @@ from taskd_core.controller.store import (
     JobRow,
     StoredJob,
     Write,
+    WriteBacklog,
     journal_detail,
     json_object,
 )
@@ -294,6 +295,8 @@ class EtcdStore:
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._broken = ""
+        #: writes etcd did not take (each retried while the lease lasts).
+        self._failures = 0
         self._next_seq = 1
         #: per job, oldest first: (last seq, entries) of each journal key.
         self._keys: dict[str, collections.deque[tuple[int, int]]] = {}
@@ -576,6 +579,7 @@ class EtcdStore:
             try:
                 done = await self._client.txn(self._fence.compare, ops)
             except StateUnavailableError as exc:
+                self._failures += 1
                 left = self._fence.until() - time.monotonic()
                 if left <= 0:
                     raise LeadershipLostError(
@@ -631,6 +635,9 @@ class EtcdStore:
 
     def journal_size(self) -> int:
         return self._entries
+
+    def write_backlog(self) -> WriteBacklog:
+        return WriteBacklog(len(self._queue) + len(self._inflight), self._failures)
 
     async def close(self) -> None:
         """Let the writes made so far land while the lease lasts, then stop; what is left fails."""

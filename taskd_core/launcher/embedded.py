@@ -155,8 +155,12 @@ def controller_address(
         address = board.lookup(lookup_timeout) if board else join_address(master_addr, controller_port)
         yield ControllerEndpoint(address, embedded=False)
         return
-    tls = server_tls(credentials or Credentials())
-    with _embedded(master_addr, controller_port, policy, state, tls, insecure, metrics_port) as controller:
+    own = credentials or Credentials()
+    tls = server_tls(own)
+    # It serves this launch's token only: another local user can neither register on it nor flood it.
+    with _embedded(
+        master_addr, controller_port, policy, state, tls, insecure, metrics_port, job_token=own.token
+    ) as controller:
         bind = bind_host(master_addr)
         logger.info(
             "embedded controller listening on %s (%s)",
@@ -241,7 +245,7 @@ def replicated_controller(
     tls = server_tls(credentials)
     target = parse_etcd_url(state, etcd_tls)
     # Port 0 is the bound one: on one machine the replicas' addresses differ by it alone.
-    replica = {"advertise": join_address(host, 0), "etcd_tls": etcd_tls}
+    replica = {"advertise": join_address(host, 0), "etcd_tls": etcd_tls, "job_token": credentials.token}
     with _embedded(host, controller_port, policy, state, tls, insecure, metrics_port, **replica) as served:
         advertised = join_address(host, served.port)
         logger.info(
