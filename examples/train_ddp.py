@@ -70,7 +70,12 @@ MOMENTUM = 0.9
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return build_parser(__doc__).parse_args()
+
+
+def build_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every example training job shares (``doc``: the script's docstring, for ``--help``)."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="training steps in total")
     p.add_argument("--ckpt-dir", type=Path, required=True, help="directory of the checkpoint")
     p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every K steps")
@@ -117,7 +122,7 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="train_live.py: MiB of extra live state per rank (a slow state hand-over, for tests)",
     )
-    return p.parse_args()
+    return p
 
 
 class Progress:

@@ -316,8 +316,16 @@ class Controller:
         self._agent_count += len(job.agents)
         self._index(job)
         # Agents get a full grace period to come back before their job counts as abandoned.
+        loop = asyncio.get_running_loop()
         for agent in job.agents.values():
             agent.last_seen = max(agent.last_seen, self._clock())
+            if agent.exit_code is None:
+                # Its stream was with the controller before this one (or none): one that does not
+                # subscribe here within the grace is lost as if its stream had ended here, the way a
+                # node lost together with the previous leader would otherwise be waited for forever.
+                job.lost[agent.agent_id] = loop.call_later(
+                    self._stream_grace, self._on_stream_lost, job, agent.agent_id
+                )
         self._jobs[row.job_id] = job
         self._arm(job)
         return job
