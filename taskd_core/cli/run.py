@@ -16,6 +16,7 @@ exited 0, 1 the job was given up or failed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -27,6 +28,7 @@ from taskd_core.launcher.flags import OptionValues, add_node_options, node_setti
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import DEFAULT_MASTER_PORT, LaunchSpec
 from taskd_core.plugins import load_adapter
+from taskd_core.snapshots.keeper import Keeper
 from taskd_core.values import (
     LOCALHOST,
     MAX_LOCAL_WORKERS,
@@ -139,6 +141,13 @@ def run(args: argparse.Namespace) -> int:
         controller_state=args.controller_state,
     )
     spec = build_spec(args, settings.job_id, settings.agent.dispatch.stop_timeout)
+    keeper = None
+    if settings.snapshots.enabled:
+        # Snapshots stay on their node here: taskdrun's keepers also take the other nodes' copies.
+        keeper = Keeper(
+            settings.snapshots, job_id=spec.job_id, host="", token="", local_world_size=spec.nproc
+        )
+        spec = dataclasses.replace(spec, env={**spec.env, **keeper.worker_env()})
     launcher = None
     if settings.fork_server.enabled:
         # Started now, so that the server preloads while the agent finds the controller.
@@ -158,4 +167,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if launcher is not None:
             launcher.close()
+        if keeper is not None:
+            keeper.close()
     return outcome.exit_code

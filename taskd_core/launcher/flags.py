@@ -16,11 +16,12 @@ import argparse
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
 from taskd_core.agent.hangs.config import ProgressConfig
-from taskd_core.controller.policy import parse_strategies
+from taskd_core.controller.policy import parse_slow_rank, parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.forkserver.client import ForkServerSettings
 from taskd_core.launcher.environment import check_temp_dir, controller_from_env, job_id_from_env
@@ -28,9 +29,11 @@ from taskd_core.launcher.identity import controller_host, default_job_id, job_cr
 from taskd_core.launcher.interrupt import STOP_SIGNALS
 from taskd_core.launcher.settings import NodeSettings, default_of, embedded_port
 from taskd_core.models import JobPolicy
+from taskd_core.snapshots.settings import SnapshotSettings
 from taskd_core.values import (
     DEFAULT_CONTROLLER_PORT,
     argtype,
+    check_creatable_dir,
     parse_controller,
     parse_count,
     parse_modules,
@@ -49,6 +52,7 @@ _WARM = "warm restarts"
 _HANGS = "hang detection"
 #: Seconds between the health checks of a node of a job with several nodes, unless set.
 NODE_HEALTH_INTERVAL = 1.0
+_SNAPSHOTS = "memory snapshots"
 
 
 def _positive_seconds(text: str, what: str) -> float:
@@ -57,6 +61,14 @@ def _positive_seconds(text: str, what: str) -> float:
 
 def _strategies(text: str, what: str) -> Any:
     return parse_strategies(text, key=what or "strategies")
+
+
+def _directory(text: str, what: str) -> Path:
+    return check_creatable_dir(Path(text), what or "snapshot directory")
+
+
+def _slow_rank(text: str, what: str) -> Any:
+    return parse_slow_rank(text.strip(), what or "slow-rank")
 
 
 def _dump_signal(text: str, what: str) -> signal.Signals:
@@ -271,6 +283,14 @@ OPTIONS: tuple[Option, ...] = (
         (JobPolicy, "cycle_window"),
     ),
     Option(
+        "slow-rank",
+        _slow_rank,
+        "what a rank slower than its peers gets: warn (journal, metric, taskd status) or replace",
+        _POLICY,
+        (JobPolicy, "slow_rank"),
+        metavar="POLICY",
+    ),
+    Option(
         "report-timeout",
         parse_seconds,
         "deadline of each of the embedded controller's waits for the agents",
@@ -331,6 +351,40 @@ OPTIONS: tuple[Option, ...] = (
         "seconds a rank may stay in uninterruptible sleep (state D)",
         _HANGS,
         (ProgressConfig, "disk_sleep_bound"),
+    ),
+    Option(
+        "snapshots",
+        parse_switch,
+        "keep no node keeper for memory snapshots (taskd_pytorch.snapshot, docs/snapshots.md)",
+        _SNAPSHOTS,
+        (SnapshotSettings, "enabled"),
+        switch=True,
+    ),
+    Option(
+        "snapshot-memory",
+        parse_count,
+        "MiB this node's memory snapshots may take, own and peer copies; a snapshot over its rank's share "
+        "is skipped with a warning",
+        _SNAPSHOTS,
+        (SnapshotSettings, "memory_mib"),
+        metavar="MIB",
+        unset="half of the free space of the snapshot directory's tmpfs",
+    ),
+    Option(
+        "snapshot-copies",
+        parse_count,
+        "copies of each rank's snapshot kept on other nodes",
+        _SNAPSHOTS,
+        (SnapshotSettings, "copies"),
+        metavar="N",
+    ),
+    Option(
+        "snapshot-dir",
+        _directory,
+        "where the node's snapshot directory is made (a tmpfs: its files are memory)",
+        _SNAPSHOTS,
+        (SnapshotSettings, "directory"),
+        metavar="DIR",
     ),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
@@ -495,6 +549,12 @@ def node_settings(
                     f"controller at {controller}: set it in that controller's policy (taskd controller "
                     f"--{name} or its --policy file) and drop it here"
                 )
+        source = values.given("slow-rank")
+        if source is not None:
+            raise ConfigError(
+                f"{source} sets the embedded controller's slow-rank policy, but this job uses the "
+                f"controller at {controller}: set slow_rank in that controller's --policy file, drop it here"
+            )
     credentials = job_credentials(
         env,
         tls_ca=values.flag("tls-ca"),
@@ -533,5 +593,6 @@ def node_settings(
         policy=JobPolicy(**values.fields(JobPolicy), expected_agents=nnodes),
         stop_signals=stop_signals,
         fork_server=ForkServerSettings(**values.fields(ForkServerSettings)),
+        snapshots=SnapshotSettings(**values.fields(SnapshotSettings)),
         **values.fields(NodeSettings),
     )

@@ -58,6 +58,7 @@ from taskd_core.forkserver.client import ForkLauncher
 from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.models import WorkerState, WorkerStatus
+from taskd_core.snapshots.keeper import Keeper
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
 from taskd_pytorch.live._channel import JOB_TOKEN_ENV, LIVE_DIR_ENV, LiveChannel
 from taskd_pytorch.membership import Epoch, JobStore
@@ -96,6 +97,7 @@ class TaskdElasticAgent(LocalElasticAgent):
     :param job_token: the job's token, handed to the workers: it keys their live state hand-over
         (empty: no live recovery, nothing could authenticate the hand-over).
     :param members: the job's keys in the c10d rendezvous store; None for the other backends.
+    :param keeper: the node's keeper of memory snapshots, which the workers are told about.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         launcher: ForkLauncher | None = None,
         store_host: str = "127.0.0.1",
         job_token: str = "",
+        keeper: Keeper | None = None,
         members: JobStore | None = None,
     ) -> None:
         if spec.virtual_local_rank:
@@ -150,6 +153,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         self._taskd_seated = False
         #: ... but not the node agent's first start, which comes before the cycle's restart.
         self._taskd_seat_idle = False
+        self._taskd_keeper = keeper
 
     # --- what the launcher does first -------------------------------------------------
 
@@ -354,6 +358,7 @@ class TaskdElasticAgent(LocalElasticAgent):
             raise ConfigError("workers cannot start before the rendezvous has given them a store")
         meet = self._taskd_round_stores.meet(worker_group.store, worker_group.group_rank, self._taskd_starts)
         launches = {}
+        snapshots = self._taskd_keeper.worker_env() if self._taskd_keeper is not None else {}
         for worker in worker_group.workers:
             env = {
                 "LOCAL_RANK": str(worker.local_rank),
@@ -374,6 +379,7 @@ class TaskdElasticAgent(LocalElasticAgent):
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
                 LIVE_DIR_ENV: str(self._taskd_live.path),
                 RESTART_COUNT_ENV: str(self._taskd_starts),
+                **snapshots,
             }
             if self._taskd_token:  # a one-node launch makes its token itself: the workers learn it here
                 env[JOB_TOKEN_ENV] = self._taskd_token

@@ -47,6 +47,7 @@ from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.node import run_node_agent
 from taskd_core.plugins import load_adapter
+from taskd_core.snapshots.keeper import Keeper
 from taskd_core.values import LOCALHOST, is_loopback, join_address
 from taskd_pytorch.adapter import PytorchAdapter
 from taskd_pytorch.elastic import TaskdElasticAgent
@@ -198,6 +199,7 @@ class Node:
         self.rendezvous: RendezvousHandler | None = None
         self.members: JobStore | None = None
         self.elastic: TaskdElasticAgent | None = None
+        self.keeper: Keeper | None = None
         self.outcome: AgentOutcome | None = None
         #: this launcher came after the job had all its nodes (a spare, until it is given a node's place).
         self.spare = False
@@ -208,8 +210,9 @@ class Node:
         :raises LauncherInterrupted: when the stop request fires before the node agent runs.
         """
         self.rendezvous, self.members = connect_rendezvous(self.job, self.stop)
+        self.keeper = snapshot_keeper(self.job)
         self.elastic = elastic_agent(
-            self.job, self.rendezvous, self.stop, self.lifeline, self.launcher, self.members
+            self.job, self.rendezvous, self.stop, self.lifeline, self.launcher, self.keeper, self.members
         )
         if self.members is not None and self.members.has_all_nodes():
             self.spare = True
@@ -226,6 +229,8 @@ class Node:
         # A spare never joined the rendezvous: closing it would end the job's.
         if self.rendezvous is not None and not interrupted and not self.spare:
             close_rendezvous(self.rendezvous)
+        if self.keeper is not None:
+            self.keeper.close()
         self.lifeline.close()
         if self.launcher is not None:
             self.launcher.close()
@@ -291,12 +296,27 @@ def connect_rendezvous(job: NodeJob, stop: StopRequest) -> tuple[RendezvousHandl
     return run_interruptibly(connect, stop, "connecting to the rendezvous")
 
 
+def snapshot_keeper(job: NodeJob) -> Keeper | None:
+    """The node's keeper of memory snapshots (``taskd_pytorch.snapshot``), unless turned off."""
+    node = job.options.node
+    if not node.snapshots.enabled:
+        return None
+    return Keeper(
+        node.snapshots,
+        job_id=node.job_id,
+        host=store_host(job.master_host, job.config.local_addr),
+        token=node.agent.credentials.token,
+        local_world_size=job.config.nproc_per_node,
+    )
+
+
 def elastic_agent(
     job: NodeJob,
     rendezvous: RendezvousHandler,
     stop: StopRequest,
     lifeline: Lifeline,
     launcher: ForkLauncher | None,
+    keeper: Keeper | None = None,
     members: JobStore | None = None,
 ) -> TaskdElasticAgent:
     """torch's elastic agent for this node's workers (it starts none yet)."""
@@ -324,6 +344,7 @@ def elastic_agent(
         launcher=launcher,
         store_host=store_host(job.master_host, config.local_addr),
         job_token=job.options.node.agent.credentials.token,
+        keeper=keeper,
         members=members,
     )
 
