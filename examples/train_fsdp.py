@@ -262,7 +262,7 @@ def main() -> int:
                 inject_fault(args.fail_mode, step)
             if step == args.hang_at_step and rank == args.hang_rank and restart == 0:
                 spin_forever()
-            pause = step_pause(args, step)
+            pause = step_pause(args, step, rank, restart == 0)
             if pause:
                 time.sleep(pause)  # stands for compute
             job.train_step(step, rank, args.width, loss_fn)

@@ -168,6 +168,7 @@ def test_the_grafana_dashboard_and_the_docs_name_only_exported_metrics():
         "taskd_agents_registered",
         "taskd_agents_connected",
         "taskd_journal_entries",
+        "taskd_slow_ranks",
         "taskd_state_writes_held",
         "taskd_state_write_failures_total",
     }

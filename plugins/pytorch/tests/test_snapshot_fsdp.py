@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from pt_support import EXAMPLES, Launcher, events
 
-from taskd_core.testing import descendants, wait_until
+from taskd_core.testing import descendants, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -166,3 +166,41 @@ def test_a_snapshot_over_the_memory_limit_warns_once_and_the_job_goes_on_from_di
     assert log.count("rank 1: a memory snapshot of") == 2, log[-4000:]
     assert "over this rank's budget of 0 MiB" in log
     assert done["sha256"] == reference["fsdp"]
+
+
+def test_on_two_nodes_a_damaged_local_copy_is_replaced_by_the_peer_copy_on_the_other_node(
+    launch: Launcher, tmp_path: Path, reference: dict[str, str]
+) -> None:
+    """2 taskdrun nodes x 2 ranks: every snapshot also goes to the same local rank on the other node."""
+    work = tmp_path / "peer"
+    work.mkdir()
+    progress, result = work / "progress.jsonl", work / "result.json"
+    rdzv = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "--rdzv-id=peer", "--taskd-no-hang-detection"]
+    job = [str(EXAMPLES / "train_fsdp.py"), "--ckpt-dir", str(work / "ckpt"), "--progress", str(progress),
+           "--result", str(result), *ARGS]
+    nodes = [launch(*rdzv, *job, log=f"peer{n}", env={"TASKD_JOB_TOKEN": "s3cret"}) for n in (0, 1)]
+    wait_until(lambda: last_step(progress) >= 4, "every rank to train 4 steps", 120)
+    # Frozen at a random moment: copies (own and peer) may be in flight, and stay half-done.
+    time.sleep(random.Random().uniform(0.0, 0.5))
+    pids = {e["rank"]: e["pid"] for e in events(progress) if e["event"] == "start"}
+    for pid in pids.values():
+        os.kill(pid, signal.SIGSTOP)
+    on_node = {n: {r for r, pid in pids.items() if pid in descendants(nodes[n].pid)} for n in (0, 1)}
+    holder = next(n for n in (0, 1) if 2 in on_node[n])
+    (root,) = [r for r in Path("/dev/shm").glob("taskd-snapshots-*") if str(r) in _keeper_roots(nodes[holder])]
+    damaged = sorted(d for d in (root / "rank2").iterdir() if (d / "done").exists())
+    assert damaged, "rank 2 has complete snapshots on its node"
+    for step_dir in damaged:
+        data = step_dir / "data"
+        raw = bytearray(data.read_bytes())
+        raw[0] ^= 0x01
+        data.write_bytes(raw)
+    for pid in pids.values():
+        os.kill(pid, signal.SIGKILL)
+    assert [node.wait(timeout=240) for node in nodes] == [0, 0]
+    back = restores(progress)
+    assert back[2][0] == "peer", back
+    assert {back[r][0] for r in (0, 1, 3)} == {"memory"}, back
+    assert len({step for _, step in back.values()}) == 1
+    assert json.loads(result.read_text())["sha256"] == reference["fsdp"]
