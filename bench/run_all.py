@@ -861,7 +861,9 @@ def failover_fields(data: dict[str, Any]) -> Rendered:
         "agents": str(sc["agents"]) if sc else None,
         "procs": str(sc["procs"]) if sc else None,
         "join_s": fmt(sc["join_all_s"]) if sc else None,
-        "follow_p50": fmt(sc["follow_s"]["median"]) if sc else None,
+        "followed": bool(sc and sc["followed"]),
+        "follow_p50": fmt(sc["follow_s"]["median"]) if sc and sc["followed"] else None,
+        "moved": bool(sc and sc.get("leader_moved_during_cycle") is True),
         "chaos": ch is not None,
         "kills": str(ch["kills"]) if ch else None,
         "freezes": str(ch["freezes"]) if ch else None,
@@ -917,8 +919,12 @@ def failover_fields(data: dict[str, Any]) -> Rendered:
         rows.append(
             [
                 f"fail-over with {agents} agents attached: every agent following the new leader ≤ {bench.FOLLOW_TARGET:g} s",
-                f"{fmt(follow)} s ({sc['followed']}/{agents} followed)",
-                _met(follow is not None and sc["followed"] == agents and follow <= bench.FOLLOW_TARGET),
+                f"{fmt(follow)} s ({sc['followed']}/{agents} followed)"
+                if sc["followed"]
+                else f"no agent subscribed again after the kill (0/{agents})",
+                _met(follow is not None and sc["followed"] == agents and follow <= bench.FOLLOW_TARGET)
+                if sc["followed"]
+                else "not measured",
             ]
         )
     if ch:

@@ -96,6 +96,8 @@ def test_every_node_runs_a_replica_one_leads_and_a_killed_rank_recovers(
         lambda: len(records(out_dir)) == 2 * NODES and records(out_dir), "every worker again", 120
     )
     assert sorted(r["RANK"] for r in again if r["TASKD_RESTART_COUNT"] == "1") == ["0", "1", "2"]
+    # The restart kept torch's rendezvous round (agreed on in etcd), as on c10d: no new round's polling.
+    assert all("keeping its nodes and ranks" in t for t in logs(tmp_path, "reps"))
     until.touch()
     assert [node.wait(timeout=120) for node in nodes] == [0] * NODES
     # The last replica out removed the job's state: a job's state in etcd ends with the job, as in memory.
