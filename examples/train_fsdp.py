@@ -249,9 +249,13 @@ def main() -> int:
         began = time.monotonic()
         pending.result()
         if args.snapshot_to == "disk" and rank == 0:
+            previous = async_disk.latest()
             tmp = async_disk.root / f"latest.tmp{os.getpid()}"
             tmp.write_text(f"step-{pending_step}")
             os.replace(tmp, async_disk.root / "latest")
+            for old in async_disk.root.glob("step-*"):
+                if old.name != f"step-{pending_step}" and old != previous:
+                    shutil.rmtree(old, ignore_errors=True)
         progress.log("snapshot", pending_step)
         pending = None
         waited[0] += time.monotonic() - began
