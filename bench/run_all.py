@@ -16,7 +16,8 @@ timings), each as a child process writing JSON:
 10. ``first_start_bench.py``: a job's first start, taskdrun and ``taskd run`` against torchrun;
 11. ``mindspore_bench.py``: real msrun, kill → the rank stepping again against a cold start of the same job;
 12. ``failover_bench.py``: controller replicas on a real etcd: fail-over, etcd against SQLite, 2048 agents, chaos.
-13. ``snapshot_bench.py``: memory snapshots of FSDP2 every step against none and ``dcp.async_save`` to disk.
+13. ``slowrank_bench.py``: steps until a slow rank is named, false alarms, the cost of measuring work per step.
+14. ``snapshot_bench.py``: memory snapshots of FSDP2 every step against none and ``dcp.async_save`` to disk.
 
 Then writes the Markdown report: the machine, versions, the exact command,
 the targets and each bench's section. The prose is in ``bench/templates/``
@@ -65,6 +66,7 @@ import mindspore_bench
 import recovery_bench
 import security_bench
 import signal_bench
+import slowrank_bench
 import snapshot_bench
 import transfer_bench
 from _common import (
@@ -188,6 +190,13 @@ STEPS = (
             "2",
         ),
         2400.0,
+    ),
+    Step(
+        "slowrank",
+        "slowrank_bench.py",
+        ("--trials", "50", "--job-trials", "3", "--job-steps", "300"),
+        ("--trials", "5", "--job-trials", "1", "--job-steps", "60", "--overhead-steps", "20000"),
+        900.0,
     ),
     Step(
         "snapshots",
@@ -960,6 +969,25 @@ def failover_fields(data: dict[str, Any]) -> Rendered:
     return fields, rows
 
 
+def slowrank_fields(data: dict[str, Any]) -> Rendered:
+    detector, jobs = data["detector"], data["jobs"]
+    ratios = [t["ratio"] for t in jobs["trials"] if t["ratio"] is not None]
+    fields: dict[str, Value] = {
+        "bound": f"{detector['bound']:g}",
+        "window": str(detector["window"]),
+        "hold": str(detector["hold"]),
+        "trials": str(detector["trials"]),
+        "healthy_steps": str(detector["healthy_steps"]),
+        "step_ms": f"{slowrank_bench.STEP_TIME * 1000:.0f}",
+        "slow_from": str(slowrank_bench.SLOW_FROM),
+        "real_ratio": ", ".join(f"{r:.2f}" for r in ratios) or "none",
+        "load_start": _loads(data["load_at_start"]),
+        "load_end": _loads(data["load_at_end"]),
+        "table": slowrank_bench.report(data),
+    }
+    return fields, slowrank_bench.verdicts(data)
+
+
 def snapshot_fields(data: dict[str, Any]) -> Rendered:
     cfg, steps, lost = data["config"], data["steps"], data["lost"]
     sizes = list(steps)
@@ -1032,6 +1060,7 @@ PARTS = (
     Part("first_start", "first_start", first_start_fields),
     Part("mindspore", "mindspore", mindspore_fields),
     Part("failover", "failover", failover_fields),
+    Part("slowrank", "slowrank", slowrank_fields),
     Part("snapshots", "snapshots", snapshot_fields),
 )
 

@@ -47,7 +47,11 @@ MODES = {
     "memory": ("--snapshot-every", "1"),
     "disk": ("--snapshot-every", "1", "--snapshot-to", "disk"),
 }
-LABELS = {"none": "no every-step snapshot", "memory": "memory snapshot (TaskD)", "disk": "dcp.async_save to disk"}
+LABELS = {
+    "none": "no every-step snapshot",
+    "memory": "memory snapshot (TaskD)",
+    "disk": "dcp.async_save to disk",
+}
 #: Issue 24: a snapshot every step costs at most this share of the fault-free step time.
 STEP_TARGET = 0.05
 
@@ -91,8 +95,19 @@ def run_job(work: Path, ranks: int, extra: tuple[str, ...], timeout: float) -> d
     """One taskdrun job of train_fsdp.py; its events, largest snapshot bytes and worker RSS."""
     work.mkdir(parents=True)
     progress = work / "progress.jsonl"
-    cmd = [TASKDRUN, "--standalone", f"--nproc-per-node={ranks}", str(SCRIPT), "--ckpt-dir", str(work / "ckpt"),
-           "--progress", str(progress), "--result", str(work / "result.json"), *extra]
+    cmd = [
+        TASKDRUN,
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        str(SCRIPT),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--progress",
+        str(progress),
+        "--result",
+        str(work / "result.json"),
+        *extra,
+    ]
     shm = rss = 0
     with Children(grace=30.0) as children:
         proc = children.start(cmd, log=work / "taskdrun.log", cwd=REPO)
@@ -106,8 +121,12 @@ def run_job(work: Path, ranks: int, extra: tuple[str, ...], timeout: float) -> d
         code = proc.wait(max(1.0, deadline - time.monotonic()))
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}; see {work / 'taskdrun.log'}")
-    return {"events": _events(progress), "shm_bytes": shm, "rss_bytes": rss,
-            "result": json.loads((work / "result.json").read_text())}
+    return {
+        "events": _events(progress),
+        "shm_bytes": shm,
+        "rss_bytes": rss,
+        "result": json.loads((work / "result.json").read_text()),
+    }
 
 
 def step_time(events: list[dict[str, Any]], warmup: int) -> float:
@@ -120,8 +139,19 @@ def step_time(events: list[dict[str, Any]], warmup: int) -> float:
 def steps_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     sizes = {
         "example": (4, ("--steps", str(args.steps), "--ckpt-every", str(args.steps))),
-        f"{args.mib:g} MiB per rank": (2, ("--steps", str(args.big_steps), "--ckpt-every", str(args.big_steps),
-                                          "--layers", "2", "--width", str(width_for(args.mib, 2)))),
+        f"{args.mib:g} MiB per rank": (
+            2,
+            (
+                "--steps",
+                str(args.big_steps),
+                "--ckpt-every",
+                str(args.big_steps),
+                "--layers",
+                "2",
+                "--width",
+                str(width_for(args.mib, 2)),
+            ),
+        ),
     }
     out: dict[str, Any] = {}
     for size, (ranks, base) in sizes.items():
@@ -145,15 +175,34 @@ def lost_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode, flags in MODES.items():
         logger.info("steps lost: %s", mode)
-        extra = ("--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every), "--fail-at-step",
-                 str(args.kill_at), "--fail-rank", "1", "--fail-mode", "kill", *flags)
+        extra = (
+            "--steps",
+            str(args.steps),
+            "--ckpt-every",
+            str(args.ckpt_every),
+            "--fail-at-step",
+            str(args.kill_at),
+            "--fail-rank",
+            "1",
+            "--fail-mode",
+            "kill",
+            *flags,
+        )
         job = run_job(root / f"lost-{mode}", 4, extra, args.timeout)
         resumed = [e for e in job["events"] if e["event"] == "resumed" and e["restart"] > 0]
-        source = {e["event"].removeprefix("restored-from-") for e in job["events"]
-                  if e["event"].startswith("restored-from-") and e["restart"] > 0}
+        source = {
+            e["event"].removeprefix("restored-from-")
+            for e in job["events"]
+            if e["event"].startswith("restored-from-") and e["restart"] > 0
+        }
         step = min(e["step"] for e in resumed)
-        out[mode] = {"killed_after": args.kill_at, "resumed": step, "lost": args.kill_at - step,
-                     "source": ",".join(sorted(source)), "sha256": job["result"]["sha256"]}
+        out[mode] = {
+            "killed_after": args.kill_at,
+            "resumed": step,
+            "lost": args.kill_at - step,
+            "source": ",".join(sorted(source)),
+            "sha256": job["result"]["sha256"],
+        }
     return out
 
 
@@ -170,9 +219,16 @@ def bandwidth_part(args: argparse.Namespace) -> dict[str, Any]:
     dst = torch.empty_like(src)
     view = memoryview(src.numpy()).cast("B")
     rates: dict[str, list[float]] = {"memcpy": [], "crc32": [], "store": [], "peer": []}
-    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="taskd-bench-") as tmp, Keeper(
-        SnapshotSettings(directory=Path(tmp)), job_id="bench", host="127.0.0.1", token="bench", local_world_size=1
-    ) as keeper:
+    with (
+        tempfile.TemporaryDirectory(dir="/dev/shm", prefix="taskd-bench-") as tmp,
+        Keeper(
+            SnapshotSettings(directory=Path(tmp)),
+            job_id="bench",
+            host="127.0.0.1",
+            token="bench",
+            local_world_size=1,
+        ) as keeper,
+    ):
         store = SnapshotStore(Path(tmp) / "own")
         client = PeerClient("bench", "bench")
         address = keeper.address()
@@ -186,7 +242,12 @@ def bandwidth_part(args: argparse.Namespace) -> dict[str, Any]:
             t3 = time.perf_counter()
             client.put(address, seal, b"meta", [view])
             t4 = time.perf_counter()
-            for key, seconds in (("memcpy", t1 - t0), ("crc32", t2 - t1), ("store", t3 - t2), ("peer", t4 - t3)):
+            for key, seconds in (
+                ("memcpy", t1 - t0),
+                ("crc32", t2 - t1),
+                ("store", t3 - t2),
+                ("peer", t4 - t3),
+            ):
                 rates[key].append(size / seconds / 1e9)
     return {"bytes": size, "gb_s": rates, "median_gb_s": {k: statistics.median(v) for k, v in rates.items()}}
 
@@ -197,21 +258,43 @@ def report(data: dict[str, Any]) -> str:
     for size, part in data["steps"].items():
         base = part["modes"]["none"]["median_s"]
         for mode, m in part["modes"].items():
-            rows.append([size, LABELS[mode], fmt(m["median_s"] * 1e3, 1), fmt(100 * (m["median_s"] / base - 1), 1),
-                         fmt(m["shm_bytes"] / 2**20, 0), fmt(m["rss_bytes"] / 2**20, 0)])
-    steps = markdown_table(["state", "every step", "step (ms)", "vs none (%)", "snapshots in /dev/shm (MiB)",
-                            "workers' RSS (MiB)"], rows)
+            rows.append(
+                [
+                    size,
+                    LABELS[mode],
+                    fmt(m["median_s"] * 1e3, 1),
+                    fmt(100 * (m["median_s"] / base - 1), 1),
+                    fmt(m["shm_bytes"] / 2**20, 0),
+                    fmt(m["rss_bytes"] / 2**20, 0),
+                ]
+            )
+    steps = markdown_table(
+        [
+            "state",
+            "every step",
+            "step (ms)",
+            "vs none (%)",
+            "snapshots in /dev/shm (MiB)",
+            "workers' RSS (MiB)",
+        ],
+        rows,
+    )
     lost = markdown_table(
         ["every step", "steps done at the kill", "resumed from", "steps lost", "restored from"],
-        [[LABELS[m], str(r["killed_after"]), str(r["resumed"]), str(r["lost"]), r["source"]]
-         for m, r in data["lost"].items()],
+        [
+            [LABELS[m], str(r["killed_after"]), str(r["resumed"]), str(r["lost"]), r["source"]]
+            for m, r in data["lost"].items()
+        ],
     )
     bw = data["bandwidth"]["median_gb_s"]
     copy = markdown_table(
         ["copy", "GB/s"],
-        [["plain memcpy (Tensor.copy_)", fmt(bw["memcpy"])], ["CRC-32 alone", fmt(bw["crc32"])],
-         ["snapshot store write (/dev/shm + CRC-32)", fmt(bw["store"])],
-         ["peer copy to a keeper over loopback (AES-GCM)", fmt(bw["peer"])]],
+        [
+            ["plain memcpy (Tensor.copy_)", fmt(bw["memcpy"])],
+            ["CRC-32 alone", fmt(bw["crc32"])],
+            ["snapshot store write (/dev/shm + CRC-32)", fmt(bw["store"])],
+            ["peer copy to a keeper over loopback (AES-GCM)", fmt(bw["peer"])],
+        ],
     )
     return f"{steps}\n\n{lost}\n\n{copy}"
 
@@ -233,7 +316,11 @@ def main() -> int:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="taskd-snapshot-bench-") as tmp:
         root = Path(tmp)
-        data = {"steps": steps_part(root, args), "lost": lost_part(root, args), "bandwidth": bandwidth_part(args)}
+        data = {
+            "steps": steps_part(root, args),
+            "lost": lost_part(root, args),
+            "bandwidth": bandwidth_part(args),
+        }
     data.update(
         config={k: v for k, v in vars(args).items() if k != "json"} | {"json": None},
         machine=machine(),
