@@ -139,14 +139,15 @@ def run(args: argparse.Namespace) -> int:
         controller_state=args.controller_state,
     )
     spec = build_spec(args, settings.job_id, settings.agent.dispatch.stop_timeout)
-    launcher = None
-    if settings.fork_server.enabled:
-        # Started now, so that the server preloads while the agent finds the controller.
-        cwd = None if spec.cwd is None else str(spec.cwd)
-        shared = {**spec.env, "TASKD_JOB_ID": spec.job_id}
-        launcher = ForkLauncher(spec.command, settings.fork_server, cwd, shared)
-    try:
-        with Lifeline() as lifeline:
+    # First: the fork server and every worker started afterwards are marked as this job's.
+    with Lifeline() as lifeline:
+        launcher = None
+        if settings.fork_server.enabled:
+            # Started now, so that the server preloads while the agent finds the controller.
+            cwd = None if spec.cwd is None else str(spec.cwd)
+            shared = {**spec.env, "TASKD_JOB_ID": spec.job_id}
+            launcher = ForkLauncher(spec.command, settings.fork_server, cwd, shared)
+        try:
             adapter = load_adapter("process", instance=ProcessAdapter(spec, lifeline, launcher))
             logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
             try:
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                 # Workers that exited 0 may leave children behind (the agent is done with
                 # them once the leaders ended): taskd run leaves no process of the job running.
                 adapter.stop(None, spec.stop_timeout)
-    finally:
-        if launcher is not None:
-            launcher.close()
+        finally:
+            if launcher is not None:
+                launcher.close()
     return outcome.exit_code

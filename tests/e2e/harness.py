@@ -48,6 +48,14 @@ def job_processes(job_id: str, *, fork_servers: bool = True) -> list[int]:
     return pids
 
 
+def worker_command(tmp_path: Path, source: str, mode: str) -> list[str]:
+    """The command running worker script ``source`` as ``worker.py OUT MODE`` (OUT: ``tmp_path/out``, made)."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    (tmp_path / "out").mkdir(exist_ok=True)
+    return [sys.executable, str(script), str(tmp_path / "out"), mode]
+
+
 class TaskdRun:
     """One ``python -m taskd_core run ...`` process (one node), its output in a log file."""
 

@@ -114,8 +114,11 @@ def finish(nodes: list[subprocess.Popen[bytes]], result: Path) -> dict[str, Any]
 
 
 def worker_pids(root: Path) -> set[int]:
-    """Every worker pid any test file under ``root`` recorded."""
-    pids = {int(json.loads(p.read_text())["pid"]) for p in root.rglob("rank*.json")}
+    """Every worker pid any test file under ``root`` recorded (and the children it left, with ``--escape``)."""
+    pids = set()
+    for path in root.rglob("rank*.json"):
+        record = json.loads(path.read_text())
+        pids |= {int(record["pid"]), *record.get("escaped", [])}
     for progress in root.rglob("*.jsonl"):
         pids |= {int(json.loads(line)["pid"]) for line in progress.read_text().splitlines() if line.strip()}
     return pids
