@@ -542,4 +542,3 @@ class Listener:
             self.refused += 1
         logger.warning("refused a connection on %s: %s", self.address, why)
         conn.close()
-

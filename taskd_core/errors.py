@@ -49,6 +49,8 @@ _REFUSAL_FIXES: dict[int | str, str] = {
     "PERMISSION_DENIED": "this client may not act for the job; check its job token",
     "UNAUTHENTICATED": "the controller wants credentials; give the client its token / TLS settings",
     "UNIMPLEMENTED": "the server at this address is not a TaskD/ClusterD controller; check the address",
+    "RESOURCE_EXHAUSTED": "the controller's quota for this job token or host is used up (the message names "
+    "the limit and its flag); let other jobs end, or have the controller's operator raise it",
 }
 
 
@@ -189,6 +191,18 @@ class RequestRejected(TaskdError):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class QuotaExceededError(TaskdError):
+    """A tenant of the controller (a job token, a host) used up one of its quotas; ``limit`` names the flag.
+
+    It ends the call with gRPC ``RESOURCE_EXHAUSTED`` (not a ``Status`` code: the
+    reference has none for it, and every client treats a gRPC error as a failed call).
+    """
+
+    def __init__(self, message: str, *, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 class DuplicateSubscriberError(RequestRejected):

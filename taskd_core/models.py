@@ -45,6 +45,10 @@ class Code(enum.IntEnum):
     SERVER_INNER_ERROR = 599
 
 
+#: Seconds an agent keeps trying to reach its controller before it gives up (its default); the
+#: controller counts a silent job as abandoned only well after it (``Limits.abandon_after``).
+CONNECT_TIMEOUT = 60.0
+
 #: Words in the ``info`` of a 403 that refuses a caller's credentials; any other 403 from
 #: ``Init`` means process recovery is off (the reference's meaning, which its clients keep).
 PERMISSION_DENIED_INFO = "permission denied"
@@ -179,9 +183,7 @@ class WorkerStatus:
 
     @property
     def failed(self) -> bool:
-        return self.state is WorkerState.GONE or (
-            self.state is WorkerState.EXITED and self.exit_code != 0
-        )
+        return self.state is WorkerState.GONE or (self.state is WorkerState.EXITED and self.exit_code != 0)
 
     @property
     def succeeded(self) -> bool:

@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from taskd_core.controller.policy import PolicyBook
+from taskd_core.controller.quotas import Quotas
 from taskd_core.controller.runtime import Limits
 from taskd_core.controller.server import EmbeddedController
 from taskd_core.models import Credentials, JobPolicy, Strategy
@@ -184,6 +185,17 @@ class RawAgent:
             timeout=WAIT,
         )
 
+    def recover(self, cycle: int) -> None:
+        """One whole recovery cycle of rank 0 (fault, stop, strategies, recover), until the job is idle."""
+        assert self.fault({0: 1}).code == 0
+        stop = self.expect("stopTrain", cycle=cycle)
+        assert self.stopped(uuid=stop.uuid).code == 0
+        self.expect("globalFault")
+        assert self.strategies(["recover", "exit"], uuid=stop.uuid).code == 0
+        self.expect("changeStrategy", changeStrategy="recover")
+        assert self.status(0, "recover", uuid=stop.uuid).code == 0
+        wait_until(lambda: self.job().state == "idle", "the job to be idle again", WAIT)
+
     def set_report_timeout(self, seconds: float) -> None:
         """Waits the job enters from now on end after ``seconds``; armed ones keep their deadline."""
         request = pb.JobPolicyRequest(
@@ -208,7 +220,8 @@ class RawAgent:
 @pytest.fixture
 def controller_factory() -> Iterator[Callable[..., EmbeddedController]]:
     """Start controllers: ``controller_factory(state=..., keepalive_interval=..., **policy_fields)``;
-    ``listen``, ``tls``, ``insecure``, ``allow_legacy``, ``admin_token_file`` and ``limits`` go to the server."""
+    ``listen``, ``tls``, ``insecure``, ``allow_legacy``, ``admin_token_file``, ``limits``, ``quotas`` and
+    ``job_token`` go to the server."""
     started: list[EmbeddedController] = []
 
     def start(
@@ -222,6 +235,8 @@ def controller_factory() -> Iterator[Callable[..., EmbeddedController]]:
         allow_legacy: bool | None = None,
         admin_token_file: str = "",
         limits: Limits | None = None,
+        quotas: Quotas | None = None,
+        job_token: str = "",
         **policy: Any,
     ) -> EmbeddedController:
         defaults = dataclasses.replace(TEST_POLICY, **policy)
@@ -236,6 +251,8 @@ def controller_factory() -> Iterator[Callable[..., EmbeddedController]]:
             allow_legacy=allow_legacy,
             admin_token_file=admin_token_file,
             limits=limits,
+            quotas=quotas,
+            job_token=job_token,
         )
         started.append(ctl)
         return ctl

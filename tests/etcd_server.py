@@ -36,12 +36,19 @@ class EtcdServer:
     """One single-member etcd cluster; with ``tls`` (cert, key, CA) it requires client certificates.
 
     ``client`` (cert, key) is what the readiness check presents; by default the serving pair.
+    ``v2`` also serves etcd's v2 API, which torch's etcd rendezvous backends use.
     """
 
     def __init__(
-        self, data_dir: Path, tls: tuple[str, str, str] | None = None, client: tuple[str, str] | None = None
+        self,
+        data_dir: Path,
+        tls: tuple[str, str, str] | None = None,
+        client: tuple[str, str] | None = None,
+        *,
+        v2: bool = False,
     ) -> None:
         self.exe = etcd_binary()
+        self.v2 = v2
         self.data_dir = data_dir
         self.tls = tls
         self.client = client or (tls[:2] if tls else None)
@@ -68,6 +75,8 @@ class EtcdServer:
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
             "--initial-cluster", f"default={peer}", "--log-level", "warn",
         ]
+        if self.v2:
+            args.append("--enable-v2")
         if self.tls:
             cert, key, ca = self.tls
             args += ["--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth"]
@@ -80,6 +89,19 @@ class EtcdServer:
                 raise AssertionError(f"etcd did not start:\n{self.log.read_text()[-2000:]}")
             time.sleep(0.05)
         return self
+
+    def keys(self, prefix: str) -> list[bytes]:
+        """Every key under ``prefix`` (v3 API, plaintext only), as etcdctl get --prefix --keys-only would list them."""
+        end = bytearray(prefix.encode())
+        end[-1] += 1
+        with grpc.insecure_channel(self.endpoint) as channel:
+            scan = channel.unary_unary(
+                "/etcdserverpb.KV/Range",
+                request_serializer=epb.RangeRequest.SerializeToString,
+                response_deserializer=epb.RangeResponse.FromString,
+            )
+            answer = scan(epb.RangeRequest(key=prefix.encode(), range_end=bytes(end), keys_only=True), timeout=10.0)
+        return [kv.key for kv in answer.kvs]
 
     def _answers(self) -> bool:
         if self.tls and self.client:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.errors import ConfigError
-from taskd_core.models import Credentials
+from taskd_core.models import CONNECT_TIMEOUT, Credentials
 from taskd_core.values import check_catchable, check_seconds
 
 #: Seconds between SIGTERM and SIGKILL when stopping workers, unless the launcher is told otherwise.
@@ -80,7 +80,7 @@ class AgentConfig:
     agent_id: str | None = None
     role: str = "taskd agent"
     #: how long to keep trying to reach the controller before giving up.
-    connect_timeout: float = 60.0
+    connect_timeout: float = CONNECT_TIMEOUT
     #: how long a report keeps retrying while the controller is unreachable.
     report_deadline: float = 60.0
     #: seconds between HealthCheck calls; a lost stream is noticed without them,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
 from taskd_core.controller.etcd_client import EtcdTls, is_etcd_url, parse_etcd_url
 from taskd_core.controller.policy import load_policies, parse_strategies
+from taskd_core.controller.quotas import Quotas
 from taskd_core.controller.server import ControllerConfig, ControllerServer, listen_address, serve
 from taskd_core.errors import ConfigError
 from taskd_core.rpc.security import ServerTls
@@ -136,6 +138,35 @@ def add_parser(subparsers: Any) -> None:
     sec.add_argument(
         "--admin-token-file", metavar="FILE", default="", help="token that may list and change every job"
     )
+    quota = p.add_argument_group("quotas per job token and per host (see docs/security.md)")
+    count = argtype(lambda text: parse_count(text, low=1))
+    defaults = Quotas()
+    for flag, field_name, what in (
+        ("--max-jobs-per-token", "jobs_per_token", "jobs that have not ended one job token may hold"),
+        ("--max-jobs-per-peer", "jobs_per_peer", "jobs that have not ended one host may have claimed"),
+        ("--max-agents-per-token", "agents_per_token", "agents the jobs of one token may register"),
+        ("--max-agents", "agents", "agents of all jobs together"),
+        (
+            "--max-requests-per-second",
+            "requests_per_second",
+            "requests a second one token or host may send on average (bursts of ten times as many pass)",
+        ),
+        (
+            "--max-journal-bytes-per-second",
+            "journal_bytes_per_second",
+            "journal bytes a second the jobs of "
+            "one token may write on average (bursts of 64 times as many pass)",
+        ),
+    ):
+        default = int(getattr(defaults, field_name))
+        quota.add_argument(
+            flag,
+            type=count,
+            default=default,
+            metavar="N",
+            dest=f"quota_{field_name}",
+            help=f"{what} (default: %(default)s)",
+        )
     p.add_argument(
         "--metrics-port",
         type=argtype(parse_port),
@@ -204,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         etcd_tls=etcd_tls(args),
         replace_policy=args.replace_policy,
         state_timeout=args.etcd_timeout,
+        quotas=Quotas(**{f.name: getattr(args, f"quota_{f.name}") for f in dataclasses.fields(Quotas)}),
     )
 
     def ready(server: ControllerServer) -> None:

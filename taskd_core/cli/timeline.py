@@ -114,14 +114,23 @@ def _draw_controller(ax: Any, view: JobTimeline) -> None:
     for phase in view.phases:
         ax.barh(0, phase.end - phase.start, left=phase.start, height=0.7, color=_PHASE_COLORS[phase.name])
         ax.text(
-            (phase.start + phase.end) / 2, 0, f"{phase.end - phase.start:.2f}s",
-            ha="center", va="center", fontsize=7, clip_on=True,
+            (phase.start + phase.end) / 2,
+            0,
+            f"{phase.end - phase.start:.2f}s",
+            ha="center",
+            va="center",
+            fontsize=7,
+            clip_on=True,
         )
     for cycle in view.cycles:
         length = f" in {cycle.end - cycle.start:.2f} s" if cycle.end is not None else ""
         ax.text(
-            cycle.start, 0.55, f"cycle {cycle.number}: {cycle.strategy or '-'}, {cycle.outcome}{length}",
-            fontsize=8, va="bottom", clip_on=True,
+            cycle.start,
+            0.55,
+            f"cycle {cycle.number}: {cycle.strategy or '-'}, {cycle.outcome}{length}",
+            fontsize=8,
+            va="bottom",
+            clip_on=True,
         )
     for i, sig in enumerate(view.signals):
         ax.axvline(sig.time, color="#888888", linewidth=0.6, linestyle=":")

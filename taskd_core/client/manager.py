@@ -76,6 +76,7 @@ _REJOIN_CODES = frozenset({Code.UNREGISTERED, Code.JOB_NOT_EXIST, Code.UNINIT})
 _REFUSING_STATUSES = frozenset(
     {
         grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.UNIMPLEMENTED,
     }

@@ -3,7 +3,10 @@
 A job's first registration (``Init``) *claims* it: the digest of the job
 token the caller sent and its launch identity are bound to the job. After
 that, every RPC for the job must present the same token; a registration
-from another launch is refused while the job is live. A job registered
+from another launch is refused while the job is live, and one with another
+token as long as the job has not ended (the admin token excepted). Each
+claim sees the journal from its own start on: whoever claims an ended job's
+id next does not read the previous run's journal. A job registered
 without a token is a *legacy* job, allowed only where the controller allows
 legacy clients; anyone who reaches the controller can act on it.
 
@@ -29,6 +32,8 @@ class AccessRules:
     admin_digest: str = field(default="", repr=False)
     #: accept jobs registered without a token (reference-style clients).
     allow_legacy: bool = True
+    #: digest of the one job token this controller serves (a launch's embedded controller); empty: any.
+    only_digest: str = field(default="", repr=False)
 
     def is_admin(self, caller: Caller) -> bool:
         return token_matches(self.admin_digest, caller.token)
@@ -36,18 +41,20 @@ class AccessRules:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """Who owns a job: its token's digest (empty for a legacy job) and the launch that registered it."""
+    """Who owns a job: its token digest (empty: a legacy job), the launch that registered it, and when."""
 
     token_digest: str = field(default="", repr=False)
     launch: str = ""
+    #: when the claim was made (the controller's clock): its journal view starts there.
+    since: float = 0.0
 
     @property
     def legacy(self) -> bool:
         return not self.token_digest
 
     @classmethod
-    def of(cls, caller: Caller) -> Claim:
-        return cls(token_digest(caller.token) if caller.token else "", caller.launch)
+    def of(cls, caller: Caller, since: float = 0.0) -> Claim:
+        return cls(token_digest(caller.token) if caller.token else "", caller.launch, since)
 
     def owned_by(self, caller: Caller) -> bool:
         """The caller holds this job's token (any caller, for a legacy job without one)."""
@@ -69,7 +76,8 @@ def check_claim(job_id: str, claim: Claim, caller: Caller) -> None:
         raise forbidden(
             job_id,
             f"{missing}; every node of a job must send the same TASKD_JOB_TOKEN "
-            "as the launch that started it",
+            "as the launch that started it (a job of another token keeps its id until it ends: "
+            "pick another job id)",
         )
     if claim.legacy and caller.token:
         raise forbidden(
@@ -85,13 +93,24 @@ def check_claim(job_id: str, claim: Claim, caller: Caller) -> None:
 
 
 def check_new_claim(job_id: str, rules: AccessRules, caller: Caller) -> None:
-    """Refuse a registration without a token where legacy clients are not allowed."""
+    """Refuse a registration without a token where legacy clients are refused, or with a foreign token."""
+    if rules.only_digest and not token_matches(rules.only_digest, caller.token):
+        raise forbidden(
+            job_id,
+            "this controller is embedded in one launch and serves only that launch's job token; "
+            "run your job under its own launcher or a `taskd controller`",
+        )
     if not caller.token and not rules.allow_legacy:
         raise forbidden(
             job_id,
             "this controller refuses clients without a job token: set TASKD_JOB_TOKEN "
             "(or start the controller with --allow-legacy-clients)",
         )
+
+
+def journal_since(rules: AccessRules, claim: Claim | None, caller: Caller) -> float:
+    """The oldest journal time a caller who may see the job reads: its claim's start (the admin: all)."""
+    return 0.0 if claim is None or rules.is_admin(caller) else claim.since
 
 
 def may_see(rules: AccessRules, claim: Claim | None, caller: Caller) -> bool:

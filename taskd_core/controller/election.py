@@ -74,6 +74,8 @@ class Term(Protocol):
 class Election(Protocol):
     #: set while a campaign found another leader (or no etcd): this replica stands by.
     standing_by: asyncio.Event
+    #: why the last campaign could not look at the leader key (etcd did not answer); "" when it could.
+    trouble: str
 
     async def campaign(self) -> Term:
         """Wait until this replica leads (it may stand by for a long time)."""
@@ -111,6 +113,7 @@ class SoleElection:
         self._address = address
         self._term: SoleTerm | None = None
         self.standing_by = asyncio.Event()
+        self.trouble = ""
 
     async def campaign(self) -> Term:
         if self._term is not None:
@@ -190,6 +193,7 @@ class _LeaseKeeper(threading.Thread):
         interval = self._ttl / RENEWALS_PER_TTL
         margin = step_down_margin(self._ttl)
         client = EtcdClient(self._target, timeout=interval)
+        failing = False
         try:
             while not self._halt.is_set():
                 sent = time.monotonic()
@@ -201,12 +205,17 @@ class _LeaseKeeper(threading.Thread):
                         self._lease, timeout=min(interval, self.until - margin - sent)
                     )
                 except StateStoreError as exc:
-                    logger.warning("%s: lease renewal failed: %s", self._target.url, exc)
-                    left = None
+                    # Once per outage: renewals are tried several times a second until the lease ends.
+                    log = logger.debug if failing else logger.warning
+                    log("%s: lease renewal failed: %s", self._target.url, exc)
+                    failing, left = True, None
                 if left is not None and left <= 0:
                     self._lost("the lease expired (this replica was frozen or cut off longer than its TTL)")
                     return
                 if left is not None:
+                    if failing:
+                        logger.info("%s: the lease is renewed again", self._target.url)
+                    failing = False
                     self.until = sent + left
                 pause = interval if left is not None else min(interval, 0.1)
                 try:
@@ -309,6 +318,7 @@ class EtcdElection:
         #: revision at which the leader key was last seen (watched from the next one).
         self._seen = 0
         self.standing_by = asyncio.Event()
+        self.trouble = ""
 
     @property
     def leader(self) -> str:
@@ -320,15 +330,19 @@ class EtcdElection:
         while True:
             try:
                 term = await self._try()
+                self.trouble = ""
                 if term is not None:
                     self.standing_by.clear()
                     return term
                 self.standing_by.set()
+                if unreachable:
+                    logger.info("%s: etcd answers again; standing by", self._client.target.url)
                 unreachable = False
                 attempt = 0
                 await self._await_vacancy()
             except StateStoreError as exc:
                 self.standing_by.set()
+                self.trouble = exc.cause or str(exc)
                 if not unreachable:
                     logger.warning("%s: standing by until etcd answers: %s", self._client.target.url, exc)
                 unreachable = True

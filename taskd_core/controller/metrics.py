@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
@@ -277,11 +277,11 @@ class _LiveCollector(Collector):
     def __init__(self, read: Callable[[], ControllerGauges]) -> None:
         self._read = read
 
-    def describe(self) -> Iterable[GaugeMetricFamily]:
+    def describe(self) -> Iterable[Metric]:
         # Without describe() the registry would call collect() at registration.
         return []
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         try:
             gauges = self._read()
         except (TimeoutError, concurrent.futures.TimeoutError, RuntimeError) as exc:
@@ -299,6 +299,16 @@ class _LiveCollector(Collector):
         )
         yield GaugeMetricFamily(
             "taskd_journal_entries", "Entries in the controller's event journal", value=gauges.journal_entries
+        )
+        yield GaugeMetricFamily(
+            "taskd_state_writes_held",
+            "Writes of the controller's state not durable yet (held while the storage refuses them)",
+            value=gauges.writes_held,
+        )
+        yield CounterMetricFamily(
+            "taskd_state_write_failures",
+            "Writes the controller's storage refused (a full disk, a read-only file, etcd away), each try",
+            value=gauges.write_failures,
         )
 
 

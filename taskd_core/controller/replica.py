@@ -136,6 +136,10 @@ class Replica:
         if controller is None or term is None or not term.valid():
             leader = self.leader if controller is None else ""
             where = f"the leader is at {leader}" if leader else "no leader is known yet; try another replica"
+            trouble = self._election.trouble
+            if trouble:
+                # What the last look at etcd found: the leader named may have stepped down since.
+                where = f"etcd does not answer it ({trouble[:160]}); {where.replace(' is at ', ' was at ')}"
             raise NotLeaderError(f"controller replica {self.address} stands by: {where}", leader=leader)
         return controller
 

@@ -15,10 +15,12 @@ refusals are raised as :class:`~taskd_core.errors.RequestRejected` carrying
 the wire code, and the service turns them into ``Status`` or gRPC errors.
 
 Each job carries its :class:`~taskd_core.controller.access.Claim` (token
-digest, launch identity); every RPC for a job is checked against it before it
-touches the job. A job that ended, or whose launch is gone, is retired when a
-new launch registers its id; jobs and their inputs are bounded by
-:class:`Limits`.
+digest, launch identity, start); every RPC for a job is checked against it
+before it touches the job. A job that ended is retired when a new launch
+registers its id; one that has not ended only when a new launch *of the same
+token* registers it after the job was silent for ``Limits.abandon_after`` (its
+agents have given up by then), or when the admin token does. Jobs and their
+inputs are bounded by :class:`Limits`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from taskd_core.controller.access import (
     check_new_claim,
     check_policy_change,
     forbidden,
+    journal_since,
     may_see,
 )
 from taskd_core.controller.machine import (
@@ -54,6 +57,7 @@ from taskd_core.controller.machine import (
     brief,
 )
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
+from taskd_core.controller.quotas import Quotas, RateLimits
 from taskd_core.controller.store import (
     Commit,
     DropAgents,
@@ -63,12 +67,20 @@ from taskd_core.controller.store import (
     StateStore,
     StoredJob,
     Write,
+    journal_detail,
     snapshot_from_dict,
     snapshot_to_dict,
 )
 from taskd_core.controller.subscriber import Subscriber
-from taskd_core.errors import DuplicateSubscriberError, LeadershipLostError, RequestRejected, TaskdError
+from taskd_core.errors import (
+    DuplicateSubscriberError,
+    LeadershipLostError,
+    QuotaExceededError,
+    RequestRejected,
+    TaskdError,
+)
 from taskd_core.models import (
+    CONNECT_TIMEOUT,
     AgentStatus,
     Code,
     FaultRank,
@@ -82,14 +94,17 @@ from taskd_core.models import (
     WorkerEvent,
 )
 from taskd_core.rpc.convert import detail_of
-from taskd_core.rpc.security import Caller
+from taskd_core.rpc.security import Caller, token_digest
 
 logger = logging.getLogger(__name__)
 
 MAX_JOB_ID = 256
-#: Seconds a job whose agents hold no signal stream still counts as live after their last contact;
-#: a registration from another launch is refused while a job is live.
+#: Seconds an agent whose signal stream ended has to subscribe again before the wait in flight
+#: counts it as a failed answer.
 LIVE_GRACE = 30.0
+#: Seconds past the agents' own connect timeout before a silent job counts as abandoned: an agent
+#: frozen (a GC pause, a partition) for less comes back to its job, never to an id taken over.
+ABANDON_MARGIN = 30.0
 #: Least seconds between two journal entries about refused requests of one job (log floods stay out).
 DENIAL_JOURNAL_INTERVAL = 1.0
 #: Journal entries one QueryEvents answer carries at most.
@@ -115,6 +130,9 @@ class Limits:
     max_agents: int = 4096
     #: distinct faulty ranks one job may hold when its agents did not say how many ranks it has.
     max_faults: int = 65_536
+    #: seconds a job whose agents hold no signal stream still counts as live after their last
+    #: contact; only then may a new launch of the same token take its id over.
+    abandon_after: float = CONNECT_TIMEOUT + ABANDON_MARGIN
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +159,10 @@ class ControllerGauges:
     agents_registered: int
     agents_connected: int
     journal_entries: int
+    #: writes made but not durable yet (held while the storage refuses them).
+    writes_held: int = 0
+    #: writes the storage refused so far (each try counts).
+    write_failures: int = 0
 
 
 def worker_detail(agent: str, event: WorkerEvent) -> dict[str, object]:
@@ -182,7 +204,16 @@ class _Job:
     """A job's live state: the machine plus what only exists while running."""
 
     __slots__ = (
-        "agents", "claim", "denied_at", "inited", "lost", "machine", "sent", "subscribers", "timer",
+        "agents",
+        "claim",
+        "denied_at",
+        "inited",
+        "lost",
+        "machine",
+        "peer",
+        "sent",
+        "subscribers",
+        "timer",
         "timer_step",
     )
 
@@ -190,6 +221,8 @@ class _Job:
         self.agents: dict[str, AgentInfo] = {}
         #: who registered the job; None until its first Init (a job SetJobPolicy created).
         self.claim: Claim | None = None
+        #: the host whose Init claimed the job ("" when unknown: restored, or created by SetJobPolicy).
+        self.peer = ""
         self.denied_at = float("-inf")
         self.inited = False
         self.machine = JobMachine(job_id, policy, self.agents, snapshot)
@@ -220,6 +253,7 @@ class Controller:
         clock: Callable[[], float] = time.time,
         access: AccessRules | None = None,
         observer: JournalObserver | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self._store = store
         self._access = access or AccessRules()
@@ -230,6 +264,13 @@ class Controller:
         self._limits = limits or Limits()
         self._clock = clock
         self._jobs: dict[str, _Job] = {}
+        self._quotas = quotas or Quotas()
+        self._rates = RateLimits(self._quotas)
+        #: ids of the jobs each token digest holds, and each host claimed (the quotas count them).
+        self._by_token: dict[str, set[str]] = {}
+        self._by_peer: dict[str, set[str]] = {}
+        #: agents of every job together.
+        self._agent_count = 0
         self._keepalive_task: asyncio.Task[None] | None = None
         #: transitions started by timers (deadlines, lost streams), until they are done.
         self._tasks: set[asyncio.Task[None]] = set()
@@ -260,6 +301,8 @@ class Controller:
         job.inited = row.inited
         job.claim = stored.claim
         job.agents.update((a.agent_id, a) for a in stored.agents)
+        self._agent_count += len(job.agents)
+        self._index(job)
         # Agents get a full grace period to come back before their job counts as abandoned.
         for agent in job.agents.values():
             agent.last_seen = max(agent.last_seen, self._clock())
@@ -291,6 +334,7 @@ class Controller:
     # --- the reference's RPCs ---------------------------------------------------------
 
     async def init(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Reply:
+        self.admit(caller)
         job_id = check_job_id(who.job_id)
         job = self._jobs.get(job_id)
         journal: list[JournalEntry] = []
@@ -304,6 +348,7 @@ class Controller:
             return Reply(Code.RECOVERY_OFF, f"jobId={job_id}: process recovery is off in the job's policy")
         if job is None:
             check_new_claim(job_id, self._access, caller)
+            self._check_job_quota(caller)
             if not self._make_room():
                 return Reply(
                     Code.OUT_OF_MAX_JOBS,
@@ -312,7 +357,10 @@ class Controller:
             job = self._jobs[job_id] = _Job(job_id, policy)
         if job.claim is None:
             check_new_claim(job_id, self._access, caller)
-            job.claim = Claim.of(caller)
+            self._check_job_quota(caller)
+            job.claim = Claim.of(caller, self._clock())
+            job.peer = caller.peer
+            self._index(job)
             journal.append(
                 JournalEntry(
                     "job claimed",
@@ -328,6 +376,7 @@ class Controller:
         return Reply(Code.OK, f"job(uid={job_id}) init success")
 
     async def register(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Reply:
+        self.admit(caller)
         job_id = check_job_id(who.job_id)
         job = self._jobs.get(job_id)
         if job is None or not job.inited:
@@ -339,6 +388,8 @@ class Controller:
                 Code.INVALID_PARAM,
                 f"jobId={job_id} already has {self._limits.max_agents} agents, the most one job may have",
             )
+        if agent is None:
+            self._check_agent_quota(job)
         fresh = AgentInfo(who.key, who.role, who.node_rank, who.rank_ids, None, self._clock())
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
             fresh.role,
@@ -347,6 +398,7 @@ class Controller:
             None,
         ):
             kind = "agent registered" if agent is None or agent.exit_code is not None else "agent updated"
+            self._agent_count += agent is None
             job.agents[who.key] = fresh
             detail = {"agent": who.key, "role": who.role, "node_rank": who.node_rank}
             await self._save(job, [JournalEntry(kind, job.machine.snap.cycle, detail)], [fresh])
@@ -355,6 +407,7 @@ class Controller:
         return Reply(Code.OK, "register success")
 
     def subscribe(self, who: AgentIdentity, caller: Caller = _ANONYMOUS) -> Subscriber:
+        self.admit(caller)
         job = self._registered(who.job_id, caller, "SubscribeProcessManageSignal")
         if who.key not in job.agents:
             raise RequestRejected(
@@ -402,6 +455,7 @@ class Controller:
         self, job_id: str, agent_id: str, make_event: Callable[[str], Event], caller: Caller = _ANONYMOUS
     ) -> Reply:
         """A Report* RPC: attribute it to an agent, then feed it to the job's machine."""
+        self.admit(caller)
         job = self._registered(job_id, caller, "report")
         return await self._apply(job, make_event(self._attribute(job, agent_id)))
 
@@ -415,6 +469,7 @@ class Controller:
         codes: tuple[tuple[int, str], ...] = (),
         started_cycle: int | None = None,
     ) -> Reply:
+        self.admit(caller)
         job = self._registered(job_id, caller, "ReportProcessFault")
         self._check_fault_count(job, faults)
         # A fault is never dropped for want of a reporter: ambiguous ones stay anonymous.
@@ -425,8 +480,10 @@ class Controller:
         """A HealthCheck of a known agent: it is alive, and uses these hang timeouts; others are ignored.
 
         HealthCheck always answers OK (as the reference does), so a caller the
-        job does not authorise changes nothing, silently.
+        job does not authorise changes nothing, silently; only a used-up quota
+        is an error (:class:`~taskd_core.errors.QuotaExceededError`).
         """
+        self.admit(caller)
         job = self._jobs.get(job_id)
         agent = job.agents.get(agent_id) if job is not None else None
         if job is None or agent is None:
@@ -441,15 +498,15 @@ class Controller:
     # --- extensions -----------------------------------------------------------------
 
     async def agent_exit(self, who: AgentIdentity, code: int, caller: Caller = _ANONYMOUS) -> Reply:
+        self.admit(caller)
         job = self._registered(who.job_id, caller, "ReportAgentExit")
         agent = job.agents[self._attribute(job, who.agent_id or who.role)]
         agent.exit_code = code
         return await self._apply(job, AgentExited(agent.agent_id, code), [agent])
 
-    async def set_policy(
-        self, job_id: str, changes: dict[str, object], caller: Caller = _ANONYMOUS
-    ) -> Reply:
+    async def set_policy(self, job_id: str, changes: dict[str, object], caller: Caller = _ANONYMOUS) -> Reply:
         """Change a job's policy (ConfigError for invalid values); known or not yet."""
+        self.admit(caller)
         job_id = check_job_id(job_id)
         job = self._jobs.get(job_id)
         check_policy_change(job_id, self._access, job.claim if job else None, job is not None, caller)
@@ -470,6 +527,7 @@ class Controller:
         self, job_id: str, agent_id: str, events: Sequence[WorkerEvent], caller: Caller = _ANONYMOUS
     ) -> Reply:
         """Journal an agent's worker starts, exits and resumptions (for timelines and metrics)."""
+        self.admit(caller)
         job = self._registered(job_id, caller, "ReportWorkerEvents")
         agent = self._attribute(job, agent_id)
         cycle = job.machine.snap.cycle
@@ -482,6 +540,7 @@ class Controller:
         self, job_id: str, after: int, limit: int, caller: Caller = _ANONYMOUS
     ) -> JournalPage:
         """A job's journal entries after ``after``, oldest first, and the job's state now (who may see it)."""
+        self.admit(caller)
         job = self._jobs.get(check_job_id(job_id))
         if job is None:
             raise RequestRejected(
@@ -493,8 +552,14 @@ class Controller:
             )
         page = min(limit, EVENTS_PAGE) if limit > 0 else EVENTS_PAGE
         state = job.machine.state
-        records = await self._store.events_after(job.job_id, max(0, after), page)
-        return JournalPage(tuple(journal_event(r) for r in records), state)
+        since = journal_since(self._access, job.claim, caller)
+        while True:
+            records = await self._store.events_after(job.job_id, max(0, after), page)
+            mine = [r for r in records if r.time >= since]
+            # Entries of an earlier claim come first; skip whole pages of them (the journal is bounded).
+            if mine or len(records) < page:
+                return JournalPage(tuple(journal_event(r) for r in mine), state)
+            after = records[-1].seq
 
     def gauges(self) -> ControllerGauges:
         """Counts over every job for a metrics scrape (cheap: one pass, no I/O)."""
@@ -504,12 +569,16 @@ class Controller:
             states[job.machine.snap.state] += 1
             registered += sum(1 for a in job.agents.values() if a.exit_code is None)
             connected += len(job.subscribers)
-        return ControllerGauges(states, registered, connected, self._store.journal_size())
+        backlog = self._store.write_backlog()
+        return ControllerGauges(
+            states, registered, connected, self._store.journal_size(), backlog.pending, backlog.failures
+        )
 
     async def status(
         self, job_id: str = "", events: int = 10, caller: Caller = _ANONYMOUS
     ) -> list[JobStatus]:
         """One job (its token or the admin token), or every job the caller may see."""
+        self.admit(caller)
         if job_id and job_id not in self._jobs:
             raise RequestRejected(
                 Code.UNREGISTERED, f"jobId={job_id[:MAX_JOB_ID]} is not known to this controller"
@@ -522,9 +591,10 @@ class Controller:
         if events > 0:
             # Read after the views are taken: each job's journal is at least as new as its view.
             journals = await asyncio.gather(*(self._store.events(v.job_id, events) for v in views))
+            starts = [journal_since(self._access, job.claim, caller) for job in visible]
             views = [
-                replace(v, events=tuple(journal_event(r) for r in j))
-                for v, j in zip(views, journals, strict=True)
+                replace(v, events=tuple(journal_event(r) for r in j if r.time >= since))
+                for v, j, since in zip(views, journals, starts, strict=True)
             ]
         return views
 
@@ -587,32 +657,106 @@ class Controller:
                 self._save(
                     job,
                     [JournalEntry("access denied", job.machine.snap.cycle, {"rpc": rpc, "reason": str(exc)})],
+                    charge=False,
                 ).add_done_callback(_consume)
             raise
 
+    def admit(self, caller: Caller) -> None:
+        """Take one request from the caller's tenant: its token once a job holds it, else its host.
+
+        :raises QuotaExceededError: the tenant sent too much.
+        """
+        digest = token_digest(caller.token) if caller.token else ""
+        now = self._clock()
+        if digest and (digest in self._by_token or digest == self._access.only_digest):
+            self._rates.admit(digest, "this job token", now, journals=True)
+        elif digest and self._access.is_admin(caller):
+            self._rates.admit(digest, "the admin token", now, journals=False)
+        else:
+            self._rates.admit(f"peer:{caller.peer}", f"host {caller.peer or '?'}", now, journals=False)
+
+    def _index(self, job: _Job) -> None:
+        if job.claim is not None and job.claim.token_digest:
+            self._by_token.setdefault(job.claim.token_digest, set()).add(job.job_id)
+        if job.peer:
+            self._by_peer.setdefault(job.peer, set()).add(job.job_id)
+
+    def _unindex(self, job: _Job) -> None:
+        digest = job.claim.token_digest if job.claim is not None else ""
+        for index, key in ((self._by_token, digest), (self._by_peer, job.peer)):
+            ids = index.get(key)
+            if ids is not None:
+                ids.discard(job.job_id)
+                if not ids:
+                    del index[key]
+
+    def _running(self, ids: Iterable[str]) -> int:
+        """How many of these jobs have not ended (ended ones make room by themselves: see _make_room)."""
+        return sum(1 for j in ids if self._jobs[j].machine.state not in _TERMINAL)
+
+    def _check_job_quota(self, caller: Caller) -> None:
+        quotas = self._quotas
+        digest = token_digest(caller.token) if caller.token else ""
+        if digest and self._running(self._by_token.get(digest, ())) >= quotas.jobs_per_token:
+            raise QuotaExceededError(
+                f"this job token already holds {quotas.jobs_per_token} jobs that have not ended, the most "
+                "one token may hold (the controller's --max-jobs-per-token); let some end first",
+                limit="--max-jobs-per-token",
+            )
+        if self._running(self._by_peer.get(caller.peer, ())) >= quotas.jobs_per_peer:
+            raise QuotaExceededError(
+                f"host {caller.peer or '?'} already claimed {quotas.jobs_per_peer} jobs that have not ended, "
+                "the most one host may claim (the controller's --max-jobs-per-peer); let some end first",
+                limit="--max-jobs-per-peer",
+            )
+
+    def _check_agent_quota(self, job: _Job) -> None:
+        quotas = self._quotas
+        if self._agent_count >= quotas.agents:
+            raise QuotaExceededError(
+                f"the controller serves {quotas.agents} agents, the most it takes (its --max-agents); "
+                "use another controller or let jobs end first",
+                limit="--max-agents",
+            )
+        digest = job.claim.token_digest if job.claim is not None else ""
+        if digest:
+            held = sum(len(self._jobs[j].agents) for j in self._by_token.get(digest, ()))
+            if held >= quotas.agents_per_token:
+                raise QuotaExceededError(
+                    f"jobId={job.job_id}: the jobs of this token already have {quotas.agents_per_token} "
+                    "agents, the most one token may register (the controller's --max-agents-per-token)",
+                    limit="--max-agents-per-token",
+                )
+
     def _live(self, job: _Job) -> bool:
-        """Some agent of the job holds a signal stream or was heard from within :data:`LIVE_GRACE`."""
+        """Some agent of the job holds a signal stream or was heard from within ``abandon_after``."""
         if job.machine.state in _TERMINAL:
             return False
         if job.subscribers:
             return True
         now = self._clock()
-        return any(a.exit_code is None and now - a.last_seen < LIVE_GRACE for a in job.agents.values())
+        patience = self._limits.abandon_after
+        return any(a.exit_code is None and now - a.last_seen < patience for a in job.agents.values())
 
     def _replaceable(self, job: _Job, caller: Caller) -> bool:
-        """Init starts the job afresh: it ended (a new launch reuses its id) or its launch is gone."""
+        """Init starts the job afresh: it ended (a new launch reuses its id), or it was abandoned.
+
+        A job that has not ended is never taken by another token (the admin
+        token excepted): only a new launch holding the job's own token
+        replaces it, once the job was silent for ``abandon_after``.
+        """
         claim = job.claim
         if claim is None:
             return False
         if job.machine.state in _TERMINAL:
             return not (caller.launch and caller.launch == claim.launch)
-        if self._live(job):
-            return False
         try:
             check_claim(job.job_id, claim, caller)
         except RequestRejected:
-            return True  # nobody of the launch that owns it is left to object
-        return False
+            if self._access.is_admin(caller):
+                return True
+            return claim.owned_by(caller) and not self._live(job)
+        return False  # the caller belongs to the run in progress
 
     def _retire(self, job: _Job) -> JournalEntry:
         """Forget a job's run (its journal stays); the caller starts the id afresh."""
@@ -621,6 +765,8 @@ class Controller:
         if job.timer is not None:
             job.timer.cancel()
         del self._jobs[job.job_id]
+        self._agent_count -= len(job.agents)
+        self._unindex(job)
         self._write_soon(DropAgents(job.job_id))
         snap = job.machine.snap
         logger.info(
@@ -697,9 +843,18 @@ class Controller:
         return reaction.reply
 
     def _save(
-        self, job: _Job, journal: Iterable[JournalEntry], agents: Iterable[AgentInfo] = ()
+        self,
+        job: _Job,
+        journal: Iterable[JournalEntry],
+        agents: Iterable[AgentInfo] = (),
+        *,
+        charge: bool = True,
     ) -> asyncio.Future[None]:
-        """Write the job as it is now; done once durable (what it says is fixed here, not then)."""
+        """Write the job as it is now; done once durable (what it says is fixed here, not then).
+
+        The entries' bytes are charged to the job's token (``charge``), except
+        for the refusals others cause, which must not use up the job's quota.
+        """
         row = JobRow(
             job.job_id,
             job.inited,
@@ -709,6 +864,9 @@ class Controller:
         )
         entries = tuple(journal)
         now = self._clock()
+        if charge and job.claim is not None and job.claim.token_digest and entries:
+            size = sum(len(e.kind) + len(journal_detail(e)) for e in entries)
+            self._rates.journalled(job.claim.token_digest, size, now)
         # Agents are live objects: the write keeps copies.
         written = asyncio.ensure_future(
             self._store.write(Commit(row, entries, tuple(replace(a) for a in agents), now))

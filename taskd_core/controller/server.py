@@ -40,6 +40,7 @@ from taskd_core.controller.access import AccessRules
 from taskd_core.controller.etcd_client import EtcdTls, is_etcd_url
 from taskd_core.controller.metrics import ControllerMetrics, MetricsEndpoint, RpcMetricsInterceptor, on_loop
 from taskd_core.controller.policy import PolicyBook, validated
+from taskd_core.controller.quotas import Quotas
 from taskd_core.controller.replica import Replica, open_election
 from taskd_core.controller.runtime import LIVE_GRACE, Controller, Limits
 from taskd_core.controller.service import RecoverService
@@ -121,7 +122,8 @@ class ControllerConfig:
     #: flight counts it as a failed answer (instead of waiting out the report timeout).
     stream_grace: float = LIVE_GRACE
     #: ``HOST:PORT`` other hosts reach this replica at (the leader key carries it; standbys
-    #: redirect clients there); "" derives it from ``listen`` (a wildcard host: this host's name).
+    #: redirect clients there; port 0: the bound port); "" derives it from ``listen`` (a wildcard
+    #: host: this host's name).
     advertise: str = ""
     #: etcd: seconds of the leader's lease; a killed leader is replaced about this long later.
     lease_ttl: int = 2
@@ -131,6 +133,10 @@ class ControllerConfig:
     replace_policy: bool = False
     #: etcd: seconds to reach etcd at start before giving up.
     state_timeout: float = 5.0
+    #: how much one job token or one host may use (jobs, agents, requests, journal bytes).
+    quotas: Quotas = field(default_factory=Quotas)
+    #: the one job token this controller serves (a launch's embedded controller); "": any.
+    job_token: str = field(default="", repr=False)
 
     def access(self) -> AccessRules:
         """The authorisation rules; checks the listener's security (:class:`ConfigError`)."""
@@ -149,7 +155,13 @@ class ControllerConfig:
             )
         admin = read_token_file(self.admin_token_file, "--admin-token-file") if self.admin_token_file else ""
         legacy = loopback if self.allow_legacy is None else self.allow_legacy
-        return AccessRules(admin_digest=token_digest(admin) if admin else "", allow_legacy=legacy)
+        if self.job_token:
+            legacy = False
+        return AccessRules(
+            admin_digest=token_digest(admin) if admin else "",
+            allow_legacy=legacy,
+            only_digest=token_digest(self.job_token) if self.job_token else "",
+        )
 
 
 def listen_address(listen: str, flag: str = "--listen") -> Address:
@@ -219,9 +231,13 @@ class ControllerServer:
 
     @property
     def advertised(self) -> str:
-        """Where other hosts reach this replica: ``advertise``, else the listener (a wildcard: this host)."""
+        """Where other hosts reach this replica: ``advertise``, else the listener (a wildcard: this host).
+
+        An advertised port 0 is the bound port (a replica listening on any free port).
+        """
         if self.config.advertise:
-            return self.config.advertise
+            advertised = listen_address(self.config.advertise, "--advertise")
+            return join_address(advertised.host, advertised.port or self.port)
         host = listen_address(self.config.listen).host
         return join_address(socket.getfqdn() if is_wildcard(host) else host, self.port)
 
@@ -252,6 +268,7 @@ class ControllerServer:
             stream_grace=self.config.stream_grace,
             access=self._access,
             limits=self.config.limits,
+            quotas=self.config.quotas,
             observer=self._metrics,
         )
 
@@ -389,6 +406,7 @@ class EmbeddedController:
     that prefix (in this process or others): it returns once it leads or stands
     by; ``advertise`` is the address the others send clients to, ``lease_ttl``
     how long a lost leader holds on, ``etcd_tls`` the files etcd wants.
+    ``job_token`` makes it serve that one job token only (a launch's own controller).
     """
 
     def __init__(
@@ -413,6 +431,8 @@ class EmbeddedController:
         etcd_tls: EtcdTls | None = None,
         replace_policy: bool = False,
         state_timeout: float = 5.0,
+        quotas: Quotas | None = None,
+        job_token: str = "",
     ) -> None:
         book = policies or PolicyBook(validated(defaults or JobPolicy(), "defaults: "))
         self._config = ControllerConfig(
@@ -433,6 +453,8 @@ class EmbeddedController:
             etcd_tls=etcd_tls,
             replace_policy=replace_policy,
             state_timeout=state_timeout,
+            quotas=quotas or Quotas(),
+            job_token=job_token,
         )
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None

@@ -4,7 +4,9 @@ This is the one place where refusals become wire answers: a
 :class:`~taskd_core.errors.RequestRejected` becomes ``Status(code, info)`` for
 unary RPCs and a gRPC status for the signal stream (see :func:`stream_status`);
 a :class:`~taskd_core.errors.ProtocolError` or
-:class:`~taskd_core.errors.ConfigError` from parsing becomes 409.
+:class:`~taskd_core.errors.ConfigError` from parsing becomes 409. A used-up
+quota (:class:`~taskd_core.errors.QuotaExceededError`) ends any call with gRPC
+``RESOURCE_EXHAUSTED``, its message naming the limit and its flag.
 
 A replica that does not lead (:class:`~taskd_core.errors.NotLeaderError`)
 answers every RPC with gRPC ``UNAVAILABLE``, the status every client already
@@ -28,6 +30,7 @@ from taskd_core.errors import (
     DuplicateSubscriberError,
     NotLeaderError,
     ProtocolError,
+    QuotaExceededError,
     RequestRejected,
     TaskdError,
 )
@@ -113,11 +116,19 @@ async def not_leader(context: grpc.aio.ServicerContext, exc: NotLeaderError) -> 
     raise AssertionError("abort() returned")  # it raises; this line keeps the type checker honest
 
 
+async def exhausted(context: grpc.aio.ServicerContext, exc: QuotaExceededError) -> NoReturn:
+    """End the call with RESOURCE_EXHAUSTED: the caller's tenant used up a quota."""
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    raise AssertionError("abort() returned")  # it raises; this line keeps the type checker honest
+
+
 async def _answer(context: grpc.aio.ServicerContext, call: Callable[[], Awaitable[Reply]]) -> pb.Status:
     try:
         reply = await call()
     except NotLeaderError as exc:
         await not_leader(context, exc)
+    except QuotaExceededError as exc:
+        await exhausted(context, exc)
     except (RequestRejected, ProtocolError, ConfigError) as exc:
         reply = rejection(exc)
     except Exception:  # one bad request must not take the controller down
@@ -199,6 +210,8 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
             sub = ctl.subscribe(identity(request), caller_of(context))
         except NotLeaderError as exc:
             await not_leader(context, exc)
+        except QuotaExceededError as exc:
+            await exhausted(context, exc)
         except (RequestRejected, ProtocolError) as exc:
             logger.warning("subscription refused: %s", exc)
             await context.abort(stream_status(exc), str(exc))
@@ -301,13 +314,15 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
             ctl = self._lead.controller()
         except NotLeaderError as exc:
             await not_leader(context, exc)
-        if request.agentId or request.progress:
-            ctl.health(
-                request.jobId,
-                request.agentId or request.role,
-                request.progress[:MAX_PROGRESS],
-                caller_of(context),
-            )
+        caller = caller_of(context)
+        try:
+            if request.agentId or request.progress:
+                agent = request.agentId or request.role
+                ctl.health(request.jobId, agent, request.progress[:MAX_PROGRESS], caller)
+            else:
+                ctl.admit(caller)
+        except QuotaExceededError as exc:
+            await exhausted(context, exc)
         # The reference's text, typo included: clients may match on it.
         return pb.Status(code=Code.OK, info=f"jobId={request.jobId[:256]}, receive HeathCheck")
 

@@ -207,6 +207,14 @@ class Forget:
 Write = Commit | DropAgents | Forget
 
 
+@dataclass(frozen=True, slots=True)
+class WriteBacklog:
+    """Writes made but not durable yet (held while the storage refuses them), and failed tries so far."""
+
+    pending: int = 0
+    failures: int = 0
+
+
 class StateStore(Protocol):
     """What the runtime needs of durable state; used from the controller's event loop only."""
 
@@ -241,6 +249,10 @@ class StateStore(Protocol):
 
     def journal_size(self) -> int:
         """Entries in the journal now (rotation deletes old ones)."""
+        ...
+
+    def write_backlog(self) -> WriteBacklog:
+        """Writes not durable yet and failed tries (the metrics' view of the storage's health)."""
         ...
 
     async def close(self) -> None:

@@ -52,6 +52,7 @@ from taskd_core.controller.store import (
     JobRow,
     StoredJob,
     Write,
+    WriteBacklog,
     journal_detail,
     json_object,
 )
@@ -294,6 +295,8 @@ class EtcdStore:
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._broken = ""
+        #: writes etcd did not take (each retried while the lease lasts).
+        self._failures = 0
         self._next_seq = 1
         #: per job, oldest first: (last seq, entries) of each journal key.
         self._keys: dict[str, collections.deque[tuple[int, int]]] = {}
@@ -353,7 +356,10 @@ class EtcdStore:
                     bool(data["inited"]),
                     dict(data["policy"]),
                     dict(data["snapshot"]),
-                    Claim(str(claim[0]), str(claim[1])) if claim else None,
+                    # A claim written before claims had a start has two fields.
+                    Claim(str(claim[0]), str(claim[1]), float(claim[2]) if len(claim) > 2 else 0.0)
+                    if claim
+                    else None,
                 )
             except (ValueError, TypeError, KeyError, IndexError) as exc:
                 await self.set_aside(job_id, f"{type(exc).__name__}: {exc}")
@@ -438,7 +444,7 @@ class EtcdStore:
 
     @staticmethod
     def _job_value(row: JobRow, now: float) -> bytes:
-        claim = [row.claim.token_digest, row.claim.launch] if row.claim is not None else None
+        claim = [row.claim.token_digest, row.claim.launch, row.claim.since] if row.claim is not None else None
         return _dumps(
             {
                 "job_id": row.job_id,
@@ -573,6 +579,7 @@ class EtcdStore:
             try:
                 done = await self._client.txn(self._fence.compare, ops)
             except StateUnavailableError as exc:
+                self._failures += 1
                 left = self._fence.until() - time.monotonic()
                 if left <= 0:
                     raise LeadershipLostError(
@@ -628,6 +635,9 @@ class EtcdStore:
 
     def journal_size(self) -> int:
         return self._entries
+
+    def write_backlog(self) -> WriteBacklog:
+        return WriteBacklog(len(self._queue) + len(self._inflight), self._failures)
 
     async def close(self) -> None:
         """Let the writes made so far land while the lease lasts, then stop; what is left fails."""

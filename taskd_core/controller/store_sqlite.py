@@ -15,11 +15,13 @@ controller's :class:`~taskd_core.controller.store.StateStore` interface.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import logging
 import sqlite3
 import time
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from taskd_core.controller.access import Claim
@@ -34,12 +36,18 @@ from taskd_core.controller.store import (
     JobRow,
     StoredJob,
     Write,
+    WriteBacklog,
     journal_detail,
     json_object,
 )
 from taskd_core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between tries of writes the state file did not take.
+RETRY_INTERVAL = 1.0
+#: Writes held at most while the state file takes none.
+MAX_HELD = 100_000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -71,7 +79,8 @@ CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
 CREATE TABLE IF NOT EXISTS claims (
     job_id       TEXT PRIMARY KEY,
     token_digest TEXT NOT NULL,
-    launch       TEXT NOT NULL
+    launch       TEXT NOT NULL,
+    since        REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS damaged_jobs (
     job_id   TEXT NOT NULL,
@@ -103,6 +112,9 @@ class SqliteStore:
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(claims)")}
+            if "since" not in columns:  # a state file written before claims had a start
+                self._db.execute("ALTER TABLE claims ADD COLUMN since REAL NOT NULL DEFAULT 0")
             # Counted once; commits keep it up to date (a count(*) per scrape would grow with the journal).
             self._entries: int = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
         except sqlite3.Error as exc:
@@ -139,8 +151,10 @@ class SqliteStore:
             except (ValueError, TypeError) as exc:
                 damaged[job_id] = f"agent {agent_id!r}: {exc}"
         claims = {
-            job_id: Claim(digest, launch)
-            for job_id, digest, launch in self._db.execute("SELECT job_id, token_digest, launch FROM claims")
+            job_id: Claim(digest, launch, float(since))
+            for job_id, digest, launch, since in self._db.execute(
+                "SELECT job_id, token_digest, launch, since FROM claims"
+            )
         }
         jobs = []
         for job_id, inited, policy, snapshot in self._db.execute(
@@ -225,23 +239,25 @@ class SqliteStore:
             )
             if row.claim is not None:
                 self._db.execute(
-                    "INSERT OR REPLACE INTO claims (job_id, token_digest, launch) VALUES (?, ?, ?)",
-                    (row.job_id, row.claim.token_digest, row.claim.launch),
+                    "INSERT OR REPLACE INTO claims (job_id, token_digest, launch, since) VALUES (?, ?, ?, ?)",
+                    (row.job_id, row.claim.token_digest, row.claim.launch, row.claim.since),
                 )
             self._db.executemany(
                 "INSERT INTO events (time, job_id, cycle, kind, detail) VALUES (?, ?, ?, ?, ?)",
                 [(now, row.job_id, e.cycle, e.kind, journal_detail(e)) for e in journal],
             )
-            self._entries += len(journal)
+            rotated = 0
             written = self._unrotated.get(row.job_id, 0) + len(journal)
             if written >= ROTATE_EVERY:
-                self._entries -= self._db.execute(
+                rotated = self._db.execute(
                     "DELETE FROM events WHERE job_id = ? AND seq <= ("
                     " SELECT seq FROM events WHERE job_id = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)",
                     (row.job_id, row.job_id, self.max_events),
                 ).rowcount
                 written = 0
-            self._unrotated[row.job_id] = written
+        # Counted once committed: a commit that failed was rolled back whole and changes nothing.
+        self._entries += len(journal) - rotated
+        self._unrotated[row.job_id] = written
 
     def drop_agents(self, job_id: str) -> None:
         """Forget a job's agents (its run is over and the id starts afresh)."""
@@ -251,16 +267,24 @@ class SqliteStore:
     def forget(self, job_id: str) -> None:
         """Delete everything about a job, its journal included (evicted to make room for new jobs)."""
         with self._transaction():
-            self._unrotated.pop(job_id, None)
-            for table in ("jobs", "agents", "claims", "events"):
-                deleted = self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,)).rowcount
-                if table == "events":
-                    self._entries -= deleted
+            for table in ("jobs", "agents", "claims"):
+                self._db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
+            gone = self._db.execute("DELETE FROM events WHERE job_id = ?", (job_id,)).rowcount
+        self._unrotated.pop(job_id, None)
+        self._entries -= gone
 
-    def _transaction(self) -> sqlite3.Connection:
-        # isolation_level=None leaves transactions to us; the context manager commits or rolls back.
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One transaction: committed whole, or (any error, the commit's own included) rolled back whole."""
+        # isolation_level=None leaves transactions to us.
         self._db.execute("BEGIN")
-        return self._db
+        try:
+            yield self._db
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
 
     def events(self, job_id: str, limit: int) -> list[EventRecord]:
         """The newest ``limit`` journal entries of a job, oldest first."""
@@ -291,17 +315,42 @@ class SqliteStore:
         self._db.close()
 
 
+def storage_problem(exc: sqlite3.Error) -> str:
+    """What a failed write of the state file means, in words (SQLite's own say "readonly database")."""
+    name = getattr(exc, "sqlite_errorname", "")
+    if name == "SQLITE_FULL":
+        return "the disk is full"
+    if name.startswith("SQLITE_READONLY"):
+        return "the file or its directory is read-only for this process (permissions, or a read-only mount)"
+    if name.startswith("SQLITE_IOERR"):
+        return f"an I/O error ({exc})"
+    return str(exc)
+
+
 class SqliteState:
     """A :class:`SqliteStore` as the controller's :class:`~taskd_core.controller.store.StateStore`.
 
     Every write commits before :meth:`write` returns, so its awaitable is
     already done: awaiting it never yields the event loop, and the runtime
     keeps the order of a synchronous store.
+
+    A write the file does not take (a full disk, a file gone read-only, an
+    I/O error) is rolled back whole and *held*: the controller goes on
+    deciding from memory, the held writes are retried in order every
+    :data:`RETRY_INTERVAL` seconds (and before every later write), one ERROR
+    says what is wrong and the ``taskd_state_writes_held`` gauge how much
+    waits. At most :data:`MAX_HELD` writes are held; beyond, the oldest go
+    (each job's later row holds its whole state; only journal entries are lost).
     """
 
     def __init__(self, path: str, max_events: int = MAX_EVENTS_PER_JOB) -> None:
         self.file = SqliteStore(path, max_events)
         self.description = f"state file {path}"
+        self._held: collections.deque[Write] = collections.deque()
+        self._failures = 0
+        self._dropped = 0
+        self._problem = ""
+        self._retry: asyncio.TimerHandle | None = None
 
     async def load(self) -> list[StoredJob]:
         return self.file.load()
@@ -311,6 +360,18 @@ class SqliteState:
 
     def write(self, change: Write) -> Awaitable[None]:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._held.append(change)
+        if len(self._held) > MAX_HELD:
+            self._held.popleft()
+            self._dropped += 1
+        self._flush()
+        done.set_result(None)
+        return done
+
+    def write_backlog(self) -> WriteBacklog:
+        return WriteBacklog(len(self._held), self._failures)
+
+    def _apply(self, change: Write) -> None:
         match change:
             case Commit(row, journal, agents, now):
                 self.file.commit(row, journal, agents, now=now)
@@ -318,8 +379,45 @@ class SqliteState:
                 self.file.drop_agents(job_id)
             case Forget(job_id):
                 self.file.forget(job_id)
-        done.set_result(None)
-        return done
+
+    def _flush(self) -> None:
+        """Write the held writes in order, stopping at the first the file does not take."""
+        while self._held:
+            try:
+                self._apply(self._held[0])
+            except sqlite3.OperationalError as exc:
+                self._failed(exc)
+                return
+            self._held.popleft()
+        if self._problem:
+            logger.warning(
+                "%s: writes resumed; every held write is written%s",
+                self.description,
+                f" but the oldest {self._dropped} (held past {MAX_HELD})" if self._dropped else "",
+            )
+            self._problem = ""
+            self._dropped = 0
+
+    def _failed(self, exc: sqlite3.OperationalError) -> None:
+        self._failures += 1
+        problem = storage_problem(exc)
+        if not self._problem:
+            logger.error(
+                "%s: cannot write it: %s; the controller goes on from memory and retries every %.0f s "
+                "(metric taskd_state_writes_held); free space or fix the file, or a restart loses what waits",
+                self.description,
+                problem,
+                RETRY_INTERVAL,
+            )
+        else:
+            logger.debug("%s: write held again: %s", self.description, problem)
+        self._problem = problem
+        if self._retry is None:
+            self._retry = asyncio.get_running_loop().call_later(RETRY_INTERVAL, self._retry_held)
+
+    def _retry_held(self) -> None:
+        self._retry = None
+        self._flush()
 
     async def events(self, job_id: str, limit: int) -> list[EventRecord]:
         return self.file.events(job_id, limit)
@@ -331,5 +429,15 @@ class SqliteState:
         return self.file.journal_size()
 
     async def close(self) -> None:
-        # Every write was committed when it was made; closing checkpoints the WAL.
+        # Every write not held was committed when it was made; closing checkpoints the WAL.
+        if self._retry is not None:
+            self._retry.cancel()
+        self._flush()
+        if self._held:
+            logger.error(
+                "%s: %d write(s) could not be written (%s) and are lost with this controller",
+                self.description,
+                len(self._held),
+                self._problem,
+            )
         self.file.close()

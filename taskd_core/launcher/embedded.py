@@ -17,6 +17,13 @@ node 0) passes a :class:`ControllerBoard` instead: the node the rendezvous made
 rank 0 starts the controller (on any free port unless one is given) and
 publishes its address there, and every other node reads it from there.
 
+A state in etcd (``state="etcd://HOSTS/PREFIX"``) changes the rule: no node is
+special. Every node starts a controller *replica* on that state, one of them
+is elected leader, and each announces its address in the job's
+:class:`~taskd_core.launcher.roster.Roster`; every agent is given all the
+replicas (its own first) and follows the leader, whichever node it is on, so
+the loss of any node (the leader's included) leaves the job a controller.
+
 The embedded controller lives exactly as long as the ``with`` block, so it
 ends with node 0's launcher: the job's state is in memory unless a state file
 is given. Before leaving the block, node 0 should :func:`~taskd_core.launcher.node.wait_for_agents`, so
@@ -30,10 +37,16 @@ import ipaddress
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from taskd_core.controller.etcd_client import EtcdTls, is_etcd_url, parse_etcd_url
 from taskd_core.launcher.settings import ControllerBoard
 from taskd_core.models import Credentials, JobPolicy
 from taskd_core.values import LOCALHOST, check_port, is_loopback, join_address, parse_controller
+
+if TYPE_CHECKING:
+    from taskd_core.controller.server import EmbeddedController
+    from taskd_core.rpc.security import ServerTls
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +104,9 @@ def controller_address(
     metrics_port: int | None = None,
     board: ControllerBoard | None = None,
     lookup_timeout: float = 60.0,
+    nnodes: int = 1,
+    job_id: str = "",
+    etcd_tls: EtcdTls | None = None,
 ) -> Iterator[ControllerEndpoint]:
     """Yield the controller this node's agent must use (``HOST:PORT``, and whether it is embedded here).
 
@@ -100,44 +116,88 @@ def controller_address(
     :param controller_port: port of the embedded controller; 0 (any free port)
         only works for a one-node job, whose agent is told the bound port, or with a ``board``.
     :param policy: default recovery policy of the embedded controller.
-    :param state: its SQLite state file, ``":memory:"`` for none.
+    :param state: its SQLite state file, ``":memory:"`` for none; an ``etcd://`` URL makes
+        every node run a replica (see the module).
     :param credentials: with a certificate and key, the embedded controller serves mutual
         TLS with them, requiring client certificates signed by their CA.
     :param insecure: let it serve plaintext on a non-loopback address.
     :param metrics_port: where it serves Prometheus ``/metrics`` (same interface, HTTPS with TLS); None: off.
     :param board: where node 0 publishes the controller's address and the
         other nodes read it (they then ignore ``master_addr`` and ``controller_port``).
-    :param lookup_timeout: seconds the other nodes wait for the address on the board.
+    :param lookup_timeout: seconds the other nodes wait for the address on the board
+        (with an etcd state: for the other replicas to announce themselves).
+    :param nnodes: the job's nodes; with an etcd state, the replicas an agent waits to know.
+    :param job_id: the job, whose token signs the replicas' addresses.
+    :param etcd_tls: TLS files for an etcd that requires them.
     :raises ConfigError: for an address or port that cannot work, or plaintext beyond loopback.
     """
     if explicit:
         yield ControllerEndpoint(parse_controller(explicit), embedded=False)
+        return
+    if is_etcd_url(state):
+        with replicated_controller(
+            state,
+            host=master_addr,
+            controller_port=controller_port,
+            policy=policy,
+            credentials=credentials or Credentials(),
+            insecure=insecure,
+            metrics_port=metrics_port,
+            nnodes=nnodes,
+            job_id=job_id,
+            etcd_tls=etcd_tls,
+            lookup_timeout=lookup_timeout,
+        ) as endpoint:
+            yield endpoint
         return
     check_port(controller_port, "controller port", allow_zero=node_rank == 0 or board is not None)
     if node_rank != 0:
         address = board.lookup(lookup_timeout) if board else join_address(master_addr, controller_port)
         yield ControllerEndpoint(address, embedded=False)
         return
-    # Imported here: only node 0 without --controller needs the controller's code.
-    from taskd_core.controller.server import EmbeddedController
-    from taskd_core.rpc.security import ServerTls
-
     own = credentials or Credentials()
-    tls = ServerTls(own.tls_cert, own.tls_key, own.tls_ca) if own.tls_cert and own.tls_key else None
-    bind = bind_host(master_addr)
-    with EmbeddedController(
-        listen=join_address(bind, controller_port),
-        state=state,
-        defaults=policy,
-        tls=tls,
-        insecure=insecure,
-        metrics_port=metrics_port,
+    tls = server_tls(own)
+    # It serves this launch's token only: another local user can neither register on it nor flood it.
+    with _embedded(
+        master_addr, controller_port, policy, state, tls, insecure, metrics_port, job_token=own.token
     ) as controller:
+        bind = bind_host(master_addr)
         logger.info(
             "embedded controller listening on %s (%s)",
             join_address(bind, controller.port),
             "mutual TLS" if tls else "plaintext",
         )
+        if board is not None:
+            board.publish(join_address(master_addr, controller.port))
+        host = dial_host(bind, master_addr, tls=tls is not None)
+        yield ControllerEndpoint(join_address(host, controller.port), embedded=True)
+
+
+@contextlib.contextmanager
+def _embedded(
+    host: str,
+    port: int,
+    policy: JobPolicy,
+    state: str,
+    tls: ServerTls | None,
+    insecure: bool,
+    metrics_port: int | None,
+    **replica: Any,
+) -> Iterator[EmbeddedController]:
+    """An embedded controller where the other nodes reach ``host`` (:func:`bind_host`), on ``port``."""
+    # Imported here: only a node that embeds a controller needs the controller's code.
+    from taskd_core.controller.server import EmbeddedController
+
+    bind = bind_host(host)
+    with EmbeddedController(
+        listen=join_address(bind, port),
+        state=state,
+        defaults=policy,
+        tls=tls,
+        insecure=insecure,
+        metrics_port=metrics_port,
+        **replica,
+    ) as controller:
         if controller.metrics_port is not None:
             scheme = "https" if tls else "http"
             logger.info(
@@ -145,7 +205,61 @@ def controller_address(
                 scheme,
                 join_address(bind, controller.metrics_port),
             )
-        if board is not None:
-            board.publish(join_address(master_addr, controller.port))
-        host = dial_host(bind, master_addr, tls=tls is not None)
-        yield ControllerEndpoint(join_address(host, controller.port), embedded=True)
+        yield controller
+
+
+def server_tls(credentials: Credentials) -> ServerTls | None:
+    """What an embedded controller serves: mutual TLS with the agent's own files, when it has them."""
+    from taskd_core.rpc.security import ServerTls
+
+    if not (credentials.tls_cert and credentials.tls_key):
+        return None
+    return ServerTls(credentials.tls_cert, credentials.tls_key, credentials.tls_ca)
+
+
+@contextlib.contextmanager
+def replicated_controller(
+    state: str,
+    *,
+    host: str,
+    controller_port: int,
+    policy: JobPolicy,
+    credentials: Credentials,
+    insecure: bool,
+    metrics_port: int | None,
+    nnodes: int,
+    job_id: str,
+    etcd_tls: EtcdTls | None,
+    lookup_timeout: float,
+) -> Iterator[ControllerEndpoint]:
+    """This node's replica of the job's controller on the etcd ``state``; yields every replica's address.
+
+    The replica listens where the other nodes reach ``host`` (:func:`bind_host`), on
+    ``controller_port`` (0: any free one), and is advertised at ``host``. Leaving the
+    block stops it and takes it out of the roster; the last replica of the job
+    removes the job's state from etcd.
+    """
+    from taskd_core.launcher.roster import Roster
+
+    check_port(controller_port, "controller port", allow_zero=True)
+    tls = server_tls(credentials)
+    target = parse_etcd_url(state, etcd_tls)
+    # Port 0 is the bound one: on one machine the replicas' addresses differ by it alone.
+    replica = {"advertise": join_address(host, 0), "etcd_tls": etcd_tls, "job_token": credentials.token}
+    with _embedded(host, controller_port, policy, state, tls, insecure, metrics_port, **replica) as served:
+        advertised = join_address(host, served.port)
+        logger.info(
+            "controller replica listening on %s (%s), state %s: %s",
+            join_address(bind_host(host), served.port),
+            "mutual TLS" if tls else "plaintext",
+            state,
+            "leading" if served.leading else f"standing by, leader {served.leader or 'unknown'}",
+        )
+        roster = Roster(target, job_id, credentials.token)
+        try:
+            roster.announce(advertised)
+            addresses = roster.addresses(nnodes, lookup_timeout)
+            yield ControllerEndpoint(",".join(addresses), embedded=True)
+        finally:
+            served.stop()
+            roster.close(last_clears=target.prefix.encode() + b"/")

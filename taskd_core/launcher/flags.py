@@ -24,7 +24,7 @@ from taskd_core.controller.policy import parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.forkserver.client import ForkServerSettings
 from taskd_core.launcher.environment import check_temp_dir, controller_from_env, job_id_from_env
-from taskd_core.launcher.identity import controller_host, default_job_id, job_credentials, launch_identity
+from taskd_core.launcher.identity import controller_host, default_job_id, job_credentials
 from taskd_core.launcher.interrupt import STOP_SIGNALS
 from taskd_core.launcher.settings import NodeSettings, default_of, embedded_port
 from taskd_core.models import JobPolicy
@@ -366,7 +366,8 @@ def add_node_options(
     if published:
         embedded = (
             "the node the rendezvous makes rank 0 hosts an embedded controller and publishes its address "
-            "in the rendezvous store"
+            "in the rendezvous store; with an etcd rendezvous every node runs a replica of it, "
+            "its state in that etcd"
         )
         port_default = "any free port; the other nodes read it from the rendezvous store"
     else:
@@ -484,14 +485,14 @@ def node_settings(
                     f"controller at {controller}: set it in that controller's policy (taskd controller "
                     f"--{name} or its --policy file) and drop it here"
                 )
-    launch = launch_identity(nnodes, shared)
     credentials = job_credentials(
         env,
         tls_ca=values.flag("tls-ca"),
         nnodes=nnodes,
         controller_host=controller_host(controller) if controller else master_addr,
-        launch=launch,
+        shared=shared,
     )
+    launch = credentials.launch
     agent = AgentConfig(
         job_id=values.flag("job-id") or job_id_from_env(env) or job_id or default_job_id(launcher, launch),
         controller=controller,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import logging
 import secrets
 from collections.abc import Mapping
@@ -21,17 +22,22 @@ from taskd_core.values import check_secret, is_loopback, parse_address
 logger = logging.getLogger(__name__)
 
 
-def launch_identity(nnodes: int, shared: str) -> str:
+def launch_identity(nnodes: int, shared: str, token: str = "") -> str:
     """The identity of one launch of a job, the same on all its nodes.
 
     One node: random, so every launch differs. Several nodes: derived from
     ``shared``, what every node of the launch is given alike (the master
     address and port, torchrun's rendezvous, msrun's scheduler), so the nodes
     agree without talking; two live launches cannot share those (their
-    rendezvous would collide).
+    rendezvous would collide). It is keyed with the job token: whoever lacks
+    the token cannot compute the identity (nor the default job id made from
+    it) and claim it first. Only a tokenless job on loopback (a legacy job,
+    which anyone may act on anyway) gets a plain digest.
     """
     if nnodes == 1:
         return secrets.token_hex(8)
+    if token:
+        return hmac.new(token.encode(), b"taskd-launch\0" + shared.encode(), hashlib.sha256).hexdigest()[:16]
     return hashlib.sha256(shared.encode()).hexdigest()[:16]
 
 
@@ -47,9 +53,11 @@ def controller_host(controller: str) -> str:
 
 
 def job_credentials(
-    env: Mapping[str, str], *, tls_ca: str | None, nnodes: int, controller_host: str, launch: str
+    env: Mapping[str, str], *, tls_ca: str | None, nnodes: int, controller_host: str, shared: str
 ) -> Credentials:
     """What this node's agent shows the controller: TLS files, the job token and the launch identity.
+
+    The launch identity is :func:`launch_identity` of ``shared`` under the token.
 
     The token is ``TASKD_JOB_TOKEN``; a one-node launch without one generates
     its own (nobody else needs to know it). Several nodes must share one: a
@@ -70,4 +78,4 @@ def job_credentials(
         )
     else:
         logger.warning("TASKD_JOB_TOKEN is not set: the job registers without a token (legacy job)")
-    return dataclasses.replace(credentials, token=token, launch=launch)
+    return dataclasses.replace(credentials, token=token, launch=launch_identity(nnodes, shared, token))

@@ -57,6 +57,9 @@ def run_node_agent(
         metrics_port=settings.metrics_port,
         board=settings.board,
         lookup_timeout=settings.agent.connect_timeout,
+        nnodes=settings.nnodes,
+        job_id=settings.job_id,
+        etcd_tls=settings.etcd_tls,
     ) as endpoint:
         agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter)
         logger.info(

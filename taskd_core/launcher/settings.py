@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from taskd_core.agent.config import AgentConfig
+from taskd_core.controller.etcd_client import EtcdTls
 from taskd_core.errors import ConfigError
 from taskd_core.forkserver.client import ForkServerSettings
 from taskd_core.launcher.interrupt import STOP_SIGNALS
@@ -101,8 +102,11 @@ class NodeSettings:
     #: where node 0 publishes its embedded controller's address for the others (see ``controller_address``).
     board: ControllerBoard | None = None
     controller_port: int = DEFAULT_CONTROLLER_PORT
-    #: SQLite state file of an embedded controller.
+    #: state of an embedded controller: a SQLite file, ``":memory:"``, or ``etcd://HOSTS/PREFIX``
+    #: (then every node runs a replica of the job's controller on it).
     controller_state: str = ":memory:"
+    #: TLS files for the etcd of an ``etcd://`` state; None: plaintext.
+    etcd_tls: EtcdTls | None = None
     #: port of an embedded controller's Prometheus ``/metrics`` (0: any free port); None: off.
     metrics_port: int | None = None
     #: recovery policy of an embedded controller.

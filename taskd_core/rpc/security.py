@@ -205,6 +205,17 @@ class Caller:
 
     token: str = field(default="", repr=False)
     launch: str = ""
+    #: the host the request came from (its address, "" when unknown): whose quota a request without
+    #: a known token counts against.
+    peer: str = ""
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, ``unix:/path``)."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]")
+    return scheme if not rest else f"{scheme}:{rest}"
 
 
 def parse_metadata(pairs: Iterable[tuple[str, str | bytes]]) -> Caller:
@@ -230,7 +241,8 @@ def parse_metadata(pairs: Iterable[tuple[str, str | bytes]]) -> Caller:
 
 def caller_of(context: grpc.aio.ServicerContext) -> Caller:
     """What the caller of an RPC presented (the :class:`RequestGuard` has refused malformed metadata)."""
-    return parse_metadata(context.invocation_metadata() or ())
+    caller = parse_metadata(context.invocation_metadata() or ())
+    return Caller(caller.token, caller.launch, peer_host(context.peer() or ""))
 
 
 _GARBAGE = object()

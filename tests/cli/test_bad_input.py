@@ -165,7 +165,8 @@ def test_a_token_grpc_cannot_send_is_refused_at_once(argv: list[str], controller
 
 
 def test_no_usable_temporary_directory_is_one_line(private_mounts: None) -> None:
-    mounts = "mount -t tmpfs -o ro none /tmp && mount -t tmpfs -o ro none /var/tmp && cd /tmp"
+    # Read-only binds rather than empty mounts: the checkout (and its venv) may itself live under /tmp.
+    mounts = "mount --bind -o ro /tmp /tmp && mount --bind -o ro /var/tmp /var/tmp && cd /tmp"
     done = taskd("run", "--", "true", env={"TMPDIR": "/nonexistent"}, mounts=mounts)
     refused(done, "no usable temporary directory: TMPDIR='/nonexistent' is not a writable directory")
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +11,7 @@ import pytest
 from pt_support import JOB_TOKEN, WORKERS, Launcher, events, finish, run_job
 
 from taskd_core.launcher.interrupt import StopRequest
-from taskd_core.testing import free_port, wait_until
+from tests.etcd_server import EtcdServer
 
 
 @pytest.fixture
@@ -86,40 +82,22 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, o
         launcher.cleanup()
 
 
-def _serves(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 @pytest.fixture
-def etcd_server(tmp_path: Path) -> Iterator[str]:
-    """A real etcd server with the v2 API on free loopback ports; yields ``HOST:PORT`` for ``--rdzv-endpoint``.
+def etcd_v2(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real etcd server that also serves the v2 API, on free loopback ports (``stop()``/``start()``: an outage).
 
     Skips the test when etcd (Debian's ``etcd-server``, which ``.ci/run``
     installs) or torch's client library ``python-etcd`` is missing.
     """
-    exe = shutil.which("etcd")
-    if exe is None:
-        pytest.skip("no etcd server installed (Debian: apt-get install etcd-server)")
     pytest.importorskip("etcd", reason="python-etcd, torch's etcd-v2 client, is not installed")
-    client, peer = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
-    with open(tmp_path / "etcd.log", "wb") as log:
-        server = subprocess.Popen(
-            [exe, "--enable-v2", "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", client,
-             "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"default={peer}"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
+    server = EtcdServer(tmp_path / "etcd", v2=True).start()
     try:
-        wait_until(lambda: _serves(f"{client}/version"), "etcd to serve", 60)
-        yield client.removeprefix("http://")
+        yield server
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=30)
+        server.stop()
+
+
+@pytest.fixture
+def etcd_server(etcd_v2: EtcdServer) -> str:
+    """``HOST:PORT`` of :func:`etcd_v2`, for ``--rdzv-endpoint``."""
+    return etcd_v2.endpoint

@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from taskd_core.controller.etcd_client import EtcdTls
 from taskd_core.errors import ConfigError
 from taskd_pytorch.launch import NodeJob, controller_host, parse
 from taskd_pytorch.options import build_parser
@@ -46,3 +47,24 @@ def test_the_controller_host_is_the_one_torch_gives_the_workers() -> None:
     assert controller_host("c10d", "127.0.0.2", "10.0.0.9") == "127.0.0.1"
     assert controller_host("c10d", "head", "10.0.0.9") == "10.0.0.9"
     assert controller_host("etcd-v2", "head", None) == socket.getfqdn()
+
+
+def test_the_etcd_rendezvous_keeps_the_controller_replicas_state_in_its_etcd() -> None:
+    job = parsed("--nnodes=3", "--rdzv-backend=etcd-v2", "--rdzv-endpoint=127.0.0.1", "--rdzv-id=my job/1")
+    assert job.options.node.controller_state == "etcd://127.0.0.1:2379/taskd/rdzv/my%20job%2F1"
+    assert job.options.node.etcd_tls is None
+    # torch's own TLS options for its etcd client are the replicas' too (each backend names them its way).
+    tls = parsed("--nnodes=2", "--rdzv-backend=etcd-v2", "--rdzv-endpoint=127.0.0.1:2400", "--rdzv-id=j",
+                 "--rdzv-conf=protocol=https,ca_cert=/ca.pem,ssl_cert=/c.pem,ssl_cert_key=/k.pem")
+    assert tls.options.node.etcd_tls == EtcdTls(ca="/ca.pem", cert="/c.pem", key="/k.pem")
+    old = parsed("--nnodes=2", "--rdzv-backend=etcd", "--rdzv-endpoint=127.0.0.1:2400", "--rdzv-id=j",
+                 "--rdzv-conf=protocol=https,cacert=/ca.pem")
+    assert old.options.node.etcd_tls == EtcdTls(ca="/ca.pem")
+
+
+def test_an_explicit_controller_or_another_rendezvous_keeps_the_state_in_memory() -> None:
+    given = parsed("--nnodes=2", "--rdzv-backend=etcd-v2", "--rdzv-endpoint=127.0.0.1", "--taskd-controller=127.0.0.1:1")
+    assert given.options.node.controller_state == ":memory:"
+    assert parsed("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1").options.node.controller_state == (
+        ":memory:"
+    )

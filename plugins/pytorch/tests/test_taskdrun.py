@@ -151,7 +151,7 @@ def test_faults_past_the_budget_end_every_node_non_zero_with_no_worker_left(laun
 
 
 @pytest.mark.slow
-def test_etcd_rendezvous_recovers_a_killed_rank_with_one_controller(
+def test_etcd_rendezvous_recovers_a_killed_rank_with_a_replica_on_every_node(
     launch, out_dir: Path, tmp_path: Path, etcd_server: str
 ) -> None:
     until = tmp_path / "finish"
@@ -174,7 +174,8 @@ def test_etcd_rendezvous_recovers_a_killed_rank_with_one_controller(
     until.touch()
     assert [node.wait(timeout=120) for node in nodes] == [0, 0]
     logs = [(tmp_path / f"etcd{n}.{n}.log").read_text() for n in (0, 1)]
-    assert sum("embedded controller listening" in log for log in logs) == 1
+    assert all("controller replica listening" in log for log in logs)
+    assert sum("this replica (" in log and ") leads" in log for log in logs) == 1
 
 
 @pytest.mark.slow
@@ -194,6 +195,10 @@ def test_losing_the_node_that_hosts_the_controller_ends_the_other_node_with_a_cl
 
     assert nodes[1 - host].wait(timeout=180) == 1
     assert "the job's controller is gone" in logs[1 - host].read_text()
+    # Each node said so at start, and what survives it.
+    for log in logs:
+        assert "the job does not survive the loss of that node" in log.read_text()
+        assert "--rdzv-backend=etcd-v2" in log.read_text()
     assert not [r["pid"] for r in seen if r["GROUP_RANK"] != "0" and process_running(r["pid"])]
 
 

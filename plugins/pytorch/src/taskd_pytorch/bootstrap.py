@@ -1,5 +1,8 @@
 """Where the workers of one restart round meet: a new, empty store hosted by group rank 0's agent.
 
+Group rank 0 is whichever node the round's rendezvous ranked first: when the
+node that was rank 0 is lost, the next round's rank 0 hosts the store.
+
 torchrun (torch 2.13, c10d rendezvous, default settings) lets workers share
 the agent's rendezvous TCP store (``TORCHELASTIC_USE_AGENT_STORE=True``). That
 store outlives a restart and still holds the previous round's keys, among
@@ -56,9 +59,11 @@ class RoundStores:
             every agent counts the same, since the controller restarts them together.
         """
         port = None
-        if group_rank == 0:
-            # Replacing the previous round's store shuts it down: its workers are gone.
-            self._store = listening_store(self._host, 0, self._timeout)
+        # Replacing the previous round's store shuts it down: its workers are gone. A node that
+        # is no longer group rank 0 (the rendezvous ranked the nodes anew after a node's loss)
+        # hosts none: the new rank 0 does.
+        self._store = listening_store(self._host, 0, self._timeout) if group_rank == 0 else None
+        if self._store is not None:
             port = self._store.port
         info = RendezvousStoreInfo.build(
             group_rank, PrefixStore(f"taskd/workers/round{round_no}/", store), self._host, server_port=port

@@ -6,18 +6,28 @@ One ``taskdrun`` per node, exactly like ``torchrun``, in every rendezvous form::
     taskdrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
         --rdzv-id=JOB train.py
     taskdrun --nnodes=2 --node-rank=N --master-addr=HOST --master-port=29500 --nproc-per-node=4 train.py
+    taskdrun --nnodes=3 --nproc-per-node=4 --rdzv-backend=etcd-v2 --rdzv-endpoint=ETCD:2379 \
+        --rdzv-id=JOB train.py                                             # no node is special
 
 The node's :class:`~taskd_pytorch.elastic.TaskdElasticAgent` runs under the
 core node agent, which owns the control loop: it starts the workers, learns
 of a death at once, reports it and carries out what the controller decides.
 
 taskdrun joins the first rendezvous round before anything else. Without
-``--taskd-controller``, the node that round makes group rank 0 hosts an
-embedded controller on a free port and publishes its address in the
-rendezvous store; the other nodes read it there (so exactly one controller
-serves the job, whichever form the rendezvous takes). The controller stays on
-that node for the whole job: if that node is lost, the other nodes cannot
-reach it and end with exit code 1 after ``--taskd-connect-timeout``.
+``--taskd-controller``, where the controller runs depends on the rendezvous:
+
+* etcd (``--rdzv-backend=etcd-v2`` or ``etcd``): every node runs a replica of
+  the job's controller whose state is in that same etcd (under
+  ``/taskd/rdzv/RUN_ID``); one is elected leader, every agent knows every
+  replica and follows the leader, so the job keeps a controller whichever node
+  is lost, the leader's included. The last node to end removes the state.
+* c10d and static: the node that round makes group rank 0 hosts an embedded
+  controller on a free port and publishes its address in the rendezvous
+  store; the other nodes read it there. As with torchrun, whose c10d store
+  lives in that launcher too, the job does not survive the loss of that node:
+  the other nodes cannot reach it and end with exit code 1 after
+  ``--taskd-connect-timeout`` (taskdrun says so in one line at start).
+
 A stop signal ends every phase: the rendezvous wait is abandoned at once.
 
 Exit codes: 0 every worker exited 0; 1 the job was given up or failed;

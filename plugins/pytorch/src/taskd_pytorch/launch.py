@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -32,13 +33,14 @@ from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
 from taskd_core.agent.node_agent import AgentOutcome, Outcome
+from taskd_core.controller.etcd_client import EtcdTls
 from taskd_core.errors import ConfigError, LauncherInterrupted
 from taskd_core.forkserver.client import ForkLauncher
 from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.node import run_node_agent
 from taskd_core.plugins import load_adapter
-from taskd_core.values import LOCALHOST, is_loopback
+from taskd_core.values import LOCALHOST, is_loopback, join_address
 from taskd_pytorch.adapter import PytorchAdapter
 from taskd_pytorch.elastic import TaskdElasticAgent
 from taskd_pytorch.listen import job_interface
@@ -109,7 +111,37 @@ def parse(args: argparse.Namespace) -> NodeJob:
         )
     master_host, _ = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
     options = TaskdOptions.from_args(args, os.environ, nnodes=config.max_nodes, master_addr=master_host)
+    if not options.node.agent.controller and config.rdzv_backend in ETCD_BACKENDS:
+        # No node is special: each runs a replica of the job's controller in the rendezvous' etcd.
+        url, tls = replica_state(config)
+        options = replace(options, node=replace(options.node, controller_state=url, etcd_tls=tls))
     return NodeJob(config, entrypoint, tuple(entry_args), master_host, options)
+
+
+#: torch's rendezvous backends that keep the rendezvous in etcd (and so can keep the controller there).
+ETCD_BACKENDS = ("etcd", "etcd-v2")
+#: Where the job's controller state lives in the rendezvous' etcd; the run id follows.
+STATE_PREFIX = "/taskd/rdzv/"
+#: The rendezvous options naming etcd's TLS files, per backend: (CA, client certificate, its key).
+_ETCD_TLS_CONF = {"etcd-v2": ("ca_cert", "ssl_cert", "ssl_cert_key"), "etcd": ("cacert", "cert", "key")}
+
+
+def replica_state(config: LaunchConfig) -> tuple[str, EtcdTls | None]:
+    """The ``etcd://`` state of the job's controller replicas, and its TLS files.
+
+    The etcd is the rendezvous' own (``--rdzv-endpoint``, etcd's port 2379 by
+    default, as torch reads it), over TLS when ``--rdzv-conf protocol=https``
+    says so, with the files torch's etcd client is given; the prefix is the
+    run id's, so every node of the job derives the same one and no other job does.
+    """
+    host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=2379)
+    conf = {key: str(value) for key, value in config.rdzv_configs.items()}
+    tls = None
+    if conf.get("protocol", "http").strip().lower() == "https":
+        ca, cert, key = (conf.get(name, "") for name in _ETCD_TLS_CONF[config.rdzv_backend])
+        tls = EtcdTls(ca=ca, cert=cert, key=key)
+    prefix = STATE_PREFIX + urllib.parse.quote(config.run_id, safe="")
+    return f"etcd://{join_address(host, port)}{prefix}", tls
 
 
 def _apply_torchrun_defaults(args: argparse.Namespace) -> None:
@@ -198,6 +230,13 @@ def connect_rendezvous(job: NodeJob, stop: StopRequest) -> RendezvousHandler:
         config.rdzv_endpoint,
         config.max_nodes,
     )
+    if config.rdzv_backend == "c10d" and config.max_nodes > 1:
+        logger.info(
+            "the c10d rendezvous store lives in the launcher on %s, as with torchrun: the job does not "
+            "survive the loss of that node; to survive any node's loss, rendezvous through etcd "
+            "(--rdzv-backend=etcd-v2 --rdzv-endpoint=ETCD_HOST:2379; see docs/deploy.md)",
+            config.rdzv_endpoint,
+        )
     return run_interruptibly(
         lambda: get_rendezvous_handler(
             RendezvousParameters(
