@@ -43,7 +43,11 @@ def job_processes(job_id: str, *, fork_servers: bool = True) -> list[int]:
         except OSError:  # gone, or not ours to read
             continue
         server = stat[stat.find(b"(") + 1 : stat.rfind(b")")] == SERVER_NAME
-        if needle in environ and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z" and (fork_servers or not server):
+        if (
+            needle in environ
+            and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+            and (fork_servers or not server)
+        ):
             pids.append(int(entry))
     return pids
 

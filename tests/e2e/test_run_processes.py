@@ -144,8 +144,12 @@ def test_sigkill_of_taskd_run_takes_every_worker_and_their_children(tmp_path: Pa
     run.proc.kill()
     run.wait()
     # Well under 1 s when measured; the deadline is only a ceiling for a loaded machine.
-    testing.wait_until(lambda: not job_processes(cluster.job_id), "the guard to end every job process", 30.0,
-                       explain=lambda: f"left: {job_processes(cluster.job_id)}")
+    testing.wait_until(
+        lambda: not job_processes(cluster.job_id),
+        "the guard to end every job process",
+        30.0,
+        explain=lambda: f"left: {job_processes(cluster.job_id)}",
+    )
 
 
 #: A distribution whose adapter is the process adapter with a fixed command; it marks each hook call.

@@ -18,9 +18,20 @@ import sys
 import time
 from pathlib import Path
 
-_KEYS = ("RANK", "GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TASKD_RESTART_COUNT",
-         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE", "TASKD_LIVE_DIR",
-         "TASKD_JOB_TOKEN")
+_KEYS = (
+    "RANK",
+    "GROUP_RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TASKD_RESTART_COUNT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TASKD_LIVE_DIR",
+    "TASKD_JOB_TOKEN",
+)
 _POLL = 0.05
 
 
@@ -42,7 +53,9 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--exit-code", type=int, default=0)
     parser.add_argument("--after", type=float, default=120.0, help="seconds before exiting")
-    parser.add_argument("--only-rank", type=int, default=None, help="only this global rank exits after --after")
+    parser.add_argument(
+        "--only-rank", type=int, default=None, help="only this global rank exits after --after"
+    )
     parser.add_argument("--until", type=Path, default=None, help="exit 0 once this file exists")
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--escape", action="store_true", help="leave two children outside the process group")
