@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,14 @@ from taskd_core.rpc import recover_pb2 as pb  # noqa: E402
 logger = logging.getLogger("failover_bench")
 
 ADMIN = "bench-admin-token"
+#: Issue 23's targets: leader SIGKILLed → a standby SERVING (p50), seconds; → the agent's report taken, seconds.
+SERVE_TARGET = 3.0
+REPORT_TARGET = 1.0
+#: fault → changeStrategy on etcd, at most this many times the SQLite figure (p50, same run).
+LATENCY_RATIO_TARGET = 2.0
+#: One node's fault → stopTrain at every agent (p99), and every agent following a new leader, seconds.
+FANOUT_P99_TARGET = 1.0
+FOLLOW_TARGET = 10.0
 
 
 # --- etcd and replicas ---------------------------------------------------------------------------
@@ -97,11 +105,29 @@ def start_etcd(children: Children, root: Path) -> str:
     port, peer = free_port(), free_port()
     client, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
     children.start(
-        ["/usr/bin/etcd", "--name", "bench", "--data-dir", str(root / "etcd"),
-         "--listen-client-urls", client, "--advertise-client-urls", client,
-         "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-         "--initial-cluster", f"bench={peer_url}", "--log-level", "warn",
-         "--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000"],
+        [
+            "/usr/bin/etcd",
+            "--name",
+            "bench",
+            "--data-dir",
+            str(root / "etcd"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer_url,
+            "--initial-advertise-peer-urls",
+            peer_url,
+            "--initial-cluster",
+            f"bench={peer_url}",
+            "--log-level",
+            "warn",
+            "--auto-compaction-mode",
+            "revision",
+            "--auto-compaction-retention",
+            "1000",
+        ],
         log=root / "etcd.log",
     )
     endpoint = f"127.0.0.1:{port}"
@@ -143,10 +169,31 @@ class Replica:
     def start(self) -> Replica:
         (self.root / "admin").write_text(ADMIN)
         self.proc = self.children.start(
-            [PYTHON, "-m", "taskd_core", "--log-level", "INFO", "controller", "--listen", self.address,
-             "--state", self.state, "--admin-token-file", str(self.root / "admin"),
-             "--flush-seconds", "0", "--report-timeout", "120", "--max-cycles", "1000000",
-             "--keepalive-interval", "2", "--strategies", "recover-in-place,recover,exit", *self.extra],
+            [
+                PYTHON,
+                "-m",
+                "taskd_core",
+                "--log-level",
+                "INFO",
+                "controller",
+                "--listen",
+                self.address,
+                "--state",
+                self.state,
+                "--admin-token-file",
+                str(self.root / "admin"),
+                "--flush-seconds",
+                "0",
+                "--report-timeout",
+                "120",
+                "--max-cycles",
+                "1000000",
+                "--keepalive-interval",
+                "2",
+                "--strategies",
+                "recover-in-place,recover,exit",
+                *self.extra,
+            ],
             log=self.root / f"{self.name}.log",
             cwd=REPO,
         )
@@ -165,13 +212,19 @@ def health(address: str, timeout: float = 2.0) -> int:
 
     with grpc.insecure_channel(address) as channel:
         try:
-            return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout).status)
+            return int(
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+                .status
+            )
         except grpc.RpcError:
             return -1
 
 
 def leader(replicas: Sequence[Replica], timeout: float = 60.0) -> Replica:
-    return poll_until(lambda: next((r for r in replicas if health(r.address) == 1), None), timeout, "a leader")
+    return poll_until(
+        lambda: next((r for r in replicas if health(r.address) == 1), None), timeout, "a leader"
+    )
 
 
 def job_view(addresses: str, job: str) -> JobStatus | None:
@@ -210,8 +263,13 @@ def failover(root: Path, children: Children, etcd: str, trials: int, ttl: int) -
     replicas = [Replica(children, root, state, f"failover-{n}", extra).start() for n in range(2)]
     handler = Answering()
     manager = DLRecoverManager.for_job(
-        "bench-failover", ",".join(r.address for r in replicas), agent_id="a0", handler=handler,
-        credentials=Credentials(token="job-token"), connect_deadline=120, report_deadline=120,
+        "bench-failover",
+        ",".join(r.address for r in replicas),
+        agent_id="a0",
+        handler=handler,
+        credentials=Credentials(token="job-token"),
+        connect_deadline=120,
+        report_deadline=120,
     )
     handler.manager = manager
     thread = threading.Thread(target=manager.start_subscribe, kwargs={"frame": "bench"}, daemon=True)
@@ -221,9 +279,17 @@ def failover(root: Path, children: Children, etcd: str, trials: int, ttl: int) -
     try:
         for trial in range(trials):
             current = leader(replicas)
-            poll_until(lambda c=current: (v := job_view(c.address, "bench-failover")) and v.state.value == "idle"
-                       and v["agents"] and all(a["subscribed"] for a in v["agents"]) or None, 60,
-                       "the job idle and followed")
+            poll_until(
+                lambda c=current: (
+                    (v := job_view(c.address, "bench-failover"))
+                    and v.state.value == "idle"
+                    and v.agents
+                    and all(a.subscribed for a in v.agents)
+                    or None
+                ),
+                60,
+                "the job idle and followed",
+            )
             standby = next(r for r in replicas if r is not current)
             done = threading.Event()
             taken: list[float] = []
@@ -236,22 +302,34 @@ def failover(root: Path, children: Children, etcd: str, trials: int, ttl: int) -
             t_kill = time.monotonic()
             current.kill()
             threading.Thread(target=report, daemon=True).start()
-            poll_until(lambda s=standby: health(s.address, 1.0) == 1 or None, 60, "the standby to serve",
-                       interval=0.005)
+            poll_until(
+                lambda s=standby: health(s.address, 1.0) == 1 or None,
+                60,
+                "the standby to serve",
+                interval=0.005,
+            )
             t_serving = time.monotonic()
             done.wait(120)
             serve_s.append(t_serving - t_kill)
             if taken:
                 report_s.append(max(0.0, taken[0] - t_serving))
-            logger.info("fail-over %d: serving after %.2f s, report taken %.2f s later", trial + 1,
-                        serve_s[-1], report_s[-1] if taken else float("nan"))
+            logger.info(
+                "fail-over %d: serving after %.2f s, report taken %.2f s later",
+                trial + 1,
+                serve_s[-1],
+                report_s[-1] if taken else float("nan"),
+            )
             poll_until(lambda t=trial: handler.changes > t or None, 120, "the cycle to end")
             current.start()  # back as the standby
     finally:
         manager.close()
         thread.join(30)
-    return {"lease_ttl_s": ttl, "trials": trials, "kill_to_serving_s": summarize(serve_s).as_dict(),
-            "serving_to_report_taken_s": summarize(report_s).as_dict()}
+    return {
+        "lease_ttl_s": ttl,
+        "trials": trials,
+        "kill_to_serving_s": summarize(serve_s).as_dict(),
+        "serving_to_report_taken_s": summarize(report_s).as_dict(),
+    }
 
 
 # --- latency: SQLite against etcd ---------------------------------------------------------------------
@@ -259,7 +337,10 @@ def failover(root: Path, children: Children, etcd: str, trials: int, ttl: int) -
 
 def latency(root: Path, children: Children, etcd: str, cycles: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, state in (("sqlite", str(root / "latency.db")), ("etcd", f"etcd://{etcd}/latency-{uuid.uuid4().hex[:8]}")):
+    for name, state in (
+        ("sqlite", str(root / "latency.db")),
+        ("etcd", f"etcd://{etcd}/latency-{uuid.uuid4().hex[:8]}"),
+    ):
         replica = Replica(children, root, state, f"latency-{name}").start()
         leader([replica])
 
@@ -323,9 +404,13 @@ async def _agents_main(addresses: list[str], job: str, first: int, count: int) -
                     if sig.signalType == "stopTrain":
                         await stub.ReportStopComplete(pb.StopCompleteRequest(status=pb.Status(), **who))
                     elif sig.signalType == "globalFault":
-                        await stub.ReportRecoverStrategy(pb.RecoverStrategyRequest(strategies=["recover", "exit"], **who))
+                        await stub.ReportRecoverStrategy(
+                            pb.RecoverStrategyRequest(strategies=["recover", "exit"], **who)
+                        )
                     elif sig.signalType == "changeStrategy":
-                        await stub.ReportRecoverStatus(pb.RecoverStatusRequest(status=pb.Status(), strategy=sig.changeStrategy, **who))
+                        await stub.ReportRecoverStatus(
+                            pb.RecoverStatusRequest(status=pb.Status(), strategy=sig.changeStrategy, **who)
+                        )
             except grpc.aio.AioRpcError as exc:
                 if call is not None:
                     call.cancel()  # a failed report must not leave the stream open behind the next one
@@ -337,8 +422,14 @@ async def _agents_main(addresses: list[str], job: str, first: int, count: int) -
                     # The controller has not yet seen the old stream go: as TaskD's client, wait.
                     await asyncio.sleep(random.uniform(0.5, 1.0))
                     continue
-                current = named if named in addresses else addresses[(addresses.index(current) + 1) % len(addresses)]
-                await asyncio.sleep(random.uniform(0.1, 0.2) if LEADER_METADATA in trailing else random.uniform(0.05, 0.3))
+                current = (
+                    named
+                    if named in addresses
+                    else addresses[(addresses.index(current) + 1) % len(addresses)]
+                )
+                await asyncio.sleep(
+                    random.uniform(0.1, 0.2) if LEADER_METADATA in trailing else random.uniform(0.05, 0.3)
+                )
 
     tasks = [asyncio.create_task(agent(i)) for i in range(first, first + count)]
     await ready.wait()
@@ -354,7 +445,9 @@ async def _agents_main(addresses: list[str], job: str, first: int, count: int) -
 
 def scale(root: Path, children: Children, etcd: str, agents: int, procs: int, ttl: int) -> dict[str, Any]:
     state = f"etcd://{etcd}/scale-{uuid.uuid4().hex[:8]}"
-    replicas = [Replica(children, root, state, f"scale-{n}", ("--lease-ttl", str(ttl))).start() for n in range(2)]
+    replicas = [
+        Replica(children, root, state, f"scale-{n}", ("--lease-ttl", str(ttl))).start() for n in range(2)
+    ]
     first_leader = leader(replicas)
     addresses = ",".join(r.address for r in replicas)
     job = "bench-scale"
@@ -363,9 +456,15 @@ def scale(root: Path, children: Children, etcd: str, agents: int, procs: int, tt
     t_join = time.monotonic()
     for p in range(procs):
         count = min(per, agents - p * per)
-        workers.append(subprocess.Popen(
-            [PYTHON, __file__, "--agents-worker", addresses, job, str(p * per), str(count)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO))
+        workers.append(
+            subprocess.Popen(
+                [PYTHON, __file__, "--agents-worker", addresses, job, str(p * per), str(count)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+            )
+        )
     for w in workers:
         assert w.stdout is not None
         if w.stdout.readline().strip() != "ready":
@@ -389,24 +488,50 @@ def scale(root: Path, children: Children, etcd: str, agents: int, procs: int, tt
         t0 = time.time()
         with grpc.insecure_channel(first_leader.address) as channel:
             stub = recover_pb2_grpc.RecoverStub(channel)
-            reply = stub.ReportProcessFault(pb.ProcessFaultRequest(
-                jobId=job, agentId="n0", faultRanks=[pb.FaultRank(rankId="0", faultType="1")]), timeout=60)
+            reply = stub.ReportProcessFault(
+                pb.ProcessFaultRequest(
+                    jobId=job, agentId="n0", faultRanks=[pb.FaultRank(rankId="0", faultType="1")]
+                ),
+                timeout=60,
+            )
             assert reply.code == 0, reply
-        poll_until(lambda: (v := job_view(first_leader.address, job)) and v.state.value == "idle" and v.cycle == 1
-                   or None, 300, "the cycle over all agents", interval=0.2)
+        poll_until(
+            lambda: (
+                (v := job_view(first_leader.address, job))
+                and v.state.value == "idle"
+                and v.cycle == 1
+                or None
+            ),
+            300,
+            "the cycle over all agents",
+            interval=0.2,
+        )
         got = dump()
-        stop = [got["arrivals"][a]["stopTrain-1"] - t0 for a in got["arrivals"] if "stopTrain-1" in got["arrivals"][a]]
+        stop = [
+            got["arrivals"][a]["stopTrain-1"] - t0
+            for a in got["arrivals"]
+            if "stopTrain-1" in got["arrivals"][a]
+        ]
         assert first_leader.proc is not None
         rss = rss_mib(first_leader.proc.pid)
         db = etcd_db_size(etcd)
         t_kill = time.time()
         first_leader.kill()
         second = leader(replicas, 120)
-        poll_until(lambda: (v := job_view(second.address, job)) and sum(a.subscribed for a in v.agents) == agents
-                   or None, 300, "every agent on the new leader", interval=0.2)
+        poll_until(
+            lambda: (
+                (v := job_view(second.address, job)) and sum(a.subscribed for a in v.agents) == agents or None
+            ),
+            300,
+            "every agent on the new leader",
+            interval=0.2,
+        )
         got = dump()
-        follow = [max(t for t in times if t > t_kill) - t_kill for times in got["subscribed"].values()
-                  if any(t > t_kill for t in times)]
+        follow = [
+            max(t for t in times if t > t_kill) - t_kill
+            for times in got["subscribed"].values()
+            if any(t > t_kill for t in times)
+        ]
     finally:
         for w in workers:
             if w.poll() is None and w.stdin is not None:
@@ -417,20 +542,32 @@ def scale(root: Path, children: Children, etcd: str, agents: int, procs: int, tt
                 w.wait(30)
             except subprocess.TimeoutExpired:
                 w.kill()
-    return {"agents": agents, "procs": procs, "join_all_s": round(joined_s, 2),
-            "fault_to_stop_train_s": summarize(stop).as_dict(), "stop_train_received": len(stop),
-            "leader_rss_mib": round(rss, 1), "etcd_db_mib": round(db / 2**20, 2),
-            "kill_to_every_agent_following_s": round(max(follow), 2) if follow else None,
-            "followed": len(follow), "follow_s": summarize(follow).as_dict(), "agent_errors": got["errors"]}
+    return {
+        "agents": agents,
+        "procs": procs,
+        "join_all_s": round(joined_s, 2),
+        "fault_to_stop_train_s": summarize(stop).as_dict(),
+        "stop_train_received": len(stop),
+        "leader_rss_mib": round(rss, 1),
+        "etcd_db_mib": round(db / 2**20, 2),
+        "kill_to_every_agent_following_s": round(max(follow), 2) if follow else None,
+        "followed": len(follow),
+        "follow_s": summarize(follow).as_dict(),
+        "agent_errors": got["errors"],
+    }
 
 
 # --- chaos ---------------------------------------------------------------------------------------------
 
 
-def chaos(root: Path, children: Children, etcd: str, kills: int, freezes: int, ttl: int, seed: int) -> dict[str, Any]:
+def chaos(
+    root: Path, children: Children, etcd: str, kills: int, freezes: int, ttl: int, seed: int
+) -> dict[str, Any]:
     rng = random.Random(seed)
     state = f"etcd://{etcd}/chaos-{uuid.uuid4().hex[:8]}"
-    replicas = [Replica(children, root, state, f"chaos-{n}", ("--lease-ttl", str(ttl))).start() for n in range(3)]
+    replicas = [
+        Replica(children, root, state, f"chaos-{n}", ("--lease-ttl", str(ttl))).start() for n in range(3)
+    ]
     addresses = ",".join(r.address for r in replicas)
     out = root / "out"
     out.mkdir()
@@ -438,10 +575,31 @@ def chaos(root: Path, children: Children, etcd: str, kills: int, freezes: int, t
     (root / "worker.py").write_text(WORKER)
     steps = 400 + 10 * (kills + freezes)
     run = children.start(
-        [PYTHON, "-m", "taskd_core", "run", "--nproc", str(NPROC), "--job-id", CHAOS_JOB, "--controller", addresses,
-         "--in-place", "--connect-timeout", "300", "--", PYTHON, str(root / "worker.py"), str(out), str(steps),
-         str(steps - 1), "0.01"],
-        log=root / "chaos-run.log", cwd=REPO, env={"TASKD_JOB_TOKEN": "chaos-token"},
+        [
+            PYTHON,
+            "-m",
+            "taskd_core",
+            "run",
+            "--nproc",
+            str(NPROC),
+            "--job-id",
+            CHAOS_JOB,
+            "--controller",
+            addresses,
+            "--in-place",
+            "--connect-timeout",
+            "300",
+            "--",
+            PYTHON,
+            str(root / "worker.py"),
+            str(out),
+            str(steps),
+            str(steps - 1),
+            "0.01",
+        ],
+        log=root / "chaos-run.log",
+        cwd=REPO,
+        env={"TASKD_JOB_TOKEN": "chaos-token"},
     )
 
     def pids() -> dict[int, int]:
@@ -475,9 +633,18 @@ def chaos(root: Path, children: Children, etcd: str, kills: int, freezes: int, t
             time.sleep(ttl + 1.0)
             current.proc.send_signal(signal.SIGCONT)
         try:
-            poll_until(lambda r=rank, b=before[rank]: (p := pids()).get(r, b) != b and len(p) == NPROC
-                       and (v := job_view(addresses, CHAOS_JOB)) is not None and v.state.value == "idle" or None,
-                       120, f"recovery {i + 1}", interval=0.05)
+            poll_until(
+                lambda r=rank, b=before[rank]: (
+                    (p := pids()).get(r, b) != b
+                    and len(p) == NPROC
+                    and (v := job_view(addresses, CHAOS_JOB)) is not None
+                    and v.state.value == "idle"
+                    or None
+                ),
+                120,
+                f"recovery {i + 1}",
+                interval=0.05,
+            )
             recovered += 1
         except TimeoutError:
             logger.error("recovery %d (%s) not done", i + 1, kind)
@@ -487,48 +654,107 @@ def chaos(root: Path, children: Children, etcd: str, kills: int, freezes: int, t
     view = job_view(addresses, CHAOS_JOB)
     events = job_events(addresses, CHAOS_JOB, events=1000, token=ADMIN)
     started = [e.detail.get("uuid") for e in events if e.kind == "cycle started"]
-    finals = {r: json.loads((out / f"final-{r}.json").read_text())["params"] for r in range(NPROC)
-              if (out / f"final-{r}.json").exists()}
+    finals = {
+        r: json.loads((out / f"final-{r}.json").read_text())["params"]
+        for r in range(NPROC)
+        if (out / f"final-{r}.json").exists()
+    }
     starts_per_rank = {r: sum(1 for p in out.glob(f"start-{r}-*")) for r in range(NPROC)}
     reference = fault_free(root, steps)
-    return {"kills": kills, "freezes": freezes, "recovered": recovered, "agent_exit": code,
-            "jobs_lost": int(view is None or view.state.value != "finished"),
-            "cycles": view.cycle if view else None,
-            "cycles_started_twice": len(started) - len(set(started)),
-            "extra_restarts": sum(max(0, starts_per_rank[r] - restarts_expected[r]) for r in range(NPROC)),
-            "params_equal": finals == reference, "leftover_processes": len(job_processes())}
+    return {
+        "kills": kills,
+        "freezes": freezes,
+        "recovered": recovered,
+        "agent_exit": code,
+        "jobs_lost": int(view is None or view.state.value != "finished"),
+        "cycles": view.cycle if view else None,
+        "cycles_started_twice": len(started) - len(set(started)),
+        "extra_restarts": sum(max(0, starts_per_rank[r] - restarts_expected[r]) for r in range(NPROC)),
+        "params_equal": finals == reference,
+        "leftover_processes": len(job_processes()),
+    }
 
 
 # --- the report -------------------------------------------------------------------------------------------
 
 
-def render(report: dict[str, Any]) -> str:
+def table(report: dict[str, Any]) -> str:
+    """One row per figure of the parts that ran: what, measured, the issue's target."""
     rows = []
+    for part in ("failover", "latency", "scale", "chaos"):
+        if "error" in report.get(part, {}):
+            rows.append([f"{part}: did not finish", report[part]["error"], ""])
+    report = {k: v for k, v in report.items() if not (isinstance(v, dict) and "error" in v)}
     if "failover" in report:
         f = report["failover"]
-        rows.append(["leader SIGKILLed -> standby SERVING", f"p50 {f['kill_to_serving_s']['median']:.2f} s "
-                     f"(max {f['kill_to_serving_s']['max']:.2f}, {f['trials']} trials, lease {f['lease_ttl_s']} s)", "<= 3 s"])
-        rows.append(["SERVING -> the agent's report taken", f"p50 {f['serving_to_report_taken_s']['median']:.2f} s "
-                     f"(max {f['serving_to_report_taken_s']['max']:.2f})", "<= 1 s"])
+        rows.append(
+            [
+                "leader SIGKILLed -> standby SERVING",
+                f"p50 {f['kill_to_serving_s']['median']:.2f} s "
+                f"(max {f['kill_to_serving_s']['max']:.2f}, {f['trials']} trials, lease {f['lease_ttl_s']} s)",
+                f"<= {SERVE_TARGET:g} s",
+            ]
+        )
+        rows.append(
+            [
+                "SERVING -> the agent's report taken",
+                f"p50 {f['serving_to_report_taken_s']['median']:.2f} s "
+                f"(max {f['serving_to_report_taken_s']['max']:.2f})",
+                f"<= {REPORT_TARGET:g} s",
+            ]
+        )
     if "latency" in report:
         lat = report["latency"]
-        rows.append(["fault -> changeStrategy, SQLite", f"p50 {lat['sqlite']['p50_ms']} ms, p99 {lat['sqlite']['p99_ms']} ms", ""])
-        rows.append(["fault -> changeStrategy, etcd", f"p50 {lat['etcd']['p50_ms']} ms, p99 {lat['etcd']['p99_ms']} ms "
-                     f"({lat['ratio_p50']} x SQLite)", "<= 2 x SQLite"])
+        rows.append(
+            [
+                "fault -> changeStrategy, SQLite",
+                f"p50 {lat['sqlite']['p50_ms']} ms, p99 {lat['sqlite']['p99_ms']} ms",
+                "",
+            ]
+        )
+        rows.append(
+            [
+                "fault -> changeStrategy, etcd",
+                f"p50 {lat['etcd']['p50_ms']} ms, p99 {lat['etcd']['p99_ms']} ms "
+                f"({lat['ratio_p50']} x SQLite)",
+                f"<= {LATENCY_RATIO_TARGET:g} x SQLite",
+            ]
+        )
     if "scale" in report:
         s = report["scale"]
-        rows.append([f"{s['agents']} agents: fault -> stopTrain at each", f"p50 {s['fault_to_stop_train_s']['median']:.3f} s, "
-                     f"p99 {s['fault_to_stop_train_s']['p99']:.3f} s ({s['stop_train_received']} received)", "p99 <= 1 s"])
-        rows.append(["leader RSS / etcd database", f"{s['leader_rss_mib']} MiB / {s['etcd_db_mib']} MiB", "reported"])
-        rows.append([f"leader SIGKILLed, {s['agents']} attached: all following",
-                     f"{s['kill_to_every_agent_following_s']} s ({s['followed']} agents)", "<= 10 s"])
+        rows.append(
+            [
+                f"{s['agents']} agents: fault -> stopTrain at each",
+                f"p50 {s['fault_to_stop_train_s']['median']:.3f} s, "
+                f"p99 {s['fault_to_stop_train_s']['p99']:.3f} s ({s['stop_train_received']} received)",
+                f"p99 <= {FANOUT_P99_TARGET:g} s",
+            ]
+        )
+        rows.append(
+            ["leader RSS / etcd database", f"{s['leader_rss_mib']} MiB / {s['etcd_db_mib']} MiB", "reported"]
+        )
+        rows.append(
+            [
+                f"leader SIGKILLed, {s['agents']} attached: all following",
+                f"{s['kill_to_every_agent_following_s']} s ({s['followed']} agents)",
+                f"<= {FOLLOW_TARGET:g} s",
+            ]
+        )
     if "chaos" in report:
         c = report["chaos"]
-        rows.append([f"chaos: {c['kills']} leader kills + {c['freezes']} freezes",
-                     f"{c['recovered']} recovered, jobs lost {c['jobs_lost']}, cycles twice {c['cycles_started_twice']}, "
-                     f"extra restarts {c['extra_restarts']}, params equal {c['params_equal']}", "0 lost, 0 twice, equal"])
-    load = report["machine"]["loadavg_at_start"]
-    return markdown_table(["what", "measured", "target"], rows) + f"\n\nload average at the start: {load}"
+        rows.append(
+            [
+                f"chaos: {c['kills']} leader kills + {c['freezes']} freezes",
+                f"{c['recovered']} recovered, jobs lost {c['jobs_lost']}, cycles twice {c['cycles_started_twice']}, "
+                f"extra restarts {c['extra_restarts']}, params equal {c['params_equal']}",
+                "0 lost, 0 twice, equal",
+            ]
+        )
+    return markdown_table(["what", "measured", "target"], rows)
+
+
+def render(report: dict[str, Any]) -> str:
+    return table(report) + f"\n\nload average at the start: {report['machine']['loadavg_at_start']}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -555,23 +781,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The bench's own status reads go to whichever replica leads: their hops are no news.
     logging.getLogger("taskd_core.client.endpoints").setLevel(logging.WARNING)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    report: dict[str, Any] = {"machine": machine()}
+    version = subprocess.run(
+        ["/usr/bin/etcd", "--version"], capture_output=True, text=True, timeout=30, check=False
+    )
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "command": sys.argv,
+        "etcd": version.stdout.split("\n")[0],
+    }
     with contextlib.ExitStack() as stack:
-        root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="taskd-failover-")))
+        root = args.workdir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="taskd-failover-"))
+        )
         root.mkdir(parents=True, exist_ok=True)
         children = stack.enter_context(Children(grace=15.0))
         etcd = start_etcd(children, root)
-        if "failover" in parts:
-            report["failover"] = failover(root, children, etcd, args.failovers, args.lease_ttl)
-        if "latency" in parts:
-            report["latency"] = latency(root, children, etcd, args.cycles)
-        if "scale" in parts:
-            report["scale"] = scale(root, children, etcd, args.agents, args.procs, args.lease_ttl)
-        if "chaos" in parts:
-            report["chaos"] = chaos(root, children, etcd, args.kills, args.freezes, args.lease_ttl, args.seed)
+        runs: dict[str, Callable[[], dict[str, Any]]] = {
+            "failover": lambda: failover(root, children, etcd, args.failovers, args.lease_ttl),
+            "latency": lambda: latency(root, children, etcd, args.cycles),
+            "scale": lambda: scale(root, children, etcd, args.agents, args.procs, args.lease_ttl),
+            "chaos": lambda: chaos(root, children, etcd, args.kills, args.freezes, args.lease_ttl, args.seed),
+        }
+        for part in (p for p in runs if p in parts):
+            try:
+                report[part] = runs[part]()
+            except (TimeoutError, RuntimeError, TaskdError, grpc.RpcError, OSError) as exc:
+                # One part that does not finish is its own result; the others still run and are kept.
+                logger.error("%s failed: %s", part, exc)
+                report[part] = {"error": f"{type(exc).__name__}: {exc}"}
+            write_json(args.json, {**report, "loadavg_at_end": os.getloadavg()})
+    report["loadavg_at_end"] = os.getloadavg()
     print(render(report))
     write_json(args.json, report)
-    return 0
+    return 0 if not any("error" in report[p] for p in runs if p in report) else 1
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -65,7 +66,11 @@ from _common import (
 logger = logging.getLogger("first_start_bench")
 
 BIN = Path(PYTHON).parent
+#: Issue 25: taskdrun's (and taskd run's) median ratio to torchrun over the cases, launch → workers done.
+TARGET = 1.1
 DONE_ENV = "FIRST_START_DONE"
+#: Where a failure's outcome names its trial's log.
+LOG_PATH = re.compile(r" \(log: [^)]*\)")
 _DONE = textwrap.dedent(
     f"""
     def done(rank):
@@ -252,7 +257,8 @@ def summary(
     return {"cells": cells, "ratios": ratios, "median_ratio": overall}
 
 
-def render(data: dict[str, Any], cases: Sequence[Case], launchers: Sequence[str]) -> str:
+def table(data: dict[str, Any], cases: Sequence[Case], launchers: Sequence[str]) -> str:
+    """Medians (min–max) per case and launcher, each with its ratio to torchrun's, and the trials that counted."""
     rows = []
     for case, launcher in itertools.product(cases, launchers):
         cell = data["cells"].get(f"{case.name}/{launcher}")
@@ -267,19 +273,28 @@ def render(data: dict[str, Any], cases: Sequence[Case], launchers: Sequence[str]
                 fmt(ratio.get("done")) if ratio else "1" if launcher == "torchrun" else "N/A",
                 _range(cell["exit"]),
                 fmt(ratio.get("exit")) if ratio else "1" if launcher == "torchrun" else "N/A",
-                f"{cell['trials'] - len(cell['failures'])}/{cell['trials']}"
-                if not cell["failures"]
-                else ", ".join(cell["failures"]),
+                f"{cell['done']['n']}/{cell['trials']}",
             ]
         )
-    table = markdown_table(
+    return markdown_table(
         ["case", "launcher", "launch → workers done, s", "ratio", "launch → exit, s", "ratio", "ok"], rows
     )
-    lines = [table, ""]
+
+
+def failure_reasons(cell: dict[str, Any]) -> list[str]:
+    """A cell's distinct failure outcomes without their log paths (each trial has its own)."""
+    return sorted({LOG_PATH.sub("", reason) for reason in cell["failures"]})
+
+
+def render(data: dict[str, Any], cases: Sequence[Case], launchers: Sequence[str]) -> str:
+    lines = [table(data, cases, launchers), ""]
+    for key, cell in data["cells"].items():
+        for reason in cell["failures"]:
+            lines.append(f"{key} failed: {reason}")
     for launcher, overall in data["median_ratio"].items():
         lines.append(
             f"{launcher} / torchrun, median over the cases: launch → workers done {fmt(overall['done'])}, "
-            f"launch → exit {fmt(overall['exit'])} (target for taskdrun and taskd-run: ≤ 1.1)"
+            f"launch → exit {fmt(overall['exit'])} (target for taskdrun and taskd-run: ≤ {TARGET:g})"
         )
     return "\n".join(lines)
 

@@ -50,6 +50,7 @@ Run (the whole table; ``--trials 1 --modes fork`` is a smoke run)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -129,13 +130,18 @@ class Progress(ProgressLog):
             (
                 e
                 for e in self.events
-                if e.get("event") == event and e["rank"] == rank and e["time"] > after and e["pid"] not in not_pids
+                if e.get("event") == event
+                and e["rank"] == rank
+                and e["time"] > after
+                and e["pid"] not in not_pids
             ),
             None,
         )
 
     def last_step(self, rank: int) -> dict[str, Any] | None:
-        return next((e for e in reversed(self.events) if e.get("event") == "step" and e["rank"] == rank), None)
+        return next(
+            (e for e in reversed(self.events) if e.get("event") == "step" and e["rank"] == rank), None
+        )
 
 
 @dataclass
@@ -192,7 +198,9 @@ class Run:
         self.msrun = self.children.start(command, log=self.dir / "msrun.log", env=env, cwd=self.dir)
         stepped = self._wait(lambda: self._all_stepped(t0, set()), self.settings.startup_deadline)
         if stepped is None:
-            raise RuntimeError(f"{self.job.name}/{self.mode}: no step within {self.settings.startup_deadline}s")
+            raise RuntimeError(
+                f"{self.job.name}/{self.mode}: no step within {self.settings.startup_deadline}s"
+            )
         self.last_start = time.time()
         return stepped - t0
 
@@ -221,7 +229,9 @@ class Run:
         for pid in victims.values():
             os.kill(pid, signal.SIGKILL)
         watched = max(ranks)
-        stepped = self._wait(lambda: self.progress.first("step", watched, t_kill, old), self.settings.recovery_deadline)
+        stepped = self._wait(
+            lambda: self.progress.first("step", watched, t_kill, old), self.settings.recovery_deadline
+        )
         result: dict[str, Any] = {"ranks": list(ranks), "recovered": stepped is not None}
         if stepped is None:
             return result
@@ -250,7 +260,12 @@ class Run:
         cpu0, t0 = cpu_seconds(server), time.monotonic()
         time.sleep(self.settings.server_window)
         cpu1, t1 = cpu_seconds(server), time.monotonic()
-        return {"pid": server, "window": t1 - t0, "cpu_percent": 100 * (cpu1 - cpu0) / (t1 - t0), **_memory_kib(server)}
+        return {
+            "pid": server,
+            "window": t1 - t0,
+            "cpu_percent": 100 * (cpu1 - cpu0) / (t1 - t0),
+            **_memory_kib(server),
+        }
 
     def stop(self) -> None:
         self.children.adopt(e["pid"] for e in self.progress.events)
@@ -299,7 +314,8 @@ def run_job(job: Job, mode: str, settings: Settings, workdir: Path, server: bool
             run.stop()
 
 
-def report(results: dict[str, Any], settings: Settings) -> str:
+def table(results: dict[str, Any]) -> str:
+    """Per job, mode and kind of kill: the cold start, the kills recovered and the medians (min–max) after the kill."""
     rows = []
     for key, res in results["runs"].items():
         if "error" in res:
@@ -321,7 +337,7 @@ def report(results: dict[str, Any], settings: Settings) -> str:
                     fmt(ratio(step["median"], cold)),
                 ]
             )
-    table = markdown_table(
+    return markdown_table(
         [
             "job / mode",
             "cold start (s)",
@@ -334,12 +350,15 @@ def report(results: dict[str, Any], settings: Settings) -> str:
         ],
         rows,
     )
+
+
+def report(results: dict[str, Any], settings: Settings) -> str:
     lines = [
         f"MindSpore {results['mindspore']}, msrun 2 workers, {settings.trials} trial(s) per kill,"
         f" step sleep {settings.step_sleep}s; load average at start {results['machine']['loadavg_at_start']},"
         f" at end {results['loadavg_at_end']}",
         "",
-        table,
+        table(results),
         "",
         f"Target: stepped / cold start ≤ {TARGET} (fork mode).",
     ]
@@ -360,7 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", default="collective,in-place", help=f"comma list of {sorted(JOBS)}")
     p.add_argument("--modes", default="fork,exec,before", help=f"comma list of {sorted(MODES)}")
     p.add_argument("--step-sleep", type=float, default=0.1)
-    p.add_argument("--settle", type=float, default=11.0, help="seconds of training after a start before a kill")
+    p.add_argument(
+        "--settle", type=float, default=11.0, help="seconds of training after a start before a kill"
+    )
     p.add_argument("--startup-deadline", type=float, default=180.0)
     p.add_argument("--recovery-deadline", type=float, default=90.0)
     p.add_argument("--server-window", type=float, default=20.0, help="0: do not measure the fork server")
@@ -370,15 +391,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     setup_logging(args.log_level)
     exit_on_sigterm()
-    unknown = [j for j in args.jobs.split(",") if j not in JOBS] + [m for m in args.modes.split(",") if m not in MODES]
+    unknown = [j for j in args.jobs.split(",") if j not in JOBS] + [
+        m for m in args.modes.split(",") if m not in MODES
+    ]
     if unknown:
         p.error(f"unknown job or mode: {', '.join(unknown)}")
     if not MSRUN.exists():
         p.error(f"{MSRUN} not found: run scripts/env.sh (MindSpore 2.10)")
     settings = Settings(
-        args.trials, args.step_sleep, args.settle, args.startup_deadline, args.recovery_deadline, args.server_window
+        args.trials,
+        args.step_sleep,
+        args.settle,
+        args.startup_deadline,
+        args.recovery_deadline,
+        args.server_window,
     )
-    results: dict[str, Any] = {"machine": machine(), "mindspore": metadata.version("mindspore"), "runs": {}}
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "mindspore": metadata.version("mindspore"),
+        "settings": dataclasses.asdict(settings),
+        "command": sys.argv,
+        "runs": {},
+    }
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="msbench-"))
     server_done = False
     for job in args.jobs.split(","):

@@ -12,6 +12,10 @@ timings), each as a child process writing JSON:
 6. ``hang_bench.py``: hang → fault reported and → every rank stepping again, per signal;
 7. ``signal_bench.py``: SIGTERM → launcher gone, taskdrun vs torchrun, in the rendezvous and with workers.
 8. ``chaos_bench.py``: one job under 120 random faults of its workers and of TaskD itself.
+9. ``transfer_bench.py``: a live replica's state handed over loopback;
+10. ``first_start_bench.py``: a job's first start, taskdrun and ``taskd run`` against torchrun;
+11. ``mindspore_bench.py``: real msrun, kill → the rank stepping again against a cold start of the same job;
+12. ``failover_bench.py``: controller replicas on a real etcd: fail-over, etcd against SQLite, 2048 agents, chaos.
 
 Then writes the Markdown report: the machine, versions, the exact command,
 the targets and each bench's section. The prose is in ``bench/templates/``
@@ -37,6 +41,7 @@ import json
 import logging
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,9 +55,12 @@ from typing import Any
 
 import chaos_bench
 import detect_bench
+import failover_bench
+import first_start_bench
 import hang_bench
 import idle_bench
 import metrics_bench
+import mindspore_bench
 import recovery_bench
 import security_bench
 import signal_bench
@@ -65,6 +73,7 @@ from _common import (
     fmt,
     machine,
     markdown_table,
+    ratio,
     setup_logging,
     summarize,
 )
@@ -137,7 +146,47 @@ STEPS = (
     ),
     Step("signals", "signal_bench.py", ("--repeats", "5"), ("--repeats", "1"), 600.0),
     Step("chaos", "chaos_bench.py", ("--faults", "120"), ("--faults", "20"), 1800.0),
-    Step("transfer", "transfer_bench.py", ("--gib", "1", "--trials", "3"), ("--gib", "0.25", "--trials", "1"), 900.0),
+    Step(
+        "transfer",
+        "transfer_bench.py",
+        ("--gib", "1", "--trials", "3"),
+        ("--gib", "0.25", "--trials", "1"),
+        900.0,
+    ),
+    Step(
+        "first_start",
+        "first_start_bench.py",
+        ("--repeats", "5"),
+        ("--repeats", "1", "--cases", "launched,train_ddp"),
+        1800.0,
+    ),
+    Step(
+        "mindspore",
+        "mindspore_bench.py",
+        ("--trials", "5"),
+        ("--trials", "1", "--modes", "fork", "--server-window", "5"),
+        2400.0,
+    ),
+    Step(
+        "failover",
+        "failover_bench.py",
+        (),
+        (
+            "--failovers",
+            "3",
+            "--cycles",
+            "20",
+            "--agents",
+            "128",
+            "--procs",
+            "2",
+            "--kills",
+            "3",
+            "--freezes",
+            "2",
+        ),
+        2400.0,
+    ),
 )
 
 Section = tuple[str, list[list[str]]]
@@ -603,6 +652,257 @@ def transfer_fields(data: dict[str, Any]) -> Rendered:
     return {"gib": f"{size:.2f}", "tensors": str(transfer_bench.TENSORS), "table": table}, rows
 
 
+def _loads(load: list[float]) -> str:
+    return " / ".join(f"{x:.2f}" for x in load)
+
+
+def first_start_fields(data: dict[str, Any]) -> Rendered:
+    bench = first_start_bench
+    cells, ratios, overall = data["cells"], data["ratios"], data["median_ratio"]
+    cases = [c for c in bench.CASES if any(key.startswith(f"{c.name}/") for key in cells)]
+    launchers = [n for n in bench.LAUNCHERS if any(key.endswith(f"/{n}") for key in cells)]
+    failed = {key: cell for key, cell in cells.items() if cell["failures"]}
+    failures = "; ".join(
+        f"{key} {cell['trials'] - cell['done']['n']} of {cell['trials']} ({', '.join(bench.failure_reasons(cell))})"
+        for key, cell in failed.items()
+    )
+    # Cases where torchrun's median rests on every trial: the ratio over them alone.
+    clean = [c.name for c in cases if f"{c.name}/torchrun" in cells and f"{c.name}/torchrun" not in failed]
+    ours = ratios.get("taskdrun", {})
+    clean_ratios = [ours[c]["done"] for c in clean if c in ours]
+    torchrun_failed = any(key.endswith("/torchrun") for key in failed)
+    fields: dict[str, Value] = {
+        "repeats": str(max(cell["trials"] for cell in cells.values())),
+        "load_before": _loads(data["load_before"]),
+        "load_after": _loads(data["load_after"]),
+        "table": bench.table(data, cases, launchers),
+        "overall": "; ".join(
+            f"{name} {fmt(overall[name]['done'])} / {fmt(overall[name]['exit'])}"
+            for name in launchers
+            if name in overall
+        ),
+        "failed": bool(failed),
+        "failures": failures or None,
+        "torchrun_failed": torchrun_failed,
+        "clean_cases": ", ".join(clean) if torchrun_failed else None,
+        "clean_ratio": fmt(statistics.median(clean_ratios)) if torchrun_failed and clean_ratios else None,
+    }
+    rows = []
+    for name, label in (("taskdrun", "taskdrun"), ("taskd-run", "`taskd run`")):
+        if name not in overall:
+            continue
+        median = overall[name]["done"]
+        per_case = ", ".join(
+            f"{c.name} {fmt(ratios[name][c.name]['done'])}" for c in cases if c.name in ratios[name]
+        )
+        base = (
+            "; torchrun's from "
+            + ", ".join(
+                f"{key.split('/')[0]} {cell['done']['n']}/{cell['trials']} trials"
+                for key, cell in failed.items()
+                if key.endswith("/torchrun")
+            )
+            if torchrun_failed
+            else ""
+        )
+        rows.append(
+            [
+                f"first start, {label}/torchrun (launch → workers done), median over the cases ≤ {bench.TARGET:g}",
+                f"{fmt(median)} ({per_case}{base})",
+                _met(median <= bench.TARGET),
+            ]
+        )
+    return fields, rows
+
+
+def mindspore_fields(data: dict[str, Any]) -> Rendered:
+    bench, settings = mindspore_bench, data["settings"]
+    target = bench.TARGET
+    jobs, modes = list(bench.JOBS), list(bench.MODES)
+
+    def order(key: str) -> tuple[int, int]:
+        job, mode = key.split(" / ")
+        return jobs.index(job), modes.index(mode)
+
+    # The JSON's keys come back sorted by name: the bench's own order of jobs, modes and kills reads better.
+    runs = {}
+    for key in sorted(data["runs"], key=order):
+        res = data["runs"][key]
+        if "kills" in res:
+            kinds = list(bench.JOBS[key.split(" / ")[0]].kills)
+            res = {
+                **res,
+                "kills": {kind: res["kills"][kind] for kind in sorted(res["kills"], key=kinds.index)},
+            }
+        runs[key] = res
+
+    def stepped_ratio(res: dict[str, Any], kind: str) -> float:
+        done = [t["stepped"] for t in res["kills"].get(kind, []) if t["recovered"]]
+        return ratio(summarize(done).median, res["cold_start"])
+
+    fork = {key.split(" / ")[0]: res for key, res in runs.items() if key.endswith(" / fork")}
+    server = next((res["fork_server"] for res in fork.values() if "fork_server" in res), None)
+    measured = server is not None and "cpu_percent" in server
+    fields: dict[str, Value] = {
+        "mindspore": data["mindspore"],
+        "step_sleep": f"{settings['step_sleep']:g}",
+        "trials": str(settings["trials"]),
+        "settle": f"{settings['settle']:g}",
+        "deadline": f"{settings['recovery_deadline']:g}",
+        "load_start": _loads(data["machine"]["loadavg_at_start"]),
+        "load_end": _loads(data["loadavg_at_end"]),
+        "table": bench.table({**data, "runs": runs}),
+        "median_ratio": fmt(data["median_ratio_fork"]),
+        "server": measured,
+        "server_cpu": f"{server['cpu_percent']:.3f}" if measured else None,
+        "server_window": f"{server['window']:.0f}" if measured else None,
+        "server_tick": f"{100 * 0.01 / server['window']:.3f}" if measured else None,
+        "server_rss": f"{server['vmrss'] / 1024:.0f}" if measured else None,
+        "server_pss": f"{server['pss'] / 1024:.0f}" if measured else None,
+    }
+    rows = []
+    for kind, what in (
+        ("kill1", "kill of rank 1 → it stepped again"),
+        ("kill-all", "whole-node restart (both ranks killed)"),
+    ):
+        got = {job: stepped_ratio(res, kind) for job, res in fork.items() if kind in res.get("kills", {})}
+        if got:
+            rows.append(
+                [
+                    f"MindSpore (fork server), {what} ≤ {target:g} × the job's cold start (medians)",
+                    ", ".join(f"{job} {fmt(r)}" for job, r in got.items()),
+                    _met(all(r <= target for r in got.values())),
+                ]
+            )
+    counts, all_ok = [], True
+    for key, res in runs.items():
+        if "error" in res:
+            counts.append(f"{key}: {res['error']}")
+            all_ok = False
+            continue
+        trials = [t for kind in res["kills"].values() for t in kind]
+        ok = sum(t["recovered"] for t in trials)
+        all_ok = all_ok and ok == len(trials)
+        counts.append(f"{key} {ok}/{len(trials)}")
+    rows.append(["MindSpore: 100 % of kills recovered (every job and mode)", ", ".join(counts), _met(all_ok)])
+    if measured:
+        cpu = server["cpu_percent"]
+        rows.append(
+            [
+                f"MindSpore fork server idle CPU < {bench.SERVER_CPU_TARGET:g} % of a core",
+                f"{cpu:.3f} % over {server['window']:.0f} s",
+                _met(cpu < bench.SERVER_CPU_TARGET),
+            ]
+        )
+        rows.append(
+            [
+                "MindSpore fork server memory (no target)",
+                f"RSS {server['vmrss'] / 1024:.0f} MiB, PSS {server['pss'] / 1024:.0f} MiB",
+                "—",
+            ]
+        )
+    return fields, rows
+
+
+def failover_fields(data: dict[str, Any]) -> Rendered:
+    bench = failover_bench
+    names = ("failover", "latency", "scale", "chaos")
+    errors = {part: data[part]["error"] for part in names if "error" in data.get(part, {})}
+    fo, lat, sc, ch = (data.get(part) if part not in errors else None for part in names)
+    fields: dict[str, Value] = {
+        "etcd": data["etcd"].removeprefix("etcd Version: "),
+        "load_start": _loads(data["machine"]["loadavg_at_start"]),
+        "load_end": _loads(data["loadavg_at_end"]),
+        "table": bench.table(data),
+        "failover": fo is not None,
+        "ttl": str(fo["lease_ttl_s"]) if fo else None,
+        "failovers": str(fo["trials"]) if fo else None,
+        "latency": lat is not None,
+        "cycles": str(lat["sqlite"]["n"]) if lat else None,
+        "scale": sc is not None,
+        "agents": str(sc["agents"]) if sc else None,
+        "procs": str(sc["procs"]) if sc else None,
+        "join_s": fmt(sc["join_all_s"]) if sc else None,
+        "follow_p50": fmt(sc["follow_s"]["median"]) if sc else None,
+        "chaos": ch is not None,
+        "kills": str(ch["kills"]) if ch else None,
+        "freezes": str(ch["freezes"]) if ch else None,
+        "chaos_cycles": str(ch["cycles"]) if ch else None,
+        "agent_exit": str(ch["agent_exit"]) if ch else None,
+        "leftover": str(ch["leftover_processes"]) if ch else None,
+        "errors": bool(errors),
+        "error_list": "; ".join(f"{part}: {error}" for part, error in errors.items()) or None,
+    }
+    rows = [[f"failover_bench's {part} part finishes", error, "missed"] for part, error in errors.items()]
+    if fo:
+        serve, taken = fo["kill_to_serving_s"], fo["serving_to_report_taken_s"]
+        rows.append(
+            [
+                f"leader SIGKILLed → a standby SERVING ≤ {bench.SERVE_TARGET:g} s (p50 over {fo['trials']} fail-overs)",
+                f"p50 {fmt(serve['median'])} s, max {fmt(serve['max'])} s (lease {fo['lease_ttl_s']} s)",
+                _met(serve["median"] <= bench.SERVE_TARGET),
+            ]
+        )
+        all_taken = taken["n"] == fo["trials"]
+        rows.append(
+            [
+                f"SERVING → the agent's report taken ≤ {bench.REPORT_TARGET:g} s (p50)",
+                f"p50 {fmt(taken['median'])} s, max {fmt(taken['max'])} s ({taken['n']}/{fo['trials']} reports taken)",
+                _met(all_taken and taken["median"] <= bench.REPORT_TARGET),
+            ]
+        )
+    if lat:
+        rows.append(
+            [
+                f"fault → changeStrategy on etcd ≤ {bench.LATENCY_RATIO_TARGET:g} × SQLite (p50, same run)",
+                f"{fmt(lat['ratio_p50'])} × (etcd {fmt(lat['etcd']['p50_ms'])} ms, SQLite {fmt(lat['sqlite']['p50_ms'])} ms)",
+                _met(lat["ratio_p50"] <= bench.LATENCY_RATIO_TARGET),
+            ]
+        )
+    if sc:
+        stop, agents = sc["fault_to_stop_train_s"], sc["agents"]
+        rows.append(
+            [
+                f"{agents} agents: one node's fault → stopTrain at every agent, p99 ≤ {bench.FANOUT_P99_TARGET:g} s",
+                f"p99 {fmt(stop['p99'], 3)} s, p50 {fmt(stop['median'], 3)} s ({sc['stop_train_received']}/{agents} received)",
+                _met(sc["stop_train_received"] == agents and stop["p99"] <= bench.FANOUT_P99_TARGET),
+            ]
+        )
+        rows.append(
+            [
+                f"leader RSS and etcd database with {agents} agents (no target)",
+                f"{fmt(sc['leader_rss_mib'], 1)} MiB, {fmt(sc['etcd_db_mib'])} MiB",
+                "—",
+            ]
+        )
+        follow = sc["kill_to_every_agent_following_s"]
+        rows.append(
+            [
+                f"fail-over with {agents} agents attached: every agent following the new leader ≤ {bench.FOLLOW_TARGET:g} s",
+                f"{fmt(follow)} s ({sc['followed']}/{agents} followed)",
+                _met(follow is not None and sc["followed"] == agents and follow <= bench.FOLLOW_TARGET),
+            ]
+        )
+    if ch:
+        total = ch["kills"] + ch["freezes"]
+        ok = (
+            ch["jobs_lost"] == 0
+            and ch["cycles_started_twice"] == 0
+            and ch["params_equal"]
+            and ch["recovered"] == total
+        )
+        rows.append(
+            [
+                f"chaos, {ch['kills']} leader kills + {ch['freezes']} freezes: every recovery done, 0 jobs lost,"
+                " 0 cycles twice, parameters identical to fault-free",
+                f"{ch['recovered']}/{total} recovered, {ch['jobs_lost']} lost, {ch['cycles_started_twice']} twice,"
+                f" {ch['extra_restarts']} extra restarts, parameters {'identical' if ch['params_equal'] else 'DIFFERENT'}",
+                _met(ok),
+            ]
+        )
+    return fields, rows
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
     """One section of the report: the step whose results it reads, its template and its renderer."""
@@ -623,6 +923,9 @@ PARTS = (
     Part("signals", "signals", signal_fields),
     Part("chaos", "chaos", chaos_fields),
     Part("transfer", "transfer", transfer_fields),
+    Part("first_start", "first_start", first_start_fields),
+    Part("mindspore", "mindspore", mindspore_fields),
+    Part("failover", "failover", failover_fields),
 )
 
 

@@ -34,7 +34,11 @@ resumed and when every rank stepped. Fault injection for tests:
 on the first start only (``TASKD_RESTART_COUNT == 0``); ``--hang-at-step S
 --hang-rank R`` makes rank R spin in ``spin_forever`` there without a heartbeat.
 ``--step-jitter J`` varies step times by up to J times ``--step-time``;
-``--slow-from S --slow-step-time T`` changes the step time from step S on.
+``--slow-from S --slow-step-time T`` changes the step time from step S on
+(with ``--slow-rank R`` on rank R alone, on its first life only: a straggler).
+Each step tells the agent how long it worked (``worker.step(n, busy=...)``: its
+time less its wait in the all_reduce), from which the controller finds a rank
+slower than its peers.
 """
 
 from __future__ import annotations
@@ -66,7 +70,12 @@ MOMENTUM = 0.9
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    return build_parser(__doc__).parse_args()
+
+
+def build_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options every example training job shares (``doc``: the script's docstring, for ``--help``)."""
+    p = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="training steps in total")
     p.add_argument("--ckpt-dir", type=Path, required=True, help="directory of the checkpoint")
     p.add_argument("--ckpt-every", type=int, default=10, help="checkpoint every K steps")
@@ -80,22 +89,40 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fail-at-step", type=int, default=None, help="fail once when this step begins")
     p.add_argument("--fail-rank", type=int, default=0, help="global rank that fails")
     p.add_argument("--fail-mode", choices=("raise", "exit", "kill"), default="raise")
-    p.add_argument("--hang-at-step", type=int, default=None, help="hang once (spin, silent) when this step begins")
+    p.add_argument(
+        "--hang-at-step", type=int, default=None, help="hang once (spin, silent) when this step begins"
+    )
     p.add_argument("--hang-rank", type=int, default=0, help="global rank that hangs")
     p.add_argument("--no-heartbeat", action="store_true", help="do not report progress to the agent")
-    p.add_argument("--timer", type=float, default=None, help="arm torch's file timer for S seconds around each step")
-    p.add_argument("--step-jitter", type=float, default=1.0, help="step time varies between 1x and Jx --step-time")
-    p.add_argument("--slow-from", type=int, default=None, help="from this step on, steps take --slow-step-time")
+    p.add_argument(
+        "--timer", type=float, default=None, help="arm torch's file timer for S seconds around each step"
+    )
+    p.add_argument(
+        "--step-jitter", type=float, default=1.0, help="step time varies between 1x and Jx --step-time"
+    )
+    p.add_argument(
+        "--slow-from", type=int, default=None, help="from this step on, steps take --slow-step-time"
+    )
     p.add_argument("--slow-step-time", type=float, default=0.0)
     p.add_argument(
-        "--optimizer", choices=("manual", "sgd"), default="manual",
+        "--slow-rank",
+        type=int,
+        default=None,
+        help="only this global rank takes --slow-step-time, on its first life only (default: every rank)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("manual", "sgd"),
+        default="manual",
         help="the update: written out (manual) or DistributedDataParallel + torch.optim.SGD (sgd)",
     )
     p.add_argument(
-        "--ballast-mb", type=int, default=0,
+        "--ballast-mb",
+        type=int,
+        default=0,
         help="train_live.py: MiB of extra live state per rank (a slow state hand-over, for tests)",
     )
-    return p.parse_args()
+    return p
 
 
 class Progress:
@@ -200,11 +227,28 @@ def step_timer(seconds: float | None) -> Callable[[], contextlib.AbstractContext
     return lambda: timer.expires(after=seconds, scope="step")
 
 
-def step_pause(args: argparse.Namespace, step: int) -> float:
-    """Seconds this step sleeps: a stand-in for compute, the same on every rank and in every run."""
-    if args.slow_from is not None and step >= args.slow_from:
+def step_pause(args: argparse.Namespace, step: int, rank: int, first_life: bool) -> float:
+    """Seconds this step sleeps: a stand-in for compute, the same on every rank and in every run.
+
+    With ``--slow-rank`` only that rank's first life slows down; the jitter is the step's, job-wide.
+    """
+    slowed = args.slow_rank is None or (rank == args.slow_rank and first_life)
+    if args.slow_from is not None and step >= args.slow_from and slowed:
         return args.slow_step_time
     return args.step_time * random.Random(step).uniform(1.0, args.step_jitter)
+
+
+class WaitClock:
+    """The seconds a rank waits in its collectives, so that a step can report the rest as its work."""
+
+    def __init__(self, collective: Callable[[torch.Tensor], object]) -> None:
+        self._collective = collective
+        self.waited = 0.0
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        began = time.monotonic()
+        self._collective(tensor)
+        self.waited += time.monotonic() - began
 
 
 def main() -> int:
@@ -244,14 +288,16 @@ def main() -> int:
         if done:  # a zero buffer would equal SGD's first step, which takes the gradient as its buffer
             for p, v in zip(model.parameters(), velocity, strict=True):
                 optimizer.state[p]["momentum_buffer"] = v
+    reduce = WaitClock(dist.all_reduce)
     try:
         for step in range(done, args.steps):
+            began, reduce.waited = time.monotonic(), 0.0
             if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
                 inject_fault(args.fail_mode, step)
             with watchdog():
                 if step == args.hang_at_step and rank == args.hang_rank and restart == 0:
                     spin_forever()
-                pause = step_pause(args, step)
+                pause = step_pause(args, step, rank, restart == 0)
                 if pause:
                     # Stands for compute: the window in which a peer's fault is handled.
                     time.sleep(pause)
@@ -261,14 +307,17 @@ def main() -> int:
                 x, y = batch(step, rank)
                 if optimizer is None:
                     loss_fn(model(x), y).backward()
-                    sgd_step(model, velocity, world_size)
+                    sgd_step(model, velocity, world_size, reduce)
                 else:
                     loss_fn(ddp(x), y).backward()  # DDP averages the gradients over the ranks
                     optimizer.step()
                     velocity = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
             done = step + 1
             if not args.no_heartbeat:
-                worker.step(done)  # a heartbeat that also says how far training got
+                # A heartbeat that also says how far training got, and how long this rank worked
+                # (DDP waits inside backward(), out of sight: its step reports no work).
+                busy = time.monotonic() - began - reduce.waited if optimizer is None else None
+                worker.step(done, busy=busy)
             progress.log("step", done)
             if rank == 0 and (done % args.ckpt_every == 0 or done == args.steps):
                 save_checkpoint(ckpt, done, model, velocity)

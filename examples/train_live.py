@@ -89,7 +89,7 @@ def main() -> int:
             with watchdog():
                 if step == args.hang_at_step and rank == args.hang_rank and first_life:
                     spin_forever()
-                pause = step_pause(args, step)
+                pause = step_pause(args, step, rank, first_life)
                 if pause:
                     # Stands for compute: the window in which a peer's fault is handled.
                     time.sleep(pause)

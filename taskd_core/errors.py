@@ -249,3 +249,7 @@ class StateUnavailableError(StateStoreError):
             "check that etcd runs there, that the address is right and, if it serves TLS, "
             "the --etcd-cacert/--etcd-cert/--etcd-key files",
         )
+
+
+class SnapshotError(TaskdError):
+    """A memory snapshot that cannot be written, found or trusted: the next rung (peer copy, disk) is used."""

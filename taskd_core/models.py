@@ -216,6 +216,26 @@ class WorkerEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class RankWork:
+    """How long one rank worked over its latest steps (``worker.step(n, busy=...)``, ``LiveSession``).
+
+    Work is a step's time less its waits in collectives: in synchronous
+    training every rank's step takes as long as the slowest rank's, and only
+    the work tells which rank that is. The controller compares ranks' work per
+    step to find a slow rank (``slow-rank`` events).
+    """
+
+    rank: int
+    pid: int
+    #: steps done when the sample ends.
+    step: int
+    #: how many steps the sample covers (it ends at ``step``).
+    steps: int
+    #: seconds of work over those steps.
+    busy: float
+
+
+@dataclass(frozen=True, slots=True)
 class JournalEvent:
     """One entry of a job's event journal (docs/events.md describes the kinds and details)."""
 
@@ -271,6 +291,15 @@ class Credentials:
         )
 
 
+class SlowRankPolicy(str, enum.Enum):
+    """What the controller does with a rank slower than its peers (``slow-rank`` events)."""
+
+    #: journal it, count it, show it; nothing else.
+    WARN = "warn"
+    #: also drain its node onto a waiting hot spare, as for a lost node (once per rank).
+    REPLACE = "replace"
+
+
 @dataclass(frozen=True, slots=True)
 class JobPolicy:
     """How the controller recovers one job."""
@@ -299,6 +328,12 @@ class JobPolicy:
     cycle_window: float = 3600.0
     #: agents the job should have; 0 means whoever registered.
     expected_agents: int = 0
+    #: what a slow rank gets (``taskd_core.controller.slowrank``).
+    slow_rank: SlowRankPolicy = SlowRankPolicy.WARN
+    #: a rank whose work per step is at least this many times its peers' median is slow...
+    slow_rank_bound: float = 1.5
+    #: ...measured over this many steps (and held for a quarter of them).
+    slow_rank_window: int = 20
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -336,6 +371,41 @@ class AgentStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class SlowRankStatus:
+    """A rank slower than its peers now, as the controller found it (``slow-rank`` events)."""
+
+    rank: int
+    pid: int
+    #: its work per step over its peers' median, at the latest step compared.
+    ratio: float
+    #: its work per step when it was found (seconds), and its peers' median then.
+    work: float
+    peer_work: float
+    #: the step from which it was slow, and the controller's Unix time when it was found.
+    since_step: int
+    since: float
+
+    def describe(self) -> str:
+        """One line for ``taskd status``."""
+        return (
+            f"rank {self.rank} (pid {self.pid}) slow since step {self.since_step}: "
+            f"{self.work * 1000:.1f} ms of work per step, its peers {self.peer_work * 1000:.1f} ms "
+            f"({self.ratio:.2f}x now)"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "pid": self.pid,
+            "ratio": self.ratio,
+            "work_per_step": self.work,
+            "peer_work_per_step": self.peer_work,
+            "since_step": self.since_step,
+            "since": self.since,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class JobStatus:
     """One job as its controller sees it: state, cycle, policy, agents and newest journal entries."""
 
@@ -358,6 +428,8 @@ class JobStatus:
     outcome: str
     #: registered without a token (a reference-style client).
     legacy: bool = False
+    #: ranks slower than their peers now (``slow-rank`` events), by rank.
+    slow_ranks: tuple[SlowRankStatus, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form ``taskd status --json`` prints per job (docs/events.md)."""
@@ -385,6 +457,7 @@ class JobStatus:
             "events": [e.to_json() for e in self.events],
             "outcome": self.outcome,
             "legacy": self.legacy,
+            "slow_ranks": [r.to_json() for r in self.slow_ranks],
         }
 
 

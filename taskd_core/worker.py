@@ -15,7 +15,12 @@ hung when it stops (:mod:`taskd_core.agent.hangs`)::
         save()
     worker.done()                             # no more beats to expect (also sent at exit)
 
-``heartbeat()`` says "still making progress" without a step number. With
+``heartbeat()`` says "still making progress" without a step number.
+``step(n, busy=seconds)`` also says how long the step *worked* (computed,
+loaded data: its wall time less the time it waited in collectives); the
+controller compares these figures across ranks to find a rank that is slower
+than its peers (``slow-rank`` events, docs/events.md). ``LiveSession``
+measures them itself. With
 ``resumed`` and ``step`` the agent also journals where each worker resumed
 and the last step it reached before it died (``worker resumed`` /
 ``worker exited`` events, docs/events.md): the controller counts the steps a
@@ -107,6 +112,9 @@ class ProgressReporter:
         self._step: int | None = None
         #: the first step after :meth:`resumed` goes out at once: it dates the ``stepping`` phase.
         self._step_due = False
+        #: busy seconds and the steps they cover, given to :meth:`step` since the last datagram.
+        self._busy = 0.0
+        self._busy_steps = 0
         if address:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sock.setblocking(False)
@@ -138,12 +146,30 @@ class ProgressReporter:
         now = time.monotonic()
         if self._step_due or now - self._last_beat >= MIN_BEAT_GAP:
             self._last_beat, self._step_due = now, False
-            step, self._step = self._step, None
-            self._send("beat" if step is None else f"step {step}", now)
+            self._send_step(now)
 
-    def step(self, number: int) -> None:
-        """``number`` steps are done (committed): a heartbeat that also says how far training got."""
+    def _send_step(self, when: float | None = None) -> None:
+        """The latest step (with the busy time of the steps since the last one sent), else a beat."""
+        step, self._step = self._step, None
+        if step is None:
+            self._send("beat", when)
+        elif self._busy_steps:
+            busy, steps, self._busy, self._busy_steps = self._busy, self._busy_steps, 0.0, 0
+            self._send(f"step {step} {busy:.6f} {steps}", when)
+        else:
+            self._send(f"step {step}", when)
+
+    def step(self, number: int, busy: float | None = None) -> None:
+        """``number`` steps are done (committed): a heartbeat that also says how far training got.
+
+        :param busy: seconds this step worked on this rank (its wall time less
+            its waits in collectives); None: not measured.
+        """
         self._step = check_step(number)
+        if busy is not None:
+            check_seconds(busy, "worker.step: busy")
+            self._busy += busy
+            self._busy_steps += 1
         self.heartbeat()
 
     def resumed(self, number: int) -> None:
@@ -168,8 +194,7 @@ class ProgressReporter:
     def done(self) -> None:
         """This process will make no more progress reports (training is over): stop expecting them."""
         if self._step is not None:  # the last step the beat gap held back
-            step, self._step = self._step, None
-            self._send(f"step {step}")
+            self._send_step()
         self._send("done")
 
     @contextlib.contextmanager
@@ -211,9 +236,9 @@ def heartbeat() -> None:
     reporter().heartbeat()
 
 
-def step(number: int) -> None:
-    """``number`` steps done; also a heartbeat (see :meth:`ProgressReporter.step`)."""
-    reporter().step(number)
+def step(number: int, busy: float | None = None) -> None:
+    """``number`` steps done, the last worked ``busy`` seconds (see :meth:`ProgressReporter.step`)."""
+    reporter().step(number, busy)
 
 
 def resumed(number: int) -> None:

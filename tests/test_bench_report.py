@@ -2,8 +2,9 @@
 
 The sample results in ``tests/bench_samples/`` are the JSON of small real runs of
 the benches (``--kills 3``, ``--seconds 2``, ``--faults 4`` ...: shapes, not figures
-to publish); section 2's is built here, since even a small recovery run starts torch
-under four launchers.
+to publish), or of a full run with its per-trial lists cut short (first_start,
+mindspore, failover); section 2's is built here, since even a small recovery run
+starts torch under four launchers.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ HEADINGS = [
     "## 7. Signals: SIGTERM → launcher gone",
     "## 8. Chaos: faults of the workers and of TaskD itself",
     "## 9. Live recovery: state transfer from a replica",
+    "## 10. First start: taskdrun and `taskd run` against torchrun",
+    "## 11. MindSpore under real msrun: kill → the rank stepping again, against a cold start",
+    "## 12. Controller replicas on etcd: fail-over, cost against SQLite, many agents, chaos",
 ]
 #: Words that state an outcome; a template may hold them only inside a block a renderer decides.
 OUTCOME_WORDS = re.compile(r"\b(met|missed|faster|slower|yes|NO|exceeded|within noise)\b")
@@ -144,6 +148,58 @@ def test_outcome_words_are_computed_from_the_results(run_all: ModuleType) -> Non
     for launcher in idle.values():
         launcher["cpu_percent"] = 1.5
     assert "**Target missed** by 0.50 percentage points" in render_all(run_all, data)
+
+
+def test_first_start_mindspore_and_failover_verdicts_follow_their_results(run_all: ModuleType) -> None:
+    data = samples(run_all)
+    text = render_all(run_all, data)
+    targets = text.split("## Targets")[1].split("## 1.")[0]
+    # The first_start sample: taskdrun's median ratio 0.84, torchrun's init_method from 1 of its 5 trials.
+    assert (
+        "| first start, taskdrun/torchrun (launch → workers done), median over the cases ≤ 1.1 | 0.84 ("
+        in targets
+    )
+    assert "torchrun's from init_method 1/5 trials) | met |" in targets
+    assert "Trials that did not count: init_method/torchrun 4 of 5 (exit code 1, 2 of 2 workers done)" in text
+    assert (
+        "| kill1 | 2/2 |" in text
+        and "| MindSpore fork server idle CPU < 0.1 % of a core | 0.000 % over 20 s | met |" in targets
+    )
+    assert "| MindSpore: 100 % of kills recovered (every job and mode) | collective / fork 4/4," in targets
+    assert "| 64 agents: one node's fault → stopTrain at every agent, p99 ≤ 1 s |" in targets
+    assert "fault → changeStrategy on etcd ≤ 2 × SQLite (p50, same run) | 15.32 × " in targets
+
+    slow = copy.deepcopy(data)
+    slow["first_start"]["median_ratio"]["taskdrun"]["done"] = 1.3
+    for cell in slow["first_start"]["cells"].values():
+        cell["failures"] = []
+    fork = slow["mindspore"]["runs"]["collective / fork"]
+    for trial in fork["kills"]["kill-all"]:
+        trial["stepped"] = fork["cold_start"]
+    fork["kills"]["kill1"][1]["recovered"] = False
+    slow["failover"]["chaos"]["params_equal"] = False
+    slow["failover"]["scale"]["followed"] = 63
+    text = render_all(run_all, slow)
+    assert (
+        "| first start, taskdrun/torchrun (launch → workers done), median over the cases ≤ 1.1 | 1.30 ("
+        in text
+    )
+    assert "Trials that did not count" not in text and "Over the cases where every torchrun trial" not in text
+    assert (
+        "whole-node restart (both ranks killed) ≤ 0.3 × the job's cold start (medians) | collective 1.00 | missed |"
+        in text
+    )
+    assert "| MindSpore: 100 % of kills recovered (every job and mode) | collective / fork 3/4," in text
+    assert "parameters DIFFERENT | missed |" in text
+    assert "(63/64 followed) | missed |" in text
+
+    slow["failover"]["scale"] = {
+        "error": "TimeoutError: the cycle over all agents did not happen within 300s"
+    }
+    text = render_all(run_all, slow)
+    assert "| failover_bench's scale part finishes | TimeoutError: the cycle over all agents" in text
+    assert "Parts that did not finish (their targets have no figure in this run): scale: TimeoutError" in text
+    assert "*Scale*" not in text
 
 
 def test_templates_state_no_outcome_outside_the_blocks_renderers_decide(report: ModuleType) -> None:

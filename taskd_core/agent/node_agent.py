@@ -34,11 +34,12 @@ from taskd_core.agent.crashloop import CrashLoop
 from taskd_core.agent.decision import AgentOutcome, Ending, Events, Look, Notices, Outcome, View, decide
 from taskd_core.agent.dispatcher import ActionDispatcher
 from taskd_core.agent.hangs import Hang, ProgressWatcher
+from taskd_core.agent.hangs.work import MAX_SAMPLES
 from taskd_core.agent.lifecycle import WorkerLedger
 from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.client.manager import DLRecoverManager
 from taskd_core.errors import ConfigError, RecoveryDisabledError, TaskdError
-from taskd_core.models import Code, FaultType, Signal, WorkerEvent, WorkerState, WorkerStatus
+from taskd_core.models import Code, FaultType, RankWork, Signal, WorkerEvent, WorkerState, WorkerStatus
 from taskd_core.plugins.registry import Adapter
 
 __all__ = ["AgentOutcome", "NodeAgent", "Outcome"]
@@ -91,6 +92,8 @@ class NodeAgent:
         self._held: dict[int, _Held] = {}
         #: worker events not reported yet: they wait while fault reports are held back.
         self._unsent: list[WorkerEvent] = []
+        #: workers' work per step not reported yet (for the controller's slow-rank detection).
+        self._work: list[RankWork] = []
         self._report_at = 0.0
         if not config.controller:
             raise ConfigError(f"the agent of job {config.job_id} needs a controller address")
@@ -262,6 +265,7 @@ class NodeAgent:
         self._crashloop.seen(statuses.values(), now)
         if recovery:
             self._unsent.extend(changes)
+            self._take_work()
         look = Look(now, statuses, started, self._failures(statuses, resync), resync, self._hung(statuses))
         return View(recovery, notices, look)
 
@@ -329,9 +333,15 @@ class NodeAgent:
 
     def _queue_events(self) -> None:
         """Send the worker events not reported yet from the report thread, behind the reports queued there."""
-        if self._unsent:
-            self._fault_reports.submit(self.client.report_worker_events, self._unsent)
-            self._unsent = []
+        if self._unsent or self._work:
+            self._fault_reports.submit(self.client.report_worker_events, self._unsent, self._work)
+            self._unsent, self._work = [], []
+
+    def _take_work(self) -> None:
+        """Keep the work samples the watcher gathered; the newest count when they pile up."""
+        if self._progress is not None:
+            self._work.extend(self._progress.take_work())
+            del self._work[:-MAX_SAMPLES]
 
     def _log_failed(self, failed: Iterable[WorkerStatus]) -> None:
         for s in failed:
@@ -420,8 +430,9 @@ class NodeAgent:
     def _report_changes(self) -> None:
         with self._lock:
             changes = [*self._unsent, *self._worker_events(self.adapter.monitor())]
-            self._unsent = []
-        self.client.report_worker_events(changes)
+            self._take_work()
+            work, self._unsent, self._work = self._work, [], []
+        self.client.report_worker_events(changes, work)
 
     def _worker_events(self, statuses: Mapping[int, WorkerStatus]) -> list[WorkerEvent]:
         """Worker events since the last look: reported steps, then starts and ends."""

@@ -16,6 +16,7 @@ exited 0, 1 the job was given up or failed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -27,6 +28,7 @@ from taskd_core.launcher.flags import OptionValues, add_node_options, node_setti
 from taskd_core.launcher.process_adapter import ProcessAdapter
 from taskd_core.launcher.spec import DEFAULT_MASTER_PORT, LaunchSpec
 from taskd_core.plugins import load_adapter
+from taskd_core.snapshots.keeper import Keeper
 from taskd_core.values import (
     LOCALHOST,
     MAX_LOCAL_WORKERS,
@@ -139,24 +141,35 @@ def run(args: argparse.Namespace) -> int:
         controller_state=args.controller_state,
     )
     spec = build_spec(args, settings.job_id, settings.agent.dispatch.stop_timeout)
-    # First: the fork server and every worker started afterwards are marked as this job's.
-    with Lifeline() as lifeline:
-        launcher = None
-        if settings.fork_server.enabled:
-            # Started now, so that the server preloads while the agent finds the controller.
-            cwd = None if spec.cwd is None else str(spec.cwd)
-            shared = {**spec.env, "TASKD_JOB_ID": spec.job_id}
-            launcher = ForkLauncher(spec.command, settings.fork_server, cwd, shared)
-        try:
-            adapter = load_adapter("process", instance=ProcessAdapter(spec, lifeline, launcher))
-            logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
+    keeper = None
+    if settings.snapshots.enabled:
+        # Snapshots stay on their node here: taskdrun's keepers also take the other nodes' copies.
+        keeper = Keeper(
+            settings.snapshots, job_id=spec.job_id, host="", token="", local_world_size=spec.nproc
+        )
+        spec = dataclasses.replace(spec, env={**spec.env, **keeper.worker_env()})
+    try:
+        # First: the fork server and every worker started afterwards are marked as this job's.
+        with Lifeline() as lifeline:
+            launcher = None
+            if settings.fork_server.enabled:
+                # Started now, so that the server preloads while the agent finds the controller.
+                cwd = None if spec.cwd is None else str(spec.cwd)
+                shared = {**spec.env, "TASKD_JOB_ID": spec.job_id}
+                launcher = ForkLauncher(spec.command, settings.fork_server, cwd, shared)
             try:
-                outcome = run_node_agent(adapter, settings, "taskd run")
+                adapter = load_adapter("process", instance=ProcessAdapter(spec, lifeline, launcher))
+                logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
+                try:
+                    outcome = run_node_agent(adapter, settings, "taskd run")
+                finally:
+                    # Workers that exited 0 may leave children behind (the agent is done with
+                    # them once the leaders ended): taskd run leaves no process of the job running.
+                    adapter.stop(None, spec.stop_timeout)
             finally:
-                # Workers that exited 0 may leave children behind (the agent is done with
-                # them once the leaders ended): taskd run leaves no process of the job running.
-                adapter.stop(None, spec.stop_timeout)
-        finally:
-            if launcher is not None:
-                launcher.close()
+                if launcher is not None:
+                    launcher.close()
+    finally:
+        if keeper is not None:
+            keeper.close()
     return outcome.exit_code

@@ -74,6 +74,8 @@ def render(status: ControllerStatus) -> str:
         lines.append(f"  faults     {faults}")
         lines.append(f"  policy     {', '.join(s.value for s in job.strategies)}")
         lines.append(f"  outcome    {_safe(job.outcome) or '-'}")
+        for slow in job.slow_ranks:
+            lines.append(f"  slow rank  {slow.describe()}")
         lines.append(f"  {'AGENT':<20} {'ROLE':<16} {'NODE':>4}  {'STREAM':<6}  {'EXIT':<10} LAST SEEN")
         for a in job.agents:
             node = "-" if a.node_rank is None else str(a.node_rank)

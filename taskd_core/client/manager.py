@@ -40,9 +40,23 @@ from taskd_core.errors import (
     RegistrationRefusedError,
     TaskdError,
 )
-from taskd_core.models import PERMISSION_DENIED_INFO, Code, Credentials, Signal, SignalType, WorkerEvent
+from taskd_core.models import (
+    PERMISSION_DENIED_INFO,
+    Code,
+    Credentials,
+    RankWork,
+    Signal,
+    SignalType,
+    WorkerEvent,
+)
 from taskd_core.rpc import recover_pb2 as pb
-from taskd_core.rpc.convert import fault_codes_to_pb, fault_dict_to_pb, signal_from_pb, worker_event_to_pb
+from taskd_core.rpc.convert import (
+    fault_codes_to_pb,
+    fault_dict_to_pb,
+    rank_work_to_pb,
+    signal_from_pb,
+    worker_event_to_pb,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -637,16 +651,20 @@ class DLRecoverManager:
         )
         return self._report("ReportAgentExit", req, deadline)
 
-    def report_worker_events(self, events: Sequence[WorkerEvent]) -> int:
-        """TaskD extension: workers started, ended or resumed (journalled for timelines and metrics).
+    def report_worker_events(self, events: Sequence[WorkerEvent], work: Sequence[RankWork] = ()) -> int:
+        """TaskD extension: workers started, ended or resumed (journalled for timelines and metrics),
+        and how long ranks worked per step (the controller's slow-rank detection).
 
         Best effort and never slow: one attempt with the RPC timeout; a
         controller without the RPC (a real ClusterD) is not asked again.
         """
-        if not events or not self._worker_events:
+        if not (events or work) or not self._worker_events:
             return int(Code.OK)
         req = pb.WorkerEventsRequest(
-            jobId=self.job_id, agentId=self.agent_id, events=[worker_event_to_pb(e) for e in events]
+            jobId=self.job_id,
+            agentId=self.agent_id,
+            events=[worker_event_to_pb(e) for e in events],
+            work=[rank_work_to_pb(w) for w in work],
         )
         address, stub = self._endpoints.pick()
         try:

@@ -124,6 +124,12 @@ class ControllerMetrics:
             "(last step reached before it stopped - step resumed from; where workers report steps)",
             registry=r,
         )
+        self.slow_ranks = Counter(
+            "taskd_slow_ranks_found",
+            "Ranks found slower than their peers (slow-rank events), by the job's policy (warn, replace)",
+            ["policy"],
+            registry=r,
+        )
         self.journal_written = Counter(
             "taskd_journal_entries_written", "Journal entries written since start", registry=r
         )
@@ -242,6 +248,9 @@ class ControllerMetrics:
                 self.steps_lost.inc(lost - counted)
                 self._cycle_lost[job] = lost
 
+    def _on_slow_rank(self, job: str, detail: Any, now: float) -> None:
+        self._child(self.slow_ranks, str(detail.get("policy", ""))).inc(len(detail.get("ranks", ())))
+
     def _on_finished(self, job: str, detail: Any, now: float) -> None:
         self._forget(job)
 
@@ -268,6 +277,7 @@ _HANDLERS: dict[str, _Handler] = {
     "worker started": ControllerMetrics._on_worker_started,
     "worker exited": ControllerMetrics._on_worker_exited,
     "worker resumed": ControllerMetrics._on_worker_resumed,
+    "slow-rank": ControllerMetrics._on_slow_rank,
 }
 
 
@@ -299,6 +309,9 @@ class _LiveCollector(Collector):
         )
         yield GaugeMetricFamily(
             "taskd_journal_entries", "Entries in the controller's event journal", value=gauges.journal_entries
+        )
+        yield GaugeMetricFamily(
+            "taskd_slow_ranks", "Ranks slower than their peers now, over every job", value=gauges.slow_ranks
         )
         yield GaugeMetricFamily(
             "taskd_state_writes_held",

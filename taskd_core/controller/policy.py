@@ -11,6 +11,9 @@ per job that differs::
     max_cycles = 3            # recovery cycles a job may use within cycle_window before it is given up
     cycle_window = 3600       # seconds over which max_cycles counts; 0: the job's whole life
     expected_agents = 0       # 0: whoever registered
+    slow_rank = "warn"        # a rank slower than its peers: "warn" (journal, metric, status) or "replace"
+    slow_rank_bound = 1.5     # its work per step over its peers' median that makes it slow...
+    slow_rank_window = 20     # ...over this many steps (held for a quarter of them)
 
     [jobs."job-42"]
     strategies = "recover,exit"
@@ -32,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from taskd_core.errors import ConfigError
-from taskd_core.models import LADDER, JobPolicy, Strategy
+from taskd_core.models import LADDER, JobPolicy, SlowRankPolicy, Strategy
 from taskd_core.values import MAX_INT32, MAX_SECONDS
 
 logger = logging.getLogger(__name__)
@@ -46,7 +49,12 @@ _FILE_KEYS = {
     "max_cycles": "max_cycles",
     "cycle_window": "cycle_window",
     "expected_agents": "expected_agents",
+    "slow_rank": "slow_rank",
+    "slow_rank_bound": "slow_rank_bound",
+    "slow_rank_window": "slow_rank_window",
 }
+#: Fewest and most steps of a slow rank's window: a level needs a few, a job reacts within hundreds.
+MIN_SLOW_WINDOW, MAX_SLOW_WINDOW = 4, 1000
 _FILE_LABELS = {attr: key for key, attr in _FILE_KEYS.items()}
 
 
@@ -115,9 +123,35 @@ def updated_policy(
             clean[name] = _number(key, value, minimum=0, integer=False)
         elif name in ("max_cycles", "expected_agents"):
             clean[name] = int(_number(key, value, minimum=0, integer=True))
+        elif name == "slow_rank":
+            clean[name] = parse_slow_rank(value, key)
+        elif name == "slow_rank_bound":
+            clean[name] = _number(key, value, minimum=1, integer=False, exclusive=True)
+        elif name == "slow_rank_window":
+            window = int(_number(key, value, minimum=MIN_SLOW_WINDOW, integer=True))
+            if window > MAX_SLOW_WINDOW:
+                raise ConfigError(f"{key}: must be at most {MAX_SLOW_WINDOW} steps, got {window}")
+            clean[name] = window
         else:
             raise ConfigError(f"{key}: unknown policy setting; known: {', '.join(_FILE_KEYS)}")
     return dataclasses.replace(base, **clean)
+
+
+def parse_slow_rank(value: object, key: str = "slow_rank") -> SlowRankPolicy:
+    """What a slow rank gets: ``warn`` or ``replace``."""
+    name = value.value if isinstance(value, SlowRankPolicy) else value
+    try:
+        policy = SlowRankPolicy(name)
+    except ValueError:
+        known = ", ".join(repr(p.value) for p in SlowRankPolicy)
+        raise ConfigError(f"{key}: expected one of {known}, got {value!r}") from None
+    if policy is SlowRankPolicy.REPLACE:
+        # Replacing needs a waiting hot spare and the lost-node path to drain onto it.
+        raise ConfigError(
+            f'{key}: "replace" needs hot spares, which this controller cannot use yet; '
+            'use "warn" (the slow rank is journalled, counted and shown in taskd status)'
+        )
+    return policy
 
 
 def _from_table(base: JobPolicy, table: object, where: str) -> JobPolicy:
@@ -141,6 +175,9 @@ def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
         "max_cycles": policy.max_cycles,
         "cycle_window": policy.cycle_window,
         "expected_agents": policy.expected_agents,
+        "slow_rank": policy.slow_rank.value,
+        "slow_rank_bound": policy.slow_rank_bound,
+        "slow_rank_window": policy.slow_rank_window,
     }
 
 

@@ -58,6 +58,7 @@ from taskd_core.controller.machine import (
 )
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
+from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector
 from taskd_core.controller.store import (
     Commit,
     DropAgents,
@@ -88,6 +89,7 @@ from taskd_core.models import (
     JobStatus,
     JournalEvent,
     JournalPage,
+    RankWork,
     Signal,
     SignalType,
     Strategy,
@@ -163,6 +165,8 @@ class ControllerGauges:
     writes_held: int = 0
     #: writes the storage refused so far (each try counts).
     write_failures: int = 0
+    #: ranks slower than their peers now, over every job.
+    slow_ranks: int = 0
 
 
 def worker_detail(agent: str, event: WorkerEvent) -> dict[str, object]:
@@ -179,6 +183,11 @@ def worker_detail(agent: str, event: WorkerEvent) -> dict[str, object]:
     if event.step is not None:
         detail["step"] = event.step
     return detail
+
+
+def slow_rank_config(policy: JobPolicy) -> SlowRankConfig:
+    """The slow-rank detection a job's policy asks for."""
+    return SlowRankConfig(bound=policy.slow_rank_bound, window=policy.slow_rank_window)
 
 
 def journal_event(record: EventRecord) -> JournalEvent:
@@ -212,6 +221,7 @@ class _Job:
         "machine",
         "peer",
         "sent",
+        "slow",
         "subscribers",
         "timer",
         "timer_step",
@@ -227,6 +237,8 @@ class _Job:
         self.inited = False
         self.machine = JobMachine(job_id, policy, self.agents, snapshot)
         self.subscribers: dict[str, Subscriber] = {}
+        #: the job's slow-rank detection, from its ranks' work per step (not persisted: it re-learns).
+        self.slow = SlowRankDetector(slow_rank_config(policy))
         self.timer: asyncio.TimerHandle | None = None
         self.timer_step = -1
         #: agents whose stream ended: when each counts as lost for good unless it subscribes again.
@@ -304,8 +316,16 @@ class Controller:
         self._agent_count += len(job.agents)
         self._index(job)
         # Agents get a full grace period to come back before their job counts as abandoned.
+        loop = asyncio.get_running_loop()
         for agent in job.agents.values():
             agent.last_seen = max(agent.last_seen, self._clock())
+            if agent.exit_code is None:
+                # Its stream was with the controller before this one (or none): one that does not
+                # subscribe here within the grace is lost as if its stream had ended here, the way a
+                # node lost together with the previous leader would otherwise be waited for forever.
+                job.lost[agent.agent_id] = loop.call_later(
+                    self._stream_grace, self._on_stream_lost, job, agent.agent_id
+                )
         self._jobs[row.job_id] = job
         self._arm(job)
         return job
@@ -520,18 +540,39 @@ class Controller:
                 )
             job = self._jobs[job_id] = _Job(job_id, policy)
         job.machine.policy = policy
+        if slow_rank_config(policy) != job.slow.config:
+            job.slow = SlowRankDetector(slow_rank_config(policy))
         await self._save(job, [JournalEntry("policy set", job.machine.snap.cycle, policy_to_dict(policy))])
         return Reply(Code.OK, f"jobId={job_id}: policy set")
 
     async def worker_events(
-        self, job_id: str, agent_id: str, events: Sequence[WorkerEvent], caller: Caller = _ANONYMOUS
+        self,
+        job_id: str,
+        agent_id: str,
+        events: Sequence[WorkerEvent],
+        caller: Caller = _ANONYMOUS,
+        work: Sequence[RankWork] = (),
     ) -> Reply:
-        """Journal an agent's worker starts, exits and resumptions (for timelines and metrics)."""
+        """Journal an agent's worker starts, exits and resumptions (for timelines and metrics),
+        and compare its ranks' work per step with their peers' (``slow-rank`` entries)."""
         self.admit(caller)
         job = self._registered(job_id, caller, "ReportWorkerEvents")
         agent = self._attribute(job, agent_id)
         cycle = job.machine.snap.cycle
         entries = [JournalEntry(f"worker {e.kind.value}", cycle, worker_detail(agent, e)) for e in events]
+        for found in job.slow.feed(work, self._clock()):
+            logger.warning(
+                "job %s: rank %s is slow: %.1f ms of work per step, %.2fx its peers' median (%.1f ms) "
+                "since step %s",
+                job.job_id,
+                found.rank,
+                found.work * 1000,
+                found.ratio,
+                found.peer_median * 1000,
+                found.since_step,
+            )
+            detail = {"agent": agent, "policy": job.machine.policy.slow_rank.value, **found.detail()}
+            entries.append(JournalEntry("slow-rank", cycle, detail))
         if entries:
             await self._save(job, entries)
         return Reply(Code.OK, f"jobId={job_id}: {len(entries)} worker event(s) journalled")
@@ -564,14 +605,15 @@ class Controller:
     def gauges(self) -> ControllerGauges:
         """Counts over every job for a metrics scrape (cheap: one pass, no I/O)."""
         states: dict[State, int] = dict.fromkeys(State, 0)
-        registered = connected = 0
+        registered = connected = slow = 0
         for job in self._jobs.values():
             states[job.machine.snap.state] += 1
             registered += sum(1 for a in job.agents.values() if a.exit_code is None)
             connected += len(job.subscribers)
+            slow += len(job.slow.slow())
         backlog = self._store.write_backlog()
         return ControllerGauges(
-            states, registered, connected, self._store.journal_size(), backlog.pending, backlog.failures
+            states, registered, connected, self._store.journal_size(), backlog.pending, backlog.failures, slow
         )
 
     async def status(
@@ -626,6 +668,7 @@ class Controller:
             events=(),
             outcome=snap.outcome or f"waiting for {job.machine.expects()}",
             legacy=job.claim is not None and job.claim.legacy,
+            slow_ranks=job.slow.slow(),
         )
 
     # --- internals ---------------------------------------------------------------------

@@ -43,6 +43,7 @@ from taskd_core.rpc.convert import (
     job_status_to_pb,
     journal_page_to_pb,
     parse_rank,
+    rank_work_from_pb,
     signal_to_pb,
     worker_event_from_pb,
 )
@@ -384,9 +385,11 @@ class RecoverService(recover_pb2_grpc.RecoverServicer):  # type: ignore[misc]
 
         async def call() -> Reply:
             _ranks(request.events, "events")
+            _ranks(request.work, "work")
             events = tuple(worker_event_from_pb(e) for e in request.events)
+            work = tuple(rank_work_from_pb(w) for w in request.work)
             return await self._lead.controller().worker_events(
-                request.jobId, _agent(request.agentId), events, caller
+                request.jobId, _agent(request.agentId), events, caller, work
             )
 
         return await _answer(context, call)

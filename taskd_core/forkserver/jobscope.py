@@ -118,40 +118,42 @@ def _carries(pid: int, token: bytes) -> bool:
     return any(token in value.split(b":") for value in values)
 
 
-def _comm(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return f.read().strip()
-    except OSError:
-        return b""
-
-
-def marked(token: str, spare: bytes | None = None) -> list[int]:
-    """The live processes whose environment carries scope ``token``, except the caller's own.
-
-    :param spare: a command name (``/proc/<pid>/comm``) to leave out: the launcher's fork
-        server carries the marker (its workers' ``environ`` is its own) but is the launcher's,
-        not the job's, and ends in its own way.
-    """
-    me = os.getpid()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me and _carries(int(entry), token.encode()):
-            if spare is None or _comm(int(entry)) != spare:
-                found.append(int(entry))
-    return found
-
-
-def _alive(pid: int) -> bool:
+def _stat(pid: int) -> tuple[str, int] | None:
+    """The state letter and parent pid of ``pid``, or None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             stat = f.read()
     except OSError:
-        return False
-    return stat[stat.rfind(")") + 2 :][:1] != "Z"
+        return None
+    # The command name may hold spaces and parentheses: the fields start after the last ')'.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[0], int(fields[1])
 
 
-def end(cgroups: Iterable[Path], token: str | None, spare: bytes | None = None) -> list[int]:
+def marked(token: str) -> list[int]:
+    """The live processes whose environment carries scope ``token``, except the caller and its children.
+
+    The caller's own children are its workers, stopped by their groups, and its helpers (a fork
+    server, a snapshot keeper), which carry the marker but are the launcher's to end; an escaped
+    process is someone else's child once its parent, a worker, is gone.
+    """
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        stat = _stat(int(entry))
+        if stat is not None and stat[0] != "Z" and stat[1] != me and _carries(int(entry), token.encode()):
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def end(cgroups: Iterable[Path], token: str | None) -> list[int]:
     """SIGKILL every process of ``cgroups`` (and below) and, with ``token``, every one it marks; the pids.
 
     Returns once they are gone (or after a bound, for one stuck in the kernel); emptied
@@ -163,7 +165,7 @@ def end(cgroups: Iterable[Path], token: str | None, spare: bytes | None = None) 
             killed.update(_procs(cgroup))
             _write(cgroup / "cgroup.kill", "1")
     if token is not None:
-        for pid in marked(token, spare):
+        for pid in marked(token):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -188,18 +190,13 @@ class JobScope:
     :meth:`install` puts the marker into this process's environment, so that every
     process started afterwards carries it; :meth:`close` takes it out again.
 
-    :param spare: the command name (``/proc/<pid>/comm``) of the launcher's fork servers, which
-        carry the marker but are the launcher's to end.
     :param cgroup_env: the environment variable that names the job's cgroup to the processes this
         one starts (a fork server's worker joins it itself, before any user code runs).
     :param cgroup: False tracks the job by the marker alone, even where a cgroup could be made.
     """
 
-    def __init__(
-        self, spare: bytes | None = None, cgroup_env: str | None = None, cgroup: bool = True
-    ) -> None:
+    def __init__(self, cgroup_env: str | None = None, cgroup: bool = True) -> None:
         self.token = secrets.token_hex(8)
-        self._spare = spare
         self._cgroup_env = cgroup_env
         self.cgroup, why = _make_job_cgroup(self.token) if cgroup else (None, "not asked to use a cgroup")
         if self.cgroup is None:
@@ -243,7 +240,7 @@ class JobScope:
             cgroups = [c for c in self.cgroup.iterdir() if c.is_dir()] if self.cgroup.is_dir() else []
         else:
             cgroups = [self.cgroup / f"w{pid}" for pid in pids]
-        killed = end(cgroups, self.token if pids is None else None, self._spare)
+        killed = end(cgroups, self.token if pids is None else None)
         if killed:
             logger.warning(
                 "ended %s process(es) the job's workers left behind outside their process groups: %s",

@@ -66,7 +66,7 @@ class Lifeline:
         self._pipe: IO[bytes] | None = self._guard.stdin
         logger.debug("lifeline guard started: pid %s", self._guard.pid)
         # After the guard started: it is not the job's.
-        self.scope = JobScope(wire.SERVER_NAME, wire.SCOPE_CGROUP_ENV, cgroup)
+        self.scope = JobScope(wire.SCOPE_CGROUP_ENV, cgroup)
         self.scope.install()
         self._send(f"m{self.scope.token}")
         if self.scope.cgroup is not None:

@@ -16,6 +16,7 @@ import argparse
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
@@ -28,9 +29,11 @@ from taskd_core.launcher.identity import controller_host, default_job_id, job_cr
 from taskd_core.launcher.interrupt import STOP_SIGNALS
 from taskd_core.launcher.settings import NodeSettings, default_of, embedded_port
 from taskd_core.models import JobPolicy
+from taskd_core.snapshots.settings import SnapshotSettings
 from taskd_core.values import (
     DEFAULT_CONTROLLER_PORT,
     argtype,
+    check_creatable_dir,
     parse_controller,
     parse_count,
     parse_modules,
@@ -47,6 +50,7 @@ _CONTROLLER = "controller"
 _POLICY = "recovery policy (embedded controller only)"
 _WARM = "warm restarts"
 _HANGS = "hang detection"
+_SNAPSHOTS = "memory snapshots"
 
 
 def _positive_seconds(text: str, what: str) -> float:
@@ -55,6 +59,10 @@ def _positive_seconds(text: str, what: str) -> float:
 
 def _strategies(text: str, what: str) -> Any:
     return parse_strategies(text, key=what or "strategies")
+
+
+def _directory(text: str, what: str) -> Path:
+    return check_creatable_dir(Path(text), what or "snapshot directory")
 
 
 def _dump_signal(text: str, what: str) -> signal.Signals:
@@ -322,6 +330,40 @@ OPTIONS: tuple[Option, ...] = (
         _HANGS,
         (ProgressConfig, "disk_sleep_bound"),
     ),
+    Option(
+        "snapshots",
+        parse_switch,
+        "keep no node keeper for memory snapshots (taskd_pytorch.snapshot, docs/snapshots.md)",
+        _SNAPSHOTS,
+        (SnapshotSettings, "enabled"),
+        switch=True,
+    ),
+    Option(
+        "snapshot-memory",
+        parse_count,
+        "MiB this node's memory snapshots may take, own and peer copies; a snapshot over its rank's share "
+        "is skipped with a warning",
+        _SNAPSHOTS,
+        (SnapshotSettings, "memory_mib"),
+        metavar="MIB",
+        unset="half of the free space of the snapshot directory's tmpfs",
+    ),
+    Option(
+        "snapshot-copies",
+        parse_count,
+        "copies of each rank's snapshot kept on other nodes",
+        _SNAPSHOTS,
+        (SnapshotSettings, "copies"),
+        metavar="N",
+    ),
+    Option(
+        "snapshot-dir",
+        _directory,
+        "where the node's snapshot directory is made (a tmpfs: its files are memory)",
+        _SNAPSHOTS,
+        (SnapshotSettings, "directory"),
+        metavar="DIR",
+    ),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 
@@ -519,5 +561,6 @@ def node_settings(
         policy=JobPolicy(**values.fields(JobPolicy), expected_agents=nnodes),
         stop_signals=stop_signals,
         fork_server=ForkServerSettings(**values.fields(ForkServerSettings)),
+        snapshots=SnapshotSettings(**values.fields(SnapshotSettings)),
         **values.fields(NodeSettings),
     )

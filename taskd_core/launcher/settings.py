@@ -24,6 +24,7 @@ from taskd_core.errors import ConfigError
 from taskd_core.forkserver.client import ForkServerSettings
 from taskd_core.launcher.interrupt import STOP_SIGNALS
 from taskd_core.models import JobPolicy
+from taskd_core.snapshots.settings import SnapshotSettings
 from taskd_core.values import (
     DEFAULT_CONTROLLER_PORT,
     LOCALHOST,
@@ -119,6 +120,8 @@ class NodeSettings:
     insecure: bool = False
     #: warm restarts: whether and how Python workers are forked from a fork server.
     fork_server: ForkServerSettings = field(default_factory=ForkServerSettings)
+    #: memory snapshots: the node keeper's directory, budget and peer copies.
+    snapshots: SnapshotSettings = field(default_factory=SnapshotSettings)
 
     def __post_init__(self) -> None:
         check_count(self.nnodes, "nnodes", low=1, high=MAX_NODES)

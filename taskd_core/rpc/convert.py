@@ -28,7 +28,9 @@ from taskd_core.models import (
     JobStatus,
     JournalEvent,
     JournalPage,
+    RankWork,
     Signal,
+    SlowRankStatus,
     Strategy,
     WorkerEvent,
     WorkerEventKind,
@@ -209,6 +211,25 @@ def worker_event_from_pb(msg: pb.WorkerEvent) -> WorkerEvent:
     )
 
 
+def rank_work_to_pb(work: RankWork) -> pb.RankWork:
+    return pb.RankWork(rank=work.rank, pid=work.pid, step=work.step, steps=work.steps, busySeconds=work.busy)
+
+
+def rank_work_from_pb(msg: pb.RankWork) -> RankWork:
+    """A reported work sample, checked; :class:`ProtocolError` names the bad field."""
+    if not 0 <= msg.rank <= MAX_RANK:
+        raise ProtocolError(f"work: rank must be in 0..{MAX_RANK}, got {msg.rank}", field="rank")
+    if msg.pid < 0 or msg.step < 0:
+        raise ProtocolError(f"work: pid and step must not be negative (pid {msg.pid})", field="step")
+    if msg.steps <= 0 or msg.steps > msg.step:
+        raise ProtocolError(f"work: steps must be in 1..step ({msg.step}), got {msg.steps}", field="steps")
+    if not math.isfinite(msg.busySeconds) or msg.busySeconds < 0:
+        raise ProtocolError(
+            f"work: busySeconds must be finite seconds >= 0, got {msg.busySeconds}", field="busySeconds"
+        )
+    return RankWork(msg.rank, msg.pid, msg.step, msg.steps, msg.busySeconds)
+
+
 # --- status and journal answers ---------------------------------------------------------------
 
 
@@ -310,6 +331,30 @@ def agent_status_from_pb(view: pb.AgentView) -> AgentStatus:
     )
 
 
+def slow_rank_to_pb(slow: SlowRankStatus) -> pb.SlowRankView:
+    return pb.SlowRankView(
+        rank=slow.rank,
+        pid=slow.pid,
+        ratio=slow.ratio,
+        workSeconds=slow.work,
+        peerWorkSeconds=slow.peer_work,
+        sinceStep=slow.since_step,
+        since=slow.since,
+    )
+
+
+def slow_rank_from_pb(view: pb.SlowRankView) -> SlowRankStatus:
+    return SlowRankStatus(
+        rank=view.rank,
+        pid=view.pid,
+        ratio=view.ratio,
+        work=view.workSeconds,
+        peer_work=view.peerWorkSeconds,
+        since_step=view.sinceStep,
+        since=view.since,
+    )
+
+
 def job_status_to_pb(job: JobStatus) -> pb.JobView:
     return pb.JobView(
         jobId=job.job_id,
@@ -324,6 +369,7 @@ def job_status_to_pb(job: JobStatus) -> pb.JobView:
         events=[journal_event_to_pb(e) for e in job.events],
         outcome=job.outcome,
         legacy=job.legacy,
+        slowRanks=[slow_rank_to_pb(r) for r in job.slow_ranks],
     )
 
 
@@ -342,6 +388,7 @@ def job_status_from_pb(view: pb.JobView) -> JobStatus:
         events=tuple(journal_event_from_pb(view.jobId, e) for e in view.events),
         outcome=view.outcome,
         legacy=view.legacy,
+        slow_ranks=tuple(slow_rank_from_pb(r) for r in view.slowRanks),
     )
 
 

@@ -11,6 +11,7 @@ from taskd_core.controller.server import EmbeddedController
 from taskd_core.models import Code
 from taskd_core.testing import wait_until
 from tests.conftest import TEST_POLICY, WAIT, RawAgent
+from tests.etcd_server import EtcdServer
 
 JOB = "gone"
 #: Far longer than any test may take: a wait that ends did not run out.
@@ -120,3 +121,23 @@ def test_the_survivors_may_still_dump_when_an_agent_is_lost_and_the_dump_does_no
     assert a.status(Code.OK, "dump").code == Code.OK  # b cannot dump: settled at once, a's answer ends the wait
     a.expect("changeStrategy", changeStrategy="exit")
     assert "dump failed, job exits: agent(s) b left the job" in a.expect("killMaster").extraParams
+
+
+def test_an_agent_lost_with_the_leader_is_lost_to_the_next_leader_too(make_agent, etcd: EtcdServer) -> None:
+    """The old leader saw the stream of a node lost together with it end; the new one never had it.
+
+    An agent loaded from the state that does not subscribe to the new leader within the grace
+    is lost as if its stream had ended there: the wait in flight does not sit out its timeout.
+    """
+    policy = dataclasses.replace(TEST_POLICY, report_timeout=NEVER, expected_agents=2)
+    state = etcd.url()
+    with EmbeddedController(state=state, defaults=policy, stream_grace=0.5) as first:
+        a, b = two_agents(first, make_agent)
+    with EmbeddedController(state=state, defaults=policy, stream_grace=0.5) as second:
+        assert second.wait_leading(WAIT)
+        back = make_agent(second.address, JOB, agent_id="a", rank_ids=(0,))
+        back.subscribe()  # a's node survived: its agent follows the new leader; b's never comes
+        back.expect("stopTrain")
+        assert back.stopped().code == Code.OK
+        back.expect("changeStrategy", changeStrategy="exit")
+        assert any(e.kind == "agent lost" for e in back.job(events=50).events)

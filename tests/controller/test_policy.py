@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from taskd_core.controller.policy import load_policies, parse_strategies, updated_policy, validated
 from taskd_core.errors import ConfigError
-from taskd_core.models import JobPolicy, Strategy
+from taskd_core.models import JobPolicy, SlowRankPolicy, Strategy
 
 
 def test_strategies_are_deduplicated_and_put_in_ladder_order():
@@ -66,3 +68,36 @@ def test_policies_built_in_code_are_validated():
     )  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="flush_seconds"):
         updated_policy(JobPolicy(), {"flush_seconds": float("nan")})
+
+
+def test_slow_rank_settings_come_from_the_file_per_job(tmp_path):
+    path = tmp_path / "policy.toml"
+    path.write_text(
+        '[defaults]\nslow_rank_bound = 1.8\n[jobs."a"]\nslow_rank = "warn"\nslow_rank_window = 40\n'
+    )
+    book = load_policies(path)
+    assert (book.defaults.slow_rank, book.defaults.slow_rank_bound, book.defaults.slow_rank_window) == (
+        SlowRankPolicy.WARN,
+        1.8,
+        20,
+    )
+    assert (book.for_job("a").slow_rank_bound, book.for_job("a").slow_rank_window) == (1.8, 40)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('slow_rank = "evict"', "slow_rank: expected one of 'warn', 'replace'"),
+        ('slow_rank = "replace"', '"replace" needs hot spares'),
+        ("slow_rank_bound = 1.0", "slow_rank_bound: must be greater than 1"),
+        ('slow_rank_bound = "x"', "slow_rank_bound: expected a number"),
+        ("slow_rank_window = 2", "slow_rank_window: must be at least 4"),
+        ("slow_rank_window = 5000", "slow_rank_window: must be at most 1000 steps"),
+        ("slow_rank_window = 7.5", "slow_rank_window: expected an integer"),
+    ],
+)
+def test_bad_slow_rank_settings_name_the_key(tmp_path, text, message):
+    path = tmp_path / "policy.toml"
+    path.write_text(f"[defaults]\n{text}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_policies(path)

@@ -10,6 +10,9 @@
 * **torch elastic's file timers** (the :mod:`.inbox` FIFO): an expired timer is a
   hang of that worker.
 
+Steps that say how long they worked are kept for the controller (:mod:`.work`),
+which finds slow ranks from them.
+
 Timeouts are explicit (a section's own, ``heartbeat_timeout``) or learned
 (:class:`~.config.LearnedTimeout`, per signal name).
 
@@ -40,8 +43,9 @@ from taskd_core.agent.hangs.hang import Hang, HangSignal
 from taskd_core.agent.hangs.inbox import Datagram, Inbox, TimerRequest
 from taskd_core.agent.hangs.procstat import ODD_STATES, ProcState, parent_of
 from taskd_core.agent.hangs.stacks import capture_stack, write_to_worker_output
-from taskd_core.agent.hangs.steps import STEP_OPS, StepTracker, WorkerId
-from taskd_core.models import WorkerEvent
+from taskd_core.agent.hangs.steps import STEP_OPS, StepTracker, WorkerId, parse_step
+from taskd_core.agent.hangs.work import WorkSamples, parse_work
+from taskd_core.models import RankWork, WorkerEvent
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +108,11 @@ class ProgressWatcher:
         self._hangs: list[Hang] = []
         self._learned: dict[str, LearnedTimeout] = {}
         self._steps = StepTracker()
-        #: (pid, op, step, sent) of step datagrams from pids not tracked yet.
-        self._early: collections.deque[tuple[int, str, str, float]] = collections.deque(maxlen=_EARLY_STEPS)
+        self._work = WorkSamples()
+        #: (pid, op, args, sent) of step datagrams from pids not tracked yet.
+        self._early: collections.deque[tuple[int, str, tuple[str, ...], float]] = collections.deque(
+            maxlen=_EARLY_STEPS
+        )
         #: one reader of the socket at a time, so datagrams are handled in the order sent.
         self._reading = threading.Lock()
         self._stop = threading.Event()
@@ -165,11 +172,11 @@ class ProgressWatcher:
         """Give the step tracker the kept datagrams of pids tracked now (called with the lock held)."""
         early, self._early = list(self._early), collections.deque(maxlen=_EARLY_STEPS)
         horizon = time.monotonic() - _EARLY_FOR
-        for pid, op, step, sent in early:
+        for pid, op, args, sent in early:
             if self._worker_of(pid) is not None:
-                self._record_step(pid, op, step, sent)
+                self._record_step(pid, op, args, sent)
             elif sent > horizon:
-                self._early.append((pid, op, step, sent))
+                self._early.append((pid, op, args, sent))
 
     def last_step(self, pid: int) -> int | None:
         """The last step tracked worker ``pid`` reported, counting datagrams sent up to now."""
@@ -182,6 +189,11 @@ class ProgressWatcher:
         """Workers' ``resumed`` and ``stepping`` events since the last call (see :mod:`.steps`)."""
         with self._lock:
             return self._steps.take_events()
+
+    def take_work(self) -> list[RankWork]:
+        """Workers' work per step since the last call (see :mod:`.work`)."""
+        with self._lock:
+            return self._work.take(time.monotonic())
 
     def take_hangs(self) -> list[Hang]:
         """Hangs declared since the last call."""
@@ -232,7 +244,7 @@ class ProgressWatcher:
             for message in self._inbox.datagrams(now):
                 self._on_message(message)
         with self._lock:
-            pending = self._steps.pending
+            pending = self._steps.pending or self._work.due(now)
         if pending:
             self._on_events()
 
@@ -241,11 +253,12 @@ class ProgressWatcher:
         pid, op, args, now = message.pid, message.op, message.args, message.sent
         with self._lock:
             worker = self._worker_of(pid)
-            if op in STEP_OPS and len(args) == 1:
+            # ``step N`` or ``step N BUSY K`` (the work of the K steps up to N).
+            if op in STEP_OPS and (len(args) == 1 or (op == "step" and len(args) == 3)):
                 if worker is None:
-                    self._early.append((pid, op, args[0], now))
+                    self._early.append((pid, op, args, now))
                 else:
-                    self._record_step(pid, op, args[0], now)
+                    self._record_step(pid, op, args, now)
             if worker is None:
                 return
             if op in ("beat", "step"):
@@ -301,11 +314,15 @@ class ProgressWatcher:
                 candidate = parent_of(candidate)
         return self._workers.get(owner) if owner is not None else None
 
-    def _record_step(self, pid: int, op: str, step: str, sent: float) -> None:
+    def _record_step(self, pid: int, op: str, args: tuple[str, ...], sent: float) -> None:
         """Hand a step datagram of tracked ``pid`` to the step tracker (called with the lock held)."""
         owner = self._owner[pid]
         worker = self._workers[owner]
-        self._steps.record(WorkerId(owner, worker.local_rank, worker.global_rank), op, step, sent)
+        self._steps.record(WorkerId(owner, worker.local_rank, worker.global_rank), op, args[0], sent)
+        step = parse_step(args[0])
+        work = parse_work(*args[1:]) if len(args) == 3 else None
+        if step is not None and work is not None:
+            self._work.record(worker.global_rank, owner, step, *work)
 
     def _learn(self, name: str) -> LearnedTimeout:
         learned = self._learned.get(name)

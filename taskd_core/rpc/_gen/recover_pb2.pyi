@@ -202,7 +202,7 @@ class EventView(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., cycle: _Optional[int] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class JobView(_message.Message):
-    __slots__ = ("jobId", "state", "cycle", "strategy", "faultRanks", "cyclesUsed", "maxCycles", "strategies", "agents", "events", "outcome", "legacy")
+    __slots__ = ("jobId", "state", "cycle", "strategy", "faultRanks", "cyclesUsed", "maxCycles", "strategies", "agents", "events", "outcome", "legacy", "slowRanks")
     JOBID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class JobView(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     LEGACY_FIELD_NUMBER: _ClassVar[int]
+    SLOWRANKS_FIELD_NUMBER: _ClassVar[int]
     jobId: str
     state: str
     cycle: int
@@ -227,7 +228,26 @@ class JobView(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[EventView]
     outcome: str
     legacy: bool
-    def __init__(self, jobId: _Optional[str] = ..., state: _Optional[str] = ..., cycle: _Optional[int] = ..., strategy: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., cyclesUsed: _Optional[int] = ..., maxCycles: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[EventView, _Mapping]]] = ..., outcome: _Optional[str] = ..., legacy: _Optional[bool] = ...) -> None: ...
+    slowRanks: _containers.RepeatedCompositeFieldContainer[SlowRankView]
+    def __init__(self, jobId: _Optional[str] = ..., state: _Optional[str] = ..., cycle: _Optional[int] = ..., strategy: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., cyclesUsed: _Optional[int] = ..., maxCycles: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[EventView, _Mapping]]] = ..., outcome: _Optional[str] = ..., legacy: _Optional[bool] = ..., slowRanks: _Optional[_Iterable[_Union[SlowRankView, _Mapping]]] = ...) -> None: ...
+
+class SlowRankView(_message.Message):
+    __slots__ = ("rank", "pid", "ratio", "workSeconds", "peerWorkSeconds", "sinceStep", "since")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    WORKSECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEERWORKSECONDS_FIELD_NUMBER: _ClassVar[int]
+    SINCESTEP_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    ratio: float
+    workSeconds: float
+    peerWorkSeconds: float
+    sinceStep: int
+    since: float
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., ratio: _Optional[float] = ..., workSeconds: _Optional[float] = ..., peerWorkSeconds: _Optional[float] = ..., sinceStep: _Optional[int] = ..., since: _Optional[float] = ...) -> None: ...
 
 class ControllerStatus(_message.Message):
     __slots__ = ("status", "jobs", "leader", "leaderGeneration")
@@ -260,14 +280,30 @@ class WorkerEvent(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., rank: _Optional[int] = ..., localRank: _Optional[int] = ..., pid: _Optional[int] = ..., time: _Optional[float] = ..., exitCode: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class WorkerEventsRequest(_message.Message):
-    __slots__ = ("jobId", "agentId", "events")
+    __slots__ = ("jobId", "agentId", "events", "work")
     JOBID_FIELD_NUMBER: _ClassVar[int]
     AGENTID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    WORK_FIELD_NUMBER: _ClassVar[int]
     jobId: str
     agentId: str
     events: _containers.RepeatedCompositeFieldContainer[WorkerEvent]
-    def __init__(self, jobId: _Optional[str] = ..., agentId: _Optional[str] = ..., events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ...) -> None: ...
+    work: _containers.RepeatedCompositeFieldContainer[RankWork]
+    def __init__(self, jobId: _Optional[str] = ..., agentId: _Optional[str] = ..., events: _Optional[_Iterable[_Union[WorkerEvent, _Mapping]]] = ..., work: _Optional[_Iterable[_Union[RankWork, _Mapping]]] = ...) -> None: ...
+
+class RankWork(_message.Message):
+    __slots__ = ("rank", "pid", "step", "steps", "busySeconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    BUSYSECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    step: int
+    steps: int
+    busySeconds: float
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., steps: _Optional[int] = ..., busySeconds: _Optional[float] = ...) -> None: ...
 
 class EventQuery(_message.Message):
     __slots__ = ("jobId", "afterSeq", "limit")

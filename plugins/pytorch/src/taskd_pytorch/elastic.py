@@ -55,6 +55,7 @@ from taskd_core.forkserver.client import ForkLauncher
 from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest
 from taskd_core.models import WorkerState, WorkerStatus
+from taskd_core.snapshots.keeper import Keeper
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
 from taskd_pytorch.live._channel import JOB_TOKEN_ENV, LIVE_DIR_ENV, LiveChannel
 from taskd_pytorch.processes import Launch, RankProcesses
@@ -91,6 +92,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         worker reaches it: loopback, or the address of the interface the job uses.
     :param job_token: the job's token, handed to the workers: it keys their live state hand-over
         (empty: no live recovery, nothing could authenticate the hand-over).
+    :param keeper: the node's keeper of memory snapshots, which the workers are told about.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         launcher: ForkLauncher | None = None,
         store_host: str = "127.0.0.1",
         job_token: str = "",
+        keeper: Keeper | None = None,
     ) -> None:
         if spec.virtual_local_rank:
             raise ConfigError("taskdrun does not support --virtual-local-rank")
@@ -138,6 +141,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         #: the launcher joined the current round itself (:meth:`join`); the next start uses it.
         self._taskd_joined = False
         self._taskd_reuse = RoundReuse(spec.rdzv_handler)
+        self._taskd_keeper = keeper
 
     # --- what the launcher does first -------------------------------------------------
 
@@ -274,6 +278,7 @@ class TaskdElasticAgent(LocalElasticAgent):
             raise ConfigError("workers cannot start before the rendezvous has given them a store")
         meet = self._taskd_round_stores.meet(worker_group.store, worker_group.group_rank, self._taskd_starts)
         launches = {}
+        snapshots = self._taskd_keeper.worker_env() if self._taskd_keeper is not None else {}
         for worker in worker_group.workers:
             env = {
                 "LOCAL_RANK": str(worker.local_rank),
@@ -294,6 +299,7 @@ class TaskdElasticAgent(LocalElasticAgent):
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
                 LIVE_DIR_ENV: str(self._taskd_live.path),
                 RESTART_COUNT_ENV: str(self._taskd_starts),
+                **snapshots,
             }
             if self._taskd_token:  # a one-node launch makes its token itself: the workers learn it here
                 env[JOB_TOKEN_ENV] = self._taskd_token

@@ -40,6 +40,7 @@ from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.node import run_node_agent
 from taskd_core.plugins import load_adapter
+from taskd_core.snapshots.keeper import Keeper
 from taskd_core.values import LOCALHOST, is_loopback, join_address
 from taskd_pytorch.adapter import PytorchAdapter
 from taskd_pytorch.elastic import TaskdElasticAgent
@@ -177,6 +178,7 @@ class Node:
         self.launcher = fork_launcher(job, early)
         self.rendezvous: RendezvousHandler | None = None
         self.elastic: TaskdElasticAgent | None = None
+        self.keeper: Keeper | None = None
         self.outcome: AgentOutcome | None = None
 
     def run(self) -> AgentOutcome:
@@ -185,7 +187,10 @@ class Node:
         :raises LauncherInterrupted: when the stop request fires before the node agent runs.
         """
         self.rendezvous = connect_rendezvous(self.job, self.stop)
-        self.elastic = elastic_agent(self.job, self.rendezvous, self.stop, self.lifeline, self.launcher)
+        self.keeper = snapshot_keeper(self.job)
+        self.elastic = elastic_agent(
+            self.job, self.rendezvous, self.stop, self.lifeline, self.launcher, self.keeper
+        )
         self.outcome = run_agent(self.job, self.elastic, self.stop)
         return self.outcome
 
@@ -196,6 +201,8 @@ class Node:
         interrupted = self.outcome is None or self.outcome.kind is Outcome.INTERRUPTED
         if self.rendezvous is not None and not interrupted:
             close_rendezvous(self.rendezvous)
+        if self.keeper is not None:
+            self.keeper.close()
         if self.launcher is not None:
             self.launcher.close()
 
@@ -254,12 +261,27 @@ def connect_rendezvous(job: NodeJob, stop: StopRequest) -> RendezvousHandler:
     )
 
 
+def snapshot_keeper(job: NodeJob) -> Keeper | None:
+    """The node's keeper of memory snapshots (``taskd_pytorch.snapshot``), unless turned off."""
+    node = job.options.node
+    if not node.snapshots.enabled:
+        return None
+    return Keeper(
+        node.snapshots,
+        job_id=node.job_id,
+        host=store_host(job.master_host, job.config.local_addr),
+        token=node.agent.credentials.token,
+        local_world_size=job.config.nproc_per_node,
+    )
+
+
 def elastic_agent(
     job: NodeJob,
     rendezvous: RendezvousHandler,
     stop: StopRequest,
     lifeline: Lifeline,
     launcher: ForkLauncher | None,
+    keeper: Keeper | None = None,
 ) -> TaskdElasticAgent:
     """torch's elastic agent for this node's workers (it starts none yet)."""
     config = job.config
@@ -286,6 +308,7 @@ def elastic_agent(
         launcher=launcher,
         store_host=store_host(job.master_host, config.local_addr),
         job_token=job.options.node.agent.credentials.token,
+        keeper=keeper,
     )
 
 

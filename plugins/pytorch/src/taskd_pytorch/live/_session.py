@@ -34,6 +34,7 @@ from taskd_pytorch.live._state import (
     serve,
     state_key,
 )
+from taskd_pytorch.live._work import WorkClock
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,9 @@ class LiveSession:
         #: why the last step failed; only text, see :meth:`_fail`.
         self._failure: str | None = None
         self._stop_requested = False
-        self._ddp_waits = _RoundWatch(self._new_round, self._collective_timeout)
+        #: each step's work (its time less its collectives'), reported with the step it commits.
+        self._work = WorkClock()
+        self._ddp_waits = _RoundWatch(self._new_round, self._collective_timeout, self._work)
         #: groups left with collectives pending: freeing one waits for them, so it is kept until they end.
         self._abandoned: list[tuple[object, list[dist.Work]]] = []
 
@@ -155,6 +158,7 @@ class LiveSession:
         itself before the group's timeout; this one is waited for in short
         slices and gives up as soon as the node's agent says the job moved on.
         """
+        launched = self._work.now()
         work = dist.all_reduce(tensor, op=op, async_op=True)
         deadline = time.monotonic() + self._collective_timeout.total_seconds()
         while not _waited(work):
@@ -163,6 +167,7 @@ class LiveSession:
                 raise PeerLost(f"rank {self.rank}: round {new} announced while waiting for all_reduce")
             if time.monotonic() > deadline:
                 raise PeerLost(f"rank {self.rank}: all_reduce took longer than {self._collective_timeout}")
+        self._work.pending(launched, self._work.now())
 
     @property
     def ddp_comm_hook(self) -> Callable[[object, GradBucket], torch.futures.Future[torch.Tensor]]:
@@ -204,10 +209,11 @@ class LiveSession:
 
     def _commit(self, number: int) -> None:
         self.step = number + 1
+        busy = self._work.commit()
         if self._heartbeat:
             # Every committed step tells the node agent this rank makes progress (hang detection),
-            # and how far training got (the steps a fault costs).
-            worker.step(self.step)
+            # how far training got (the steps a fault costs) and how long it worked (slow ranks).
+            worker.step(self.step, busy=busy)
 
     def _fail(self, exc: BaseException) -> None:
         logger.warning(
@@ -217,6 +223,7 @@ class LiveSession:
         # the old group's connections open, so peers blocked on them never fail
         # and this rank's own teardown of the group waits for them.
         self._failure = f"{type(exc).__name__}: {exc}"
+        self._work.reset()
 
     # --- rounds --------------------------------------------------------------------
 
@@ -245,6 +252,7 @@ class LiveSession:
             self._rebuild()
 
     def _rebuild(self) -> None:
+        self._work.reset()  # the wait for a round is no step's work
         failure, self._failure = self._failure or "a new round was announced", None
         if self._channel is None:
             raise LiveRecoveryError(
@@ -397,6 +405,7 @@ class LiveStep:
 
     def __enter__(self) -> LiveStep:
         self._session._ddp_waits.release_finished()
+        self._session._work.begin()
         return self
 
     def __exit__(
@@ -421,8 +430,12 @@ class _RoundWatch:
     threads holding it (the script hung when a DDP wrapper was freed).
     """
 
-    def __init__(self, new_round: Callable[[], int | None], timeout: timedelta) -> None:
+    def __init__(
+        self, new_round: Callable[[], int | None], timeout: timedelta, work: WorkClock | None = None
+    ) -> None:
         self._new_round = new_round
+        #: where each collective's pending span goes (the session's step clock).
+        self._work = work or WorkClock()
         self._timeout = timeout.total_seconds()
         self._lock = threading.Condition()
         self._pending: deque[_Reduction] = deque()
@@ -433,7 +446,9 @@ class _RoundWatch:
         self._thread: threading.Thread | None = None
 
     def watch(self, work: dist.Work, tensor: torch.Tensor, rank: int) -> torch.futures.Future[torch.Tensor]:
-        reduction = _Reduction(work, tensor, torch.futures.Future(), time.monotonic() + self._timeout)
+        reduction = _Reduction(
+            work, tensor, torch.futures.Future(), time.monotonic() + self._timeout, self._work.now()
+        )
         with self._lock:
             self._pending.append(reduction)
             if self._thread is None:
@@ -479,6 +494,7 @@ class _RoundWatch:
                 continue
             if finished:
                 if self._settled(head):
+                    self._work.pending(head.launched, self._work.now())
                     head.result.set_result(head.tensor)
                 continue
             new = self._new_round()
@@ -519,6 +535,8 @@ class _Reduction:
     tensor: torch.Tensor
     result: torch.futures.Future[torch.Tensor]
     deadline: float
+    #: when it was launched, on the session's work clock.
+    launched: float
 
 
 def _waited(work: dist.Work) -> bool:

@@ -1,0 +1,213 @@
+"""Slow ranks: a rank that still makes progress, only slower than its peers (free of I/O).
+
+In synchronous training every rank's step takes the slowest rank's time, so
+step times cannot tell a straggler from its peers; the work each rank does
+per step can (its steps' time less their waits in collectives, as agents
+report it: :class:`~taskd_core.models.RankWork`). A :class:`SlowRankDetector`
+holds one job's recent figures, step by step, and on each step that every
+active rank has completed compares each rank with its peers:
+
+* a rank's *level* is its mean work per step over the last ``window`` steps,
+  its top and bottom tenth left out (a checkpoint or a collection pause on
+  one rank, a step or two long, moves it little);
+* its *ratio* is its level over the median of its peers' levels (itself
+  left out, so two ranks can be told apart);
+* a rank whose ratio stays at or above ``bound`` for ``hold`` steps in a row
+  is slow: one :class:`SlowRankFound`, with its figures and its peers'. It is
+  slow until its ratio has stayed below the bound for a whole window; if it
+  gets slow again, it is found again.
+
+A job-wide slowdown raises every level alike and no ratio; steps whose time
+varies (the same on every rank, or independently per rank) move the medians
+little. A rank's figures start afresh with a new process (its replacement).
+Time is passed in, as the recovery machine's is.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from taskd_core.models import RankWork, SlowRankStatus
+
+#: Work levels below this many seconds count as this much: ratios of microseconds are noise.
+WORK_FLOOR = 0.001
+#: Steps one evaluation pass looks at most, when the job's figures jump far ahead at once.
+_MAX_EVALUATED = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SlowRankConfig:
+    """When a rank counts as slow (the job's policy: ``slow_rank_bound``, ``slow_rank_window``)."""
+
+    #: a rank's work per step over its peers' median, at or above which it is slower than them.
+    bound: float = 1.5
+    #: steps whose (trimmed) mean work is a rank's level.
+    window: int = 20
+    #: steps in a row its ratio must stay at or above the bound (0: a quarter of the window).
+    hold: int = 0
+
+    @property
+    def steps_held(self) -> int:
+        return self.hold or max(1, self.window // 4)
+
+
+@dataclass(frozen=True, slots=True)
+class SlowRankFound:
+    """A rank found slow: the evidence the journal keeps (``slow-rank``, docs/events.md)."""
+
+    rank: int
+    pid: int
+    #: the step at which it was found, and the first step of the streak that made it slow.
+    step: int
+    since_step: int
+    #: its work level over its peers' median level.
+    ratio: float
+    #: its work level (seconds per step over the window) and its last ``window`` figures.
+    work: float
+    figures: tuple[float, ...]
+    #: each peer's work level, by rank, and their median.
+    peers: Mapping[int, float]
+    peer_median: float
+    bound: float
+    window: int
+    #: wall-clock seconds (the controller's) when it was found.
+    at: float
+
+    def detail(self) -> dict[str, object]:
+        """The journal detail of its ``slow-rank`` event."""
+        return {
+            "ranks": [self.rank],
+            "rank": self.rank,
+            "pid": self.pid,
+            "step": self.step,
+            "since_step": self.since_step,
+            "ratio": round(self.ratio, 3),
+            "work_per_step": round(self.work, 6),
+            "figures": [round(f, 6) for f in self.figures],
+            "peers": {str(r): round(w, 6) for r, w in sorted(self.peers.items())},
+            "peer_median": round(self.peer_median, 6),
+            "bound": self.bound,
+            "window": self.window,
+        }
+
+
+@dataclass(slots=True)
+class _Series:
+    """One rank's life (one pid): its work per step, by step."""
+
+    pid: int
+    work: dict[int, float] = field(default_factory=dict)
+    last: int = 0
+    #: the first step of the current streak at or above the bound (None: no streak).
+    streak_from: int | None = None
+    #: steps in a row below the bound since it was found slow (a window of them clears it).
+    calm: int = 0
+    found: SlowRankFound | None = None
+    ratio: float = 0.0
+
+
+class SlowRankDetector:
+    """One job's slow-rank detection; feed it every :class:`RankWork` its agents report."""
+
+    def __init__(self, config: SlowRankConfig | None = None) -> None:
+        self.config = config or SlowRankConfig()
+        self._ranks: dict[int, _Series] = {}
+        self._evaluated = 0
+
+    def feed(self, samples: Iterable[RankWork], now: float) -> list[SlowRankFound]:
+        """Take reported figures; the ranks found slow by them (at most once per streak)."""
+        for sample in samples:
+            self._record(sample)
+        return self._evaluate(now)
+
+    def slow(self) -> tuple[SlowRankStatus, ...]:
+        """The ranks slow now, by rank."""
+        return tuple(
+            SlowRankStatus(
+                r, s.pid, s.ratio, s.found.work, s.found.peer_median, s.found.since_step, s.found.at
+            )
+            for r, s in sorted(self._ranks.items())
+            if s.found is not None
+        )
+
+    def forget(self, rank: int) -> None:
+        """Drop a rank's figures (its process ended; its replacement starts afresh)."""
+        self._ranks.pop(rank, None)
+
+    def _record(self, sample: RankWork) -> None:
+        series = self._ranks.get(sample.rank)
+        if series is None or series.pid != sample.pid:
+            series = self._ranks[sample.rank] = _Series(sample.pid)
+        per_step = sample.busy / sample.steps
+        first = max(sample.step - sample.steps + 1, sample.step - self._keep() + 1, 1)
+        for step in range(first, sample.step + 1):
+            series.work[step] = per_step
+        series.last = max(series.last, sample.step)
+        horizon = series.last - self._keep()
+        if len(series.work) > 2 * self._keep():
+            series.work = {s: w for s, w in series.work.items() if s > horizon}
+
+    def _keep(self) -> int:
+        return 2 * self.config.window + self.config.steps_held
+
+    def _evaluate(self, now: float) -> list[SlowRankFound]:
+        window = self.config.window
+        # Ranks silent for a whole window behind the newest one are gone or stopped: not compared.
+        newest = max((s.last for s in self._ranks.values()), default=0)
+        active = {r: s for r, s in self._ranks.items() if s.last > newest - window}
+        if len(active) < 2:
+            return []
+        frontier = min(s.last for s in active.values())
+        found: list[SlowRankFound] = []
+        for step in range(max(self._evaluated + 1, frontier - _MAX_EVALUATED + 1), frontier + 1):
+            found.extend(self._evaluate_step(active, step, now))
+        self._evaluated = max(self._evaluated, frontier)
+        return found
+
+    def _evaluate_step(self, active: Mapping[int, _Series], step: int, now: float) -> list[SlowRankFound]:
+        config, window = self.config, self.config.window
+        figures: dict[int, list[float]] = {}
+        for rank, series in active.items():
+            values = [series.work[s] for s in range(step - window + 1, step + 1) if s in series.work]
+            # Judged on a full window only: a fresh rank's first steps (warm-up) are not its pace.
+            if len(values) == window:
+                figures[rank] = values
+        if len(figures) < 2:
+            return []
+        levels = {rank: _level(values) for rank, values in figures.items()}
+        found = []
+        for rank, level in levels.items():
+            peers = {r: v for r, v in levels.items() if r != rank}
+            reference = max(statistics.median(peers.values()), WORK_FLOOR)
+            ratio = max(level, WORK_FLOOR) / reference
+            series = active[rank]
+            series.ratio = ratio
+            if ratio >= config.bound:
+                series.calm = 0
+                if series.streak_from is None:
+                    series.streak_from = step
+                held = step - series.streak_from + 1
+                if series.found is None and held >= config.steps_held:
+                    series.found = SlowRankFound(
+                        rank, series.pid, step, series.streak_from, ratio, level, tuple(figures[rank]),
+                        peers, reference, config.bound, window, now,
+                    )  # fmt: skip
+                    found.append(series.found)
+            else:
+                series.streak_from = None
+                series.calm += 1
+                if series.found is not None and series.calm >= window:
+                    series.found = None
+        return found
+
+
+def _level(values: list[float]) -> float:
+    """The mean of ``values`` without their top and bottom tenth: a spike of a step or two (a
+    checkpoint, a collection pause) moves it little, and it follows the pace more closely than a
+    median when steps vary a lot."""
+    ordered = sorted(values)
+    cut = len(ordered) // 10
+    middle = ordered[cut : len(ordered) - cut]
+    return sum(middle) / len(middle)

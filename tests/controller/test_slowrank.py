@@ -1,0 +1,133 @@
+"""Slow-rank detection on synthetic series: jitter and job-wide slowdowns pass, a straggler is named."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector, SlowRankFound
+from taskd_core.models import RankWork
+
+#: Work per step of a healthy rank, seconds.
+BASE = 0.1
+Pace = Callable[[int, int], float]
+
+
+def run(
+    pace: Pace,
+    *,
+    ranks: int = 4,
+    steps: int = 1000,
+    per_report: int = 1,
+    pids: Callable[[int, int], int] = lambda r, s: 100 + r,
+    detector: SlowRankDetector | None = None,
+) -> list[SlowRankFound]:  # noqa: E501
+    """Feed ``steps`` steps of ``pace(rank, step)`` seconds of work, ``per_report`` steps per sample."""
+    detector = detector or SlowRankDetector()
+    found = []
+    for end in range(per_report, steps + 1, per_report):
+        samples = [
+            RankWork(
+                r,
+                pids(r, end),
+                end,
+                per_report,
+                sum(pace(r, s) for s in range(end - per_report + 1, end + 1)),
+            )
+            for r in range(ranks)
+        ]
+        found += detector.feed(samples, float(end))
+    return found
+
+
+def jittery(seed: int, spread: float = 5.0) -> Pace:
+    """Each rank's steps vary on their own between 1x and ``spread`` x."""
+    rng = random.Random(seed)
+    table: dict[tuple[int, int], float] = {}
+    return lambda r, s: table.setdefault((r, s), BASE * rng.uniform(1.0, spread))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_no_false_positive_over_1000_steps_with_5x_jitter_per_rank(seed: int) -> None:
+    assert run(jittery(seed)) == []
+
+
+def test_no_false_positive_when_every_rank_varies_together_by_5x() -> None:
+    rng = random.Random(7)
+    common = {s: rng.uniform(1.0, 5.0) for s in range(1, 1001)}
+    assert run(lambda r, s: BASE * common[s]) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_job_wide_slowdown_is_no_straggler(seed: int) -> None:
+    noise = jittery(seed, 1.5)
+    assert run(lambda r, s: noise(r, s) * (2.0 if s >= 300 else 1.0)) == []
+
+
+def test_a_checkpoint_on_one_rank_every_few_steps_is_no_straggler() -> None:
+    # Rank 0 saves every 10 steps, a save 20x a step: a spike, not a pace.
+    assert run(lambda r, s: BASE * (20.0 if r == 0 and s % 10 == 0 else 1.0)) == []
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_one_rank_at_2x_work_is_named_within_20_steps_with_its_evidence(seed: int) -> None:
+    noise = jittery(seed, 1.5)
+    (found,) = run(lambda r, s: noise(r, s) * (2.0 if r == 2 and s > 100 else 1.0), steps=200)
+    assert (found.rank, found.pid) == (2, 102)
+    assert found.step - 100 <= 20 and found.since_step > 100
+    assert found.ratio >= 1.5 and found.work >= 1.5 * found.peer_median
+    assert sorted(found.peers) == [0, 1, 3] and len(found.figures) == 20
+    detail = found.detail()
+    assert detail["ranks"] == [2] and set(detail["peers"]) == {"0", "1", "3"}  # type: ignore[arg-type]
+
+
+def test_a_straggler_among_5x_jitter_is_still_named() -> None:
+    noise = jittery(3)
+    found = run(lambda r, s: noise(r, s) * (2.0 if r == 1 and s > 100 else 1.0), steps=300)
+    assert [f.rank for f in found] == [1]
+
+
+def test_figures_reported_several_steps_at_a_time_are_spread_over_their_steps() -> None:
+    found = run(lambda r, s: BASE * (3.0 if r == 0 and s > 50 else 1.0), steps=150, per_report=7)
+    assert [f.rank for f in found] == [0]
+    assert found[0].step - 50 <= 20 + 7
+
+
+def test_of_two_ranks_the_slower_one_is_named() -> None:
+    assert [f.rank for f in run(lambda r, s: BASE * (2.0 if r == 1 else 1.0), ranks=2, steps=100)] == [1]
+
+
+def test_a_slow_rank_is_named_once_per_streak_and_again_on_its_replacement() -> None:
+    detector = SlowRankDetector()
+    slow = lambda r, s: BASE * (2.0 if r == 3 and (s <= 200 or s > 300) else 1.0)  # noqa: E731
+    # Rank 3's process is replaced at step 250 (a new pid): its figures start afresh.
+    found = run(slow, steps=400, pids=lambda r, s: 500 if r == 3 and s > 250 else r, detector=detector)
+    assert [(f.rank, f.pid) for f in found] == [(3, 3), (3, 500)]
+    assert [(v.rank, v.pid) for v in detector.slow()] == [(3, 500)]
+
+
+def test_a_rank_that_recovers_is_slow_no_more() -> None:
+    detector = SlowRankDetector()
+    found = run(lambda r, s: BASE * (2.0 if r == 0 and s <= 100 else 1.0), steps=200, detector=detector)
+    assert [f.rank for f in found] == [0] and detector.slow() == ()
+
+
+def test_the_bound_and_window_are_the_jobs() -> None:
+    mild = lambda r, s: BASE * (1.3 if r == 0 and s > 50 else 1.0)  # noqa: E731
+    assert run(mild, steps=200) == []
+    found = run(mild, steps=200, detector=SlowRankDetector(SlowRankConfig(bound=1.2, window=8)))
+    assert [f.rank for f in found] == [0] and found[0].window == 8 and found[0].bound == 1.2
+
+
+def test_a_rank_that_stopped_reporting_is_not_compared() -> None:
+    # Rank 1 ends at step 50 (its figures stop); the others go on without a false alarm or a stall.
+    detector = SlowRankDetector()
+    found = []
+    for s in range(1, 200):
+        ranks = range(3) if s <= 50 else (0, 2)
+        found += detector.feed(
+            [RankWork(r, r, s, 1, BASE * (2.0 if r == 2 and s > 100 else 1.0)) for r in ranks], s
+        )
+    assert [f.rank for f in found] == [2]

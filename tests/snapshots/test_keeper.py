@@ -1,0 +1,106 @@
+"""The node's keeper process: it owns the snapshot directory, serves copies to the job only, and cleans up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from taskd_core.errors import SnapshotError, StreamError
+from taskd_core.snapshots.keeper import DIR_ENV, Keeper
+from taskd_core.snapshots.peer import PeerClient
+from taskd_core.snapshots.settings import SnapshotSettings
+from taskd_core.snapshots.store import SnapshotStore
+from taskd_core.testing import process_running, wait_gone, wait_until
+
+TOKEN = "the job's token"
+
+
+@pytest.fixture
+def keeper(tmp_path: Path) -> Iterator[Keeper]:
+    with Keeper(
+        SnapshotSettings(directory=tmp_path), job_id="job", host="127.0.0.1", token=TOKEN, local_world_size=2
+    ) as k:
+        yield k
+
+
+def test_a_copy_sent_to_a_keeper_is_listed_fetched_whole_and_dropped(keeper: Keeper) -> None:
+    local = SnapshotStore(keeper.root.with_name("sender"))
+    seal = local.write(5, 12, b"meta", [memoryview(b"x" * 300_000), memoryview(b"y" * 7)])
+    client = PeerClient(TOKEN, "job", timeout=30)
+    address = keeper.address()
+    assert address.startswith("127.0.0.1:")
+    client.put(address, seal, b"meta", [memoryview(b"x" * 300_000), memoryview(b"y" * 7)])
+    assert client.inventory(address) == {5: [12]}
+    # It is a file of the keeper's directory: memory no worker owns.
+    assert SnapshotStore(keeper.root).steps(5) == [12]
+    got = client.get(address, 5, 12)
+    assert got.meta == b"meta" and bytes(got.data) == b"x" * 300_000 + b"y" * 7
+    client.drop(address, 5, 11)
+    assert client.inventory(address) == {}
+    with pytest.raises(SnapshotError, match="not complete"):
+        client.get(address, 5, 12)
+
+
+def test_a_damaged_copy_at_a_keeper_is_refused_by_the_fetcher(keeper: Keeper) -> None:
+    store = SnapshotStore(keeper.root)
+    store.write(1, 3, b"m", [memoryview(b"z" * 1000)])
+    data = store.step_dir(1, 3) / "data"
+    data.write_bytes(b"Z" + data.read_bytes()[1:])
+    with pytest.raises(SnapshotError, match="damaged"):
+        PeerClient(TOKEN, "job", timeout=30).get(keeper.address(), 1, 3)
+
+
+def test_a_process_without_the_jobs_token_gets_nothing(keeper: Keeper) -> None:
+    with pytest.raises(StreamError, match="did not prove this job's key"):
+        PeerClient("another token", "job", timeout=30).inventory(keeper.address())
+    with pytest.raises(StreamError):
+        PeerClient(TOKEN, "another job", timeout=30).inventory(keeper.address())
+
+
+def test_the_workers_are_told_the_directory_and_their_budget(tmp_path: Path) -> None:
+    settings = SnapshotSettings(directory=tmp_path, memory_mib=64, copies=2)
+    with Keeper(settings, job_id="j", host="", token="", local_world_size=4) as k:
+        env = k.worker_env()
+        assert env[DIR_ENV] == str(k.root) and k.root.parent == tmp_path
+        assert env["TASKD_SNAPSHOT_RANK_BUDGET"] == str(16 << 20)
+        assert env["TASKD_SNAPSHOT_COPIES"] == "2"
+        assert k.address() == ""  # no token: nothing listens, no peer copies
+    assert not k.root.exists()
+
+
+_LAUNCHER = """
+import json, sys, time
+from pathlib import Path
+from taskd_core.snapshots.keeper import Keeper
+from taskd_core.snapshots.settings import SnapshotSettings
+k = Keeper(SnapshotSettings(directory=Path(sys.argv[1])), job_id="j", host="127.0.0.1", token="t", local_world_size=1)
+k.address()
+print(json.dumps({"root": str(k.root), "keeper": k.pid}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_snapshots_go_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE)
+    try:
+        assert launcher.stdout is not None
+        started = json.loads(launcher.stdout.readline())
+        root, keeper_pid = Path(started["root"]), int(started["keeper"])
+        SnapshotStore(root).write(0, 1, b"m", [memoryview(b"d" * 100)])
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        wait_until(lambda: not root.exists(), "the keeper to remove the snapshots", 30)
+        wait_gone([keeper_pid], "the keeper")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if "keeper_pid" in locals() and process_running(keeper_pid):
+            os.kill(keeper_pid, signal.SIGKILL)
