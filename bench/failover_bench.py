@@ -512,12 +512,14 @@ def scale(root: Path, children: Children, etcd: str, agents: int, procs: int, tt
             for a in got["arrivals"]
             if "stopTrain-1" in got["arrivals"][a]
         ]
-        assert first_leader.proc is not None
-        rss = rss_mib(first_leader.proc.pid)
+        # The replica leading now: on a loaded machine the lease may have moved during the cycle.
+        current = leader(replicas, 120)
+        assert current.proc is not None
+        rss = rss_mib(current.proc.pid)
         db = etcd_db_size(etcd)
         t_kill = time.time()
-        first_leader.kill()
-        second = leader(replicas, 120)
+        current.kill()
+        second = leader([r for r in replicas if r is not current], 120)
         poll_until(
             lambda: (
                 (v := job_view(second.address, job)) and sum(a.subscribed for a in v.agents) == agents or None
@@ -550,6 +552,7 @@ def scale(root: Path, children: Children, etcd: str, agents: int, procs: int, tt
         "stop_train_received": len(stop),
         "leader_rss_mib": round(rss, 1),
         "etcd_db_mib": round(db / 2**20, 2),
+        "leader_moved_during_cycle": current is not first_leader,
         "kill_to_every_agent_following_s": round(max(follow), 2) if follow else None,
         "followed": len(follow),
         "follow_s": summarize(follow).as_dict(),

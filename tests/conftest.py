@@ -47,6 +47,13 @@ TEST_POLICY = JobPolicy(
 )
 
 
+def token_file(path: Path, token: str) -> str:
+    """Write ``token`` to a file only its owner may read (TaskD refuses others) and return the path."""
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
 class RawAgent:
     """One agent of a job, driven by a test through the generated stub."""
 

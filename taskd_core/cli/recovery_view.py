@@ -63,6 +63,17 @@ class Fault:
 
 
 @dataclass(frozen=True, slots=True)
+class SlowMark:
+    """A rank found slower than its peers (a ``slow-rank`` entry)."""
+
+    rank: int
+    time: float
+    #: its work per step over its peers' median, and the step it was found at.
+    ratio: float
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
 class SignalMark:
     time: float
     signal_type: str
@@ -99,6 +110,7 @@ class JobTimeline:
     phases: tuple[Phase, ...]
     cycles: tuple[Cycle, ...]
     outcome: str = ""
+    slow: tuple[SlowMark, ...] = ()
 
 
 @dataclass(slots=True)
@@ -127,6 +139,7 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
     resumes: dict[int, list[_Mark]] = {}
     steppings: dict[int, list[_Mark]] = {}
     signals: list[SignalMark] = []
+    slow: list[SlowMark] = []
     cycles: list[_CycleMarks] = []
     pending_fault: float | None = None
     outcome = ""
@@ -171,6 +184,8 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
             outcome = "finished"
         elif e.kind == "signal":
             signals.append(SignalMark(t, str(d.get("type", "")), str(d.get("strategy", ""))))
+        elif e.kind == "slow-rank":
+            slow.append(SlowMark(int(d["rank"]), t, float(d.get("ratio", 0.0)), int(d.get("step", 0))))
     end = max([e.time - origin for e in events] + [s for _, s in open_runs.values()] + [0.0])
     runs.extend(Incarnation(rank, pid, start) for rank, (pid, start) in open_runs.items())
     faults = tuple(
@@ -185,7 +200,7 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
         )
         for rank, t, kind in fault_marks
     )
-    ranks = sorted({r.rank for r in runs} | {f.rank for f in faults})
+    ranks = sorted({r.rank for r in runs} | {f.rank for f in faults} | {m.rank for m in slow})
     phases = tuple(p for c in cycles for p in _phases(c, faults))
     return JobTimeline(
         job_id=job_id,
@@ -200,6 +215,7 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
             Cycle(c.number, c.fault_at, c.ended, c.strategy, c.outcome or "in flight") for c in cycles
         ),
         outcome=outcome,
+        slow=tuple(slow),
     )
 
 

@@ -4,7 +4,8 @@ Top panel: the controller's recovery phases (detect → stop → strategy →
 restart → resumed → stepping, see :mod:`taskd_core.cli.recovery_view`) and signals,
 zoomed on the recoveries. Below: one lane per rank with each worker process
 (pid, start, end, exit code), fault marks and the time (and steps, where
-workers report them) each fault lost.
+workers report them) each fault lost, and a mark where a rank was found
+slower than its peers (``slow-rank``).
 The journal comes from a running controller or its state file, as for
 ``taskd events``. Drawn with matplotlib (``pip install 'taskd-core[timeline]'``).
 """
@@ -180,6 +181,16 @@ def _draw_lanes(ax: Any, view: JobTimeline) -> None:
             fontsize=7,
             color="#d62728",
             va="bottom",
+        )
+    for mark in view.slow:
+        ax.plot(mark.time, y[mark.rank], marker="v", color="#9467bd", markersize=9, zorder=5)
+        ax.text(
+            mark.time,
+            y[mark.rank] + 0.42,
+            f" slow ({mark.ratio:.1f}x its peers' work, step {mark.step})",
+            fontsize=7,
+            color="#9467bd",
+            va="top",
         )
     for sig in view.signals:
         ax.axvline(sig.time, color="#888888", linewidth=0.5, linestyle=":")

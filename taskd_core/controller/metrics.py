@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import http.server
 import logging
+import socket
+import ssl
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -27,7 +31,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
 from taskd_core.controller.machine import JournalEntry
@@ -43,6 +47,10 @@ _RECOVERY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.
 _RPC_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.5)
 #: Seconds a scrape waits for the event loop to read the gauges.
 _READ_TIMEOUT = 5.0
+#: Seconds a ``/metrics`` client has for its TLS handshake and for each read.
+METRICS_IO_TIMEOUT = 5.0
+#: Connections ``/metrics`` serves at once; more are closed at once (a scraper needs one).
+METRICS_CONNECTIONS = 64
 _FAULT_NAMES = {t.value: t.name.lower().replace("_", "-") for t in FaultType}
 
 
@@ -427,24 +435,93 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 # --- the HTTP endpoint ---------------------------------------------------------------
 
 
-class MetricsEndpoint:
-    """``/metrics`` over HTTP (HTTPS with ``tls``) on its own thread (prometheus_client's server)."""
+class _MetricsServer(http.server.ThreadingHTTPServer):
+    """Serves each connection on its own thread, TLS handshake included, at most ``slots`` at once.
+
+    The accept thread never waits for a client: a connection that sends
+    nothing (or stops half-way through its handshake) holds only its own
+    thread, until :data:`METRICS_IO_TIMEOUT`; past ``slots`` connections,
+    new ones are closed at once.
+    """
+
+    daemon_threads = True
+    block_on_close = False
+    # The listen backlog: beyond it a connection waits for the client's SYN retry (seconds), not for us.
+    request_queue_size = 2 * METRICS_CONNECTIONS
 
     def __init__(
-        self, metrics: ControllerMetrics, host: str, port: int, tls: ServerTls | None = None
+        self,
+        address: tuple[str, int],
+        family: socket.AddressFamily,
+        handler: type[http.server.BaseHTTPRequestHandler],
+        context: ssl.SSLContext | None,
+        slots: int,
     ) -> None:
-        secure: dict[str, Any] = {}
-        if tls is not None:
-            secure = {"certfile": tls.cert, "keyfile": tls.key}
-            if tls.client_ca:
-                secure.update(client_cafile=tls.client_ca, client_auth_required=True)
+        self.address_family = family
+        self._context = context
+        self._slots = threading.BoundedSemaphore(slots)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
         try:
-            self._server, self._thread = start_http_server(port, host, registry=metrics.registry, **secure)
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            request.settimeout(METRICS_IO_TIMEOUT)
+            if self._context is not None:
+                try:
+                    request = self._context.wrap_socket(request, server_side=True)
+                except OSError as exc:  # ssl.SSLError and timeouts alike: this client only
+                    logger.debug("metrics: TLS handshake with %s failed: %s", client_address, exc)
+                    self.shutdown_request(request)
+                    return
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _tls_context(tls: ServerTls) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tls.cert, tls.key)
+    if tls.client_ca:
+        context.load_verify_locations(cafile=tls.client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class MetricsEndpoint:
+    """``/metrics`` over HTTP (HTTPS with ``tls``) on its own threads (see :class:`_MetricsServer`)."""
+
+    def __init__(
+        self,
+        metrics: ControllerMetrics,
+        host: str,
+        port: int,
+        tls: ServerTls | None = None,
+        *,
+        max_connections: int = METRICS_CONNECTIONS,
+    ) -> None:
+        fields = {"registry": metrics.registry, "timeout": METRICS_IO_TIMEOUT}
+        handler = type("Handler", (MetricsHandler,), fields)
+        # The files were checked as PEM when the gRPC server's credentials were made.
+        context = _tls_context(tls) if tls is not None else None
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            self._server = _MetricsServer((host, port), family, handler, context, max_connections)
         except OSError as exc:
             raise ConfigError(
-                f"metrics port {host}:{port}: cannot bind ({exc.strerror}); pick a free port"
+                f"metrics port {host}:{port}: cannot bind ({exc.strerror or exc}); pick a free port"
             ) from None
         self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, name="taskd-metrics", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
         self._server.shutdown()

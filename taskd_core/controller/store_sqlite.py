@@ -19,7 +19,9 @@ import collections
 import contextlib
 import json
 import logging
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import Awaitable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -107,6 +109,8 @@ class SqliteStore:
                 self._db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
                 self._db.execute("SELECT 1 FROM events LIMIT 1")
                 return
+            if path != ":memory:":
+                private_file(Path(path))
             self._db = sqlite3.connect(path, isolation_level=None)
             if path != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")
@@ -313,6 +317,25 @@ class SqliteStore:
 
     def close(self) -> None:
         self._db.close()
+
+
+def private_file(path: Path) -> None:
+    """Make ``path`` readable by its owner alone (0600), creating it empty when missing.
+
+    The state holds token digests and the journal (hang evidence, stacks): no
+    other user may read it. SQLite gives the WAL and shared-memory files it
+    creates next to it the same mode.
+    """
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            logger.warning("state file %s was readable by other users (mode %04o): now 0600", path, mode)
+            for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                if name.exists():
+                    name.chmod(0o600)
+    except OSError:
+        return  # connecting says what is wrong with the path, in the caller's words
 
 
 def storage_problem(exc: sqlite3.Error) -> str:

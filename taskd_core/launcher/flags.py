@@ -21,7 +21,7 @@ from typing import Any
 
 from taskd_core.agent.config import AgentConfig, DispatchConfig, RestartBackoff
 from taskd_core.agent.hangs.config import ProgressConfig
-from taskd_core.controller.policy import parse_strategies
+from taskd_core.controller.policy import parse_slow_rank, parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.forkserver.client import ForkServerSettings
 from taskd_core.launcher.environment import check_temp_dir, controller_from_env, job_id_from_env
@@ -63,6 +63,10 @@ def _strategies(text: str, what: str) -> Any:
 
 def _directory(text: str, what: str) -> Path:
     return check_creatable_dir(Path(text), what or "snapshot directory")
+
+
+def _slow_rank(text: str, what: str) -> Any:
+    return parse_slow_rank(text.strip(), what or "slow-rank")
 
 
 def _dump_signal(text: str, what: str) -> signal.Signals:
@@ -275,6 +279,14 @@ OPTIONS: tuple[Option, ...] = (
         "seconds over which the cycle budget counts; 0: the job's whole life",
         _POLICY,
         (JobPolicy, "cycle_window"),
+    ),
+    Option(
+        "slow-rank",
+        _slow_rank,
+        "what a rank slower than its peers gets: warn (journal, metric, taskd status) or replace",
+        _POLICY,
+        (JobPolicy, "slow_rank"),
+        metavar="POLICY",
     ),
     Option(
         "report-timeout",
@@ -527,6 +539,12 @@ def node_settings(
                     f"controller at {controller}: set it in that controller's policy (taskd controller "
                     f"--{name} or its --policy file) and drop it here"
                 )
+        source = values.given("slow-rank")
+        if source is not None:
+            raise ConfigError(
+                f"{source} sets the embedded controller's slow-rank policy, but this job uses the "
+                f"controller at {controller}: set slow_rank in that controller's --policy file, drop it here"
+            )
     credentials = job_credentials(
         env,
         tls_ca=values.flag("tls-ca"),

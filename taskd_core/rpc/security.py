@@ -20,7 +20,9 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import os
 import ssl
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +70,19 @@ def token_matches(digest: str, token: str) -> bool:
 
 
 def read_token_file(path: str, what: str = "token file") -> str:
-    """A token from the first line of a file; :class:`ConfigError` for an unusable one."""
+    """A token from the first line of a file; :class:`ConfigError` for an unusable one.
+
+    A file other users may read is refused: whoever reads the admin token is admin.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = 0  # _read says what is wrong with the path
+    if mode & 0o077:
+        raise ConfigError(
+            f"{what} {path}: readable by other users (mode {stat.S_IMODE(mode):04o}); "
+            f"whoever reads it holds the token: run chmod 600 {path}"
+        )
     token = _read(path, what).decode(errors="replace").strip().splitlines()[0].strip()
     check_secret(token, what)
     return token

@@ -191,3 +191,11 @@ def test_read_only_state_files_say_what_is_wrong_and_what_to_do(tmp_path: Path, 
         taskd("controller", "--listen", "127.0.0.1:0", "--state", state, mounts=file_mount),
         f"--state {state}: the file is not writable by this process",
     )
+
+
+@pytest.mark.parametrize("argv", [["controller", "--listen", "127.0.0.1:0", "--state", ":memory:"], ["status"]])
+def test_a_token_file_other_users_may_read_is_refused_with_the_chmod_to_run(tmp_path: Path, argv) -> None:
+    token = tmp_path / "admin.token"
+    token.write_text("the-admin\n")
+    token.chmod(0o644)
+    refused(taskd(*argv, "--admin-token-file", str(token)), f"run chmod 600 {token}")

@@ -106,3 +106,16 @@ def test_a_picture_of_the_recorded_recovery(tmp_path: Path):
     assert "rank 0" in text and "rank 1" in text and "pid 21" in text
     assert "fault (exit -9, resumed after 1.00 s, 3 steps lost)" in text
     assert "cycle 1: recover, recovered in 0.59 s" in text
+
+
+def test_a_slow_rank_is_marked_on_its_lane(tmp_path: Path):
+    from taskd_core.cli.timeline import draw
+
+    found = {"rank": 1, "pid": 21, "ratio": 2.04, "step": 57, "ranks": [1], "peers": {"0": 0.1}}
+    events = [*journal()[:-1], JournalEvent(99, T0 + 6.0, "j", 1, "slow-rank", found), journal()[-1]]
+    view = build("j", events)
+    (mark,) = view.slow
+    assert (mark.rank, mark.step, mark.ratio) == (1, 57, 2.04) and mark.time == pytest.approx(6.0)
+    out = tmp_path / "t.svg"
+    draw(view, out)
+    assert "slow (2.0x its peers' work, step 57)" in out.read_text()

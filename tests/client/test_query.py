@@ -29,7 +29,7 @@ from taskd_core.rpc.convert import (
     journal_page_from_pb,
 )
 from taskd_core.testing import free_port
-from tests.conftest import TEST_POLICY
+from tests.conftest import TEST_POLICY, token_file
 
 TOKEN = "the-job-token"
 
@@ -83,7 +83,7 @@ def test_the_journal_reads_page_by_page_after_a_cursor(controller, make_agent) -
 
 def test_the_job_token_and_the_admin_token_decide_what_is_seen(tmp_path, controller_factory, make_agent, monkeypatch) -> None:
     admin_file = tmp_path / "admin-token"
-    admin_file.write_text("the-admin\n")
+    token_file(admin_file, "the-admin")
     ctl = controller_factory(admin_token_file=str(admin_file))
     make_agent(ctl.address, "mine", "node-0", credentials=Credentials(token=TOKEN)).join()
     with QueryClient(ctl.address, Credentials()) as nobody:

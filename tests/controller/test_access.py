@@ -17,7 +17,7 @@ import pytest
 
 from taskd_core.models import Code, Credentials
 from taskd_core.rpc import recover_pb2 as pb
-from tests.conftest import RawAgent
+from tests.conftest import RawAgent, token_file
 
 JOB = "victim"
 TOKEN = "victim-token"
@@ -149,7 +149,7 @@ def test_refusals_are_journalled(controller, make_agent) -> None:
 
 def test_admin_token_gates_listing_and_policy(tmp_path, controller_factory, make_agent) -> None:
     admin_file = tmp_path / "admin-token"
-    admin_file.write_text("the-admin\n")
+    token_file(admin_file, "the-admin")
     ctl = controller_factory(admin_token_file=str(admin_file))
     make_agent(ctl.address, JOB, "node-0", credentials=Credentials(token=TOKEN)).join()
     make_agent(ctl.address, "legacy-job", "node-0").join()

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from taskd_core.cli import main
-from tests.conftest import TEST_POLICY, RawAgent
+from tests.conftest import TEST_POLICY, RawAgent, token_file
 
 #: What `taskd status --json` prints per job and per agent (docs/events.md).
 JOB_FIELDS = {
@@ -133,7 +133,7 @@ def test_controller_security_settings_are_checked_with_exit_2(argv, message, cap
 
 
 def test_controller_serves_mutual_tls_with_tokens_from_the_command_line(tmp_path, controller_process, pki):
-    (tmp_path / "admin").write_text("adm1n\n")
+    token_file(tmp_path / "admin", "adm1n")
     child = controller_process(
         tmp_path / "s.db",
         "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", pki.ca,
@@ -149,7 +149,7 @@ def test_controller_serves_mutual_tls_with_tokens_from_the_command_line(tmp_path
 
 
 def test_status_presents_tls_and_the_admin_token(tmp_path, controller_factory, make_agent, pki, capsys, monkeypatch):
-    (tmp_path / "admin").write_text("adm1n")
+    token_file(tmp_path / "admin", "adm1n")
     ctl = controller_factory(tls=pki.server(mutual=True), admin_token_file=str(tmp_path / "admin"))
     make_agent(ctl.address, "tls-job", "node-0", credentials=pki.client("job-token")).join()
     monkeypatch.setenv("TASKD_TLS_CERT", pki.client_cert)

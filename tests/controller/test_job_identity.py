@@ -7,7 +7,6 @@ and more); the others go over real gRPC.
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -19,7 +18,7 @@ from taskd_core.errors import RequestRejected
 from taskd_core.models import CONNECT_TIMEOUT, Code, Credentials
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc.security import Caller, token_digest
-from tests.conftest import RawAgent
+from tests.conftest import RawAgent, token_file
 
 JOB = "claimed"
 
@@ -80,8 +79,7 @@ def _kinds(agent: RawAgent) -> list[str]:
 
 def test_an_ended_jobs_journal_stays_with_its_claim(tmp_path, controller_factory, make_agent) -> None:
     admin_file = tmp_path / "admin-token"
-    admin_file.write_text("the-admin\n")
-    os.chmod(admin_file, 0o600)
+    token_file(admin_file, "the-admin")
     ctl = controller_factory(admin_token_file=str(admin_file))
     first = make_agent(ctl.address, JOB, "node-0", credentials=Credentials(token="t1", launch="L1")).join()
     _finish(first)

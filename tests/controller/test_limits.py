@@ -20,6 +20,7 @@ from taskd_core.models import (
 )
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc.convert import MAX_NAME
+from tests.conftest import token_file
 
 JOB = "bounded"
 
@@ -107,7 +108,7 @@ def test_unknown_job_size_caps_accumulated_faults_and_signals_stay_sendable(cont
 
 
 def test_jobs_created_by_any_rpc_count_against_the_limit(tmp_path, controller_factory, make_agent) -> None:
-    (tmp_path / "admin").write_text("adm")
+    token_file(tmp_path / "admin", "adm")
     ctl = controller_factory(limits=Limits(max_jobs=2), admin_token_file=str(tmp_path / "admin"))
     admin = make_agent(ctl.address, "x", credentials=Credentials(token="adm"))
     policy = pb.JobPolicyRequest(jobId="by-policy", recoveryEnabled=True, flushSeconds=-1, maxCycles=-1)

@@ -199,3 +199,26 @@ def test_a_tls_controller_serves_metrics_over_https_only(pki):
             urllib.request.urlopen(url.replace("https", "http"), timeout=10).read()
     finally:
         ctl.stop()
+
+
+def test_an_idle_connection_does_not_block_an_https_scrape(pki):
+    """One client that connects and says nothing (or many) must not hold the TLS handshake of every scrape."""
+    import socket
+    import ssl
+
+    ctl = EmbeddedController(tls=pki.server(), metrics_port=0)
+    idle = [socket.create_connection(("127.0.0.1", ctl.metrics_port), timeout=10)]
+    try:
+        url = f"https://127.0.0.1:{ctl.metrics_port}/metrics"
+        context = ssl.create_default_context(cafile=pki.ca)
+        with urllib.request.urlopen(url, timeout=10, context=context) as reply:
+            assert b"taskd_jobs" in reply.read()
+        # Past the cap, a connection is closed at once instead of holding a thread.
+        from taskd_core.controller.metrics import METRICS_CONNECTIONS
+
+        idle += [socket.create_connection(("127.0.0.1", ctl.metrics_port), timeout=10) for _ in range(METRICS_CONNECTIONS)]
+        assert idle[-1].recv(1) == b""
+    finally:
+        for sock in idle:
+            sock.close()
+        ctl.stop()

@@ -9,6 +9,7 @@ import pytest
 
 from taskd_core.models import Code, Credentials
 from taskd_core.rpc import recover_pb2 as pb
+from tests.conftest import token_file
 
 JOB = "job-1"
 
@@ -77,7 +78,7 @@ def test_init_answers_403_when_the_policy_turns_recovery_off(controller_factory,
 
 def test_set_job_policy_turns_recovery_off_and_validates(tmp_path, controller_factory, make_agent):
     # Setting the policy of a job nobody registered yet takes the admin token.
-    (tmp_path / "admin").write_text("admin-token")
+    token_file(tmp_path / "admin", "admin-token")
     controller = controller_factory(admin_token_file=str(tmp_path / "admin"))
     agent = make_agent(controller.address, JOB, credentials=Credentials(token="admin-token"))
     ok = agent.stub.SetJobPolicy(

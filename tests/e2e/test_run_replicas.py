@@ -15,7 +15,7 @@ from pathlib import Path
 from taskd_core.client.query import QueryClient
 from taskd_core.errors import TaskdError
 from taskd_core.models import Credentials
-from tests.conftest import ControllerProcess
+from tests.conftest import ControllerProcess, token_file
 from tests.etcd_server import EtcdServer
 
 from .harness import Cluster, wait_until
@@ -36,7 +36,7 @@ def subscribed(address: str, job_id: str) -> bool:
 
 def test_a_killed_leader_is_followed_and_a_later_fault_recovered(tmp_path: Path, cluster: Cluster, etcd: EtcdServer) -> None:
     state = etcd.url()
-    (tmp_path / "admin").write_text(ADMIN.token)
+    token_file(tmp_path / "admin", ADMIN.token)
     args = ("--lease-ttl", "2", "--flush-seconds", "0.3", "--report-timeout", "60",
             "--strategies", "recover-in-place,recover,exit", "--admin-token-file", str(tmp_path / "admin"))
     leader = ControllerProcess(state, args, tmp_path / "ctl-a.log").wait_serving()

@@ -15,7 +15,7 @@ from taskd_core.errors import ConfigError
 from taskd_core.launcher.environment import controller_from_env, job_id_from_env
 from taskd_core.launcher.flags import OptionValues, add_node_options, node_settings
 from taskd_core.launcher.settings import NodeSettings, embedded_port
-from taskd_core.models import Credentials, JobPolicy, Strategy
+from taskd_core.models import Credentials, JobPolicy, SlowRankPolicy, Strategy
 from taskd_core.values import DEFAULT_CONTROLLER_PORT, join_address, parse_address
 
 
@@ -194,3 +194,14 @@ def test_a_budget_flag_with_an_external_controller_is_refused(flag: str, env: di
     argv = [flag, "5"] + ([] if env else ["--controller", "ctl:7000"])
     with pytest.raises(ConfigError, match=f"{flag} sets the budget of the embedded controller.*ctl:7000"):
         run_settings(argv, env)
+
+
+def test_the_slow_rank_policy_is_a_flag_of_the_embedded_controller() -> None:
+    assert run_settings([]).policy.slow_rank is SlowRankPolicy.WARN
+    assert run_settings(["--slow-rank", "warn"]).policy.slow_rank is SlowRankPolicy.WARN
+    with pytest.raises(ConfigError, match="TASKD_SLOW_RANK: expected one of 'warn', 'replace', got 'evict'"):
+        run_settings([], {"TASKD_SLOW_RANK": "evict"})
+    with pytest.raises(ConfigError, match='"replace" needs hot spares'):
+        run_settings([], {"TASKD_SLOW_RANK": "replace"})
+    with pytest.raises(ConfigError, match="slow-rank policy, but this job uses the controller at ctl:7000"):
+        run_settings(["--slow-rank", "warn", "--controller", "ctl:7000"])

@@ -114,10 +114,16 @@ def test_tokens_are_kept_as_digests_and_compared_whole(tmp_path) -> None:
     assert not token_matches(digest, "abd") and not token_matches(digest, "") and not token_matches("", "abc")
     path = tmp_path / "admin"
     path.write_text("  admin-token  \n")
+    path.chmod(0o600)
     assert read_token_file(str(path)) == "admin-token"
     path.write_text("has space\n")
     with pytest.raises(ConfigError, match="printable ASCII without spaces"):
         read_token_file(str(path))
+    for mode in (0o644, 0o640, 0o604):  # another user, or a group member, could read it and be admin
+        path.write_text("admin-token\n")
+        path.chmod(mode)
+        with pytest.raises(ConfigError, match=f"readable by other users .mode 0{mode:o}.*run chmod 600 {path}"):
+            read_token_file(str(path))
     assert "abc" not in repr(Credentials(token="abc")) and "abc" not in repr(Caller("abc"))
 
 

@@ -1,4 +1,5 @@
-"""The agreement on keeping a rendezvous round, between real c10d rendezvous handlers on a real TCP store.
+"""The agreement on keeping a rendezvous round, between real rendezvous handlers: c10d on a real TCP
+store, and etcd-v2 on a real etcd.
 
 Each handler plays one node's agent (torch gives every handler of a process
 a node identity of its own); no worker is started.
@@ -28,16 +29,22 @@ T = TypeVar("T")
 Nodes = Callable[..., list[RendezvousHandler]]
 
 
-@pytest.fixture
-def nodes() -> Iterator[Nodes]:
-    """Make ``n`` handlers of one c10d rendezvous (its store hosted here); all are shut down at teardown."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+@pytest.fixture(params=["c10d", "etcd-v2"])
+def nodes(request: pytest.FixtureRequest) -> Iterator[Nodes]:
+    """Make ``n`` handlers of one rendezvous (c10d: its store hosted here; etcd-v2: on a real etcd);
+    all are shut down at teardown."""
+    backend: str = request.param
+    if backend == "c10d":
+        store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+        endpoint = f"127.0.0.1:{store.port}"
+    else:
+        endpoint = request.getfixturevalue("etcd_v2").endpoint
     made: list[RendezvousHandler] = []
 
     def make(n: int, min_nodes: int, max_nodes: int) -> list[RendezvousHandler]:
         params = RendezvousParameters(
-            backend="c10d",
-            endpoint=f"127.0.0.1:{store.port}",
+            backend=backend,
+            endpoint=endpoint,
             run_id=uuid.uuid4().hex,
             min_nodes=min_nodes,
             max_nodes=max_nodes,
@@ -153,3 +160,15 @@ def test_the_agreement_keys_of_one_round_never_meet_another_rounds(nodes: Nodes)
     again = rendezvous(handlers)
 
     assert not again[0].store.check([decision])
+
+
+def test_on_etcd_an_agent_that_won_the_proposal_but_never_wrote_it_leaves_the_others_a_new_round(
+    etcd_v2: object, nodes: Nodes
+) -> None:
+    handlers = nodes(2, 2, 2)
+    infos = rendezvous(handlers)
+    if handlers[0].get_backend() != "etcd-v2":
+        pytest.skip("c10d's compare_set writes the proposal in the same step")
+    infos[0].store.add("taskd/regroup/0/decision/proposers", 1)  # it won, then its node was lost
+
+    assert RoundReuse(handlers[1], wait=0.5).decide(infos[1].store, 2, StopRequest()) is Regroup.NEW_ROUND

@@ -20,11 +20,15 @@ round's store, whose keys belong to that round only:
 * an agent that sees a node waiting, or waits longer than ``wait`` for the
   decision (an agent of the round is gone), proposes *new round*;
 * a proposal is a ``compare_set`` on one key, so the first one wins and every
-  agent, late ones included, reads the same decision.
+  agent, late ones included, reads the same decision. torch's etcd store
+  (``etcd-v2``) has no ``compare_set``: there the first agent whose ``add`` to
+  the proposers' counter returns 1 writes the decision, the others only read
+  it (should that agent die before it writes, the others take a new round at
+  their deadline).
 
 A new round is exactly what torch does, so every fallback is today's path.
-Other rendezvous backends (static: no rounds to save; etcd: its store has no
-``compare_set``) always take it.
+Other rendezvous backends (static: no rounds to save; torch's older ``etcd``
+rendezvous, which is no ``DynamicRendezvousHandler``) always take it.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 #: The rendezvous backend whose rounds are kept (its store has ``compare_set``).
 REUSABLE_BACKEND = "c10d"
+#: torch's etcd backend of the dynamic rendezvous: its rounds are kept too, agreed on with ``add``.
+ETCD_BACKEND = "etcd-v2"
 #: How often an agent looks for the decision, and how often whether a node waits to join.
 _POLL = 0.005
 _WAITING_POLL = 0.5
@@ -66,9 +72,9 @@ class RoundReuse:
     def __init__(self, handler: RendezvousHandler, wait: float = 60.0) -> None:
         self._handler = handler
         self._wait = wait
-        self._enabled = (
-            isinstance(handler, DynamicRendezvousHandler) and handler.get_backend() == REUSABLE_BACKEND
-        )
+        backend = handler.get_backend() if isinstance(handler, DynamicRendezvousHandler) else ""
+        self._enabled = backend in (REUSABLE_BACKEND, ETCD_BACKEND)
+        self._atomic = backend == REUSABLE_BACKEND
         #: whole-group restarts since the current round formed (the same count on every agent of it).
         self._restarts = 0
 
@@ -100,6 +106,8 @@ class RoundReuse:
             if now >= deadline:
                 logger.warning("the other agents of the round did not restart within %ss", self._wait)
                 self._propose(store, decision, Regroup.NEW_ROUND)
+                if not store.check([decision]):  # the agent that won the proposal died before writing it
+                    return Regroup.NEW_ROUND
             elif now >= look_again:
                 look_again = now + _WAITING_POLL
                 if self._handler.num_nodes_waiting():
@@ -113,6 +121,8 @@ class RoundReuse:
         )
         return agreed
 
-    @staticmethod
-    def _propose(store: Store, key: str, proposal: Regroup) -> None:
-        store.compare_set(key, "", proposal.value)
+    def _propose(self, store: Store, key: str, proposal: Regroup) -> None:
+        if self._atomic:
+            store.compare_set(key, "", proposal.value)
+        elif store.add(key + "/proposers", 1) == 1:
+            store.set(key, proposal.value)
