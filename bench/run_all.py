@@ -16,6 +16,8 @@ timings), each as a child process writing JSON:
 10. ``first_start_bench.py``: a job's first start, taskdrun and ``taskd run`` against torchrun;
 11. ``mindspore_bench.py``: real msrun, kill → the rank stepping again against a cold start of the same job;
 12. ``failover_bench.py``: controller replicas on a real etcd: fail-over, etcd against SQLite, 2048 agents, chaos.
+13. ``slowrank_bench.py``: steps until a slow rank is named, false alarms, the cost of measuring work per step.
+14. ``snapshot_bench.py``: memory snapshots of FSDP2 every step against none and ``dcp.async_save`` to disk.
 
 Then writes the Markdown report: the machine, versions, the exact command,
 the targets and each bench's section. The prose is in ``bench/templates/``
@@ -64,6 +66,8 @@ import mindspore_bench
 import recovery_bench
 import security_bench
 import signal_bench
+import slowrank_bench
+import snapshot_bench
 import transfer_bench
 from _common import (
     PYTHON,
@@ -184,6 +188,33 @@ STEPS = (
             "3",
             "--freezes",
             "2",
+        ),
+        2400.0,
+    ),
+    Step(
+        "slowrank",
+        "slowrank_bench.py",
+        ("--trials", "50", "--job-trials", "3", "--job-steps", "300"),
+        ("--trials", "5", "--job-trials", "1", "--job-steps", "60", "--overhead-steps", "20000"),
+        900.0,
+    ),
+    Step(
+        "snapshots",
+        "snapshot_bench.py",
+        ("--repeats", "3", "--mib", "256"),
+        (
+            "--repeats",
+            "1",
+            "--mib",
+            "32",
+            "--steps",
+            "16",
+            "--big-steps",
+            "6",
+            "--kill-at",
+            "10",
+            "--ckpt-every",
+            "4",
         ),
         2400.0,
     ),
@@ -413,10 +444,16 @@ def _live_rows(results: dict[str, Any]) -> list[list[str]]:
             ", ".join(ratios),
             "met" if not misses else "missed: " + ", ".join(misses),
         ],
-        ["trials recovered live (only the victim started again): 100 %", ", ".join(trials),
-         "met" if all_live else "missed"],
-        ["steps lost by live recovery (median): 0", ", ".join(lost),
-         "met" if all(item.endswith(" 0") for item in lost) else "missed"],
+        [
+            "trials recovered live (only the victim started again): 100 %",
+            ", ".join(trials),
+            "met" if all_live else "missed",
+        ],
+        [
+            "steps lost by live recovery (median): 0",
+            ", ".join(lost),
+            "met" if all(item.endswith(" 0") for item in lost) else "missed",
+        ],
         [
             "fault-free step time, live API vs the plain script under the same launcher ≤ 3 % (steps include"
             " the bench's --step-time pause)",
@@ -430,11 +467,17 @@ def _warm_rows(results: dict[str, Any], server: dict[str, Any] | None) -> list[l
     """Issue 9's targets: kill → every rank stepped ≤ 0.15 × torchrun-noshare; step time; fork server cost."""
     ratios, misses, steps = [], [], []
     for key, by in results.items():
-        ours, peer = _median(by, recovery_bench.TASKD, "all_stepped"), _median(by, "torchrun-noshare", "all_stepped")
+        ours, peer = (
+            _median(by, recovery_bench.TASKD, "all_stepped"),
+            _median(by, "torchrun-noshare", "all_stepped"),
+        )
         ratios.append(f"{key} {fmt(ours / peer)}")
         if not ours <= WARM_TARGET * peer:
             misses.append(f"{key} by {fmt(ours - WARM_TARGET * peer)} s")
-        fork, execd = _median(by, recovery_bench.TASKD, "step_time"), _median(by, "taskdrun-nofork", "step_time")
+        fork, execd = (
+            _median(by, recovery_bench.TASKD, "step_time"),
+            _median(by, "taskdrun-nofork", "step_time"),
+        )
         steps.append(f"{key} {fmt(fork * 1e3, 1)}/{fmt(execd * 1e3, 1)}")
     rows = [
         [
@@ -446,8 +489,13 @@ def _warm_rows(results: dict[str, Any], server: dict[str, Any] | None) -> list[l
     ]
     if server:
         cpu = server["cpu_percent"]
-        rows.append([f"fork server idle CPU < {SERVER_CPU_TARGET:g} % of a core", f"{cpu:.3f} %",
-                     "met" if cpu < SERVER_CPU_TARGET else "missed"])
+        rows.append(
+            [
+                f"fork server idle CPU < {SERVER_CPU_TARGET:g} % of a core",
+                f"{cpu:.3f} %",
+                "met" if cpu < SERVER_CPU_TARGET else "missed",
+            ]
+        )
         memory = f"RSS {server['vmrss'] / 1024:.0f} MiB, PSS {server['pss'] / 1024:.0f} MiB"
         rows.append(["fork server memory (no target)", memory, "—"])
     return rows
@@ -557,8 +605,10 @@ def metrics_fields(data: dict[str, Any]) -> Rendered:
     target_ms, target_pct = metrics_bench.SCRAPE_TARGET_MS, metrics_bench.ADDED_TARGET_PERCENT
     idle_noise = within_noise("idle_cpu_percent", "idle_cpu_low", "idle_cpu_high")
     idle_verdict = "met" if added["idle_cpu"] < target_pct else "within noise" if idle_noise else "missed"
-    end_to_end = "" if added["latency_p50"] < target_pct else (
-        "; end to end within noise" if latency_noise else "; end to end missed"
+    end_to_end = (
+        ""
+        if added["latency_p50"] < target_pct
+        else ("; end to end within noise" if latency_noise else "; end to end missed")
     )
     hooks_verdict = ("met (hooks)" if added["hooks_of_latency_p50"] < target_pct else "missed") + end_to_end
     rows = [
@@ -599,14 +649,21 @@ def chaos_fields(data: dict[str, Any]) -> Rendered:
     )
     finished = data["params_equal"] and data["jobs_finished"] == 1
     rows = [
-        ["chaos: 100 % of faults recovered", f"{data['recovered']}/{data['injected']}",
-         _met(data["recovered"] == data["injected"])],
+        [
+            "chaos: 100 % of faults recovered",
+            f"{data['recovered']}/{data['injected']}",
+            _met(data["recovered"] == data["injected"]),
+        ],
         [
             "chaos: final parameters identical to fault-free, job finished",
             f"{'identical' if data['params_equal'] else 'DIFFERENT'}, {data['jobs_finished']}/1 finished",
             _met(finished),
         ],
-        ["chaos: 0 leftover processes", str(data["leftover_processes"]), _met(data["leftover_processes"] == 0)],
+        [
+            "chaos: 0 leftover processes",
+            str(data["leftover_processes"]),
+            _met(data["leftover_processes"] == 0),
+        ],
         ["chaos: no growth of descriptors or memory beyond noise", growth, "see section 8"],
     ]
     return fields, rows
@@ -626,7 +683,10 @@ def hang_fields(data: dict[str, Any]) -> Rendered:
 
 
 def signal_fields(data: dict[str, Any]) -> Rendered:
-    fields: dict[str, Value] = {"repeats": str(data["repeats"]), "table": signal_bench.report(data["results"])}
+    fields: dict[str, Value] = {
+        "repeats": str(data["repeats"]),
+        "table": signal_bench.report(data["results"]),
+    }
     return fields, signal_bench.verdicts(data["results"])
 
 
@@ -909,6 +969,74 @@ def failover_fields(data: dict[str, Any]) -> Rendered:
     return fields, rows
 
 
+def slowrank_fields(data: dict[str, Any]) -> Rendered:
+    detector, jobs = data["detector"], data["jobs"]
+    ratios = [t["ratio"] for t in jobs["trials"] if t["ratio"] is not None]
+    fields: dict[str, Value] = {
+        "bound": f"{detector['bound']:g}",
+        "window": str(detector["window"]),
+        "hold": str(detector["hold"]),
+        "trials": str(detector["trials"]),
+        "healthy_steps": str(detector["healthy_steps"]),
+        "step_ms": f"{slowrank_bench.STEP_TIME * 1000:.0f}",
+        "slow_from": str(slowrank_bench.SLOW_FROM),
+        "real_ratio": ", ".join(f"{r:.2f}" for r in ratios) or "none",
+        "load_start": _loads(data["load_at_start"]),
+        "load_end": _loads(data["load_at_end"]),
+        "table": slowrank_bench.report(data),
+    }
+    return fields, slowrank_bench.verdicts(data)
+
+
+def snapshot_fields(data: dict[str, Any]) -> Rendered:
+    cfg, steps, lost = data["config"], data["steps"], data["lost"]
+    sizes = list(steps)
+    example, big = steps[sizes[0]], steps[sizes[-1]]
+    target = data["target"]
+    rows = []
+    for size in sizes:
+        modes = steps[size]["modes"]
+        cost = modes["memory"]["median_s"] / modes["none"]["median_s"] - 1
+        disk = modes["disk"]["median_s"] / modes["none"]["median_s"] - 1
+        rows.append(
+            [
+                f"memory snapshot every step: step time +≤ {target * 100:g} % ({size})",
+                f"+{fmt(cost * 100, 1)} % (dcp.async_save to disk: +{fmt(disk * 100, 1)} %)",
+                _met(cost <= target),
+            ]
+        )
+    memory = lost["memory"]
+    rows.append(
+        [
+            "a SIGKILLed rank of a 4-rank FSDP2 job loses ≤ 1 step",
+            f"{memory['lost']} lost, restored from {memory['source']} (none: {lost['none']['lost']}, "
+            f"disk every step: {lost['disk']['lost']})",
+            _met(memory["lost"] <= 1 and memory["source"] == "memory"),
+        ]
+    )
+    bw = data["bandwidth"]["median_gb_s"]
+    rows.append(
+        [
+            "snapshot copy bandwidth, against a plain memcpy",
+            f"store {fmt(bw['store'])} GB/s, memcpy {fmt(bw['memcpy'])} GB/s, peer copy {fmt(bw['peer'])} GB/s",
+            "reported",
+        ]
+    )
+    fields: dict[str, Value] = {
+        "example_ranks": str(example["ranks"]),
+        "example_params": str(example["modes"]["none"]["params"]),
+        "big_ranks": str(big["ranks"]),
+        "mib": f"{cfg['mib']:g}",
+        "warmup": str(cfg["warmup"]),
+        "repeats": str(cfg["repeats"]),
+        "kill_at": str(cfg["kill_at"]),
+        "ckpt_every": str(cfg["ckpt_every"]),
+        "load": " → ".join(_loads(load) for load in data["loads"]),
+        "table": snapshot_bench.report(data),
+    }
+    return fields, rows
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
     """One section of the report: the step whose results it reads, its template and its renderer."""
@@ -932,6 +1060,8 @@ PARTS = (
     Part("first_start", "first_start", first_start_fields),
     Part("mindspore", "mindspore", mindspore_fields),
     Part("failover", "failover", failover_fields),
+    Part("slowrank", "slowrank", slowrank_fields),
+    Part("snapshots", "snapshots", snapshot_fields),
 )
 
 
@@ -959,7 +1089,13 @@ def render(sections: list[Section], run: dict[str, Any]) -> str:
     info, durations = run["machine"], run["durations"]
     total = sum(durations.values())
     targets = [row for _, rows in sections for row in rows]
-    targets.append([f"`run_all.py` under {BUDGET / 60:.0f} min on 2 cores", f"{total / 60:.1f} min", _met(total < BUDGET)])
+    targets.append(
+        [
+            f"`run_all.py` under {BUDGET / 60:.0f} min on 2 cores",
+            f"{total / 60:.1f} min",
+            _met(total < BUDGET),
+        ]
+    )
     loads = "; ".join(
         f"{when} {' / '.join(f'{x:.2f}' for x in load)}"
         for when, load in zip(("at the start", "at the end"), run["loads"], strict=True)

@@ -1,0 +1,323 @@
+"""Slow ranks: how many steps until a straggler is named, false positives, and what measuring costs.
+
+1. **The detector** (``taskd_core.controller.slowrank``, its defaults) on
+   synthetic series of 4 ranks: one rank at 2x the work per step from step
+   100 on, under two noises (each rank's steps varying on their own by up to
+   1.2x, and by up to 5x): steps from the slowdown to the rank being named,
+   over ``--trials`` seeds; then false positives over ``--healthy-steps``
+   steps with 5x jitter (each rank on its own, and every rank together) and
+   with a job-wide 2x slowdown.
+2. **Real jobs**: ``examples/train_live.py`` (``LiveSession`` measures the
+   work itself, no script change) on ``taskd run --nproc 4``; rank 2 sleeps
+   2x the step time from step ``SLOW_FROM`` on: the step of the controller's
+   ``slow-rank`` event minus ``SLOW_FROM``, over ``--job-trials`` jobs, and a
+   healthy job of ``--job-steps`` steps whose step times vary by 5x: its
+   ``slow-rank`` events (must be none). The journal is read from the
+   controller's state file.
+3. **Overhead**: the measurement's own cost per step (``LiveSession``'s work
+   clock: begin, two collectives' spans, commit; ``worker.step(n, busy=...)``
+   into a real socket), timed over ``--overhead-steps`` steps, as a share of
+   the real job's median step time.
+
+Run::
+
+    .venv/bin/python bench/slowrank_bench.py --trials 50 --job-trials 3 --json /tmp/slowrank.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import socket
+import sqlite3
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _common import PYTHON, REPO, Children, fmt, free_port, markdown_table, setup_logging, write_json
+
+from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector
+from taskd_core.models import RankWork
+from taskd_core.worker import ProgressReporter
+
+logger = logging.getLogger(__name__)
+
+TRAIN = REPO / "examples" / "train_live.py"
+TOKEN = "slowrank-bench-token"
+RANKS = 4
+#: The synthetic straggler's start, and the real one's.
+SLOW_AT = 100
+SLOW_FROM = 30
+#: The real job's step (seconds of sleep standing for compute) and the straggler's.
+STEP_TIME = 0.2
+#: Targets (issue 27).
+LATENCY_TARGET = 20
+OVERHEAD_TARGET = 0.01
+
+Pace = Callable[[int, int], float]
+
+
+def feed(pace: Pace, steps: int) -> list[tuple[int, int]]:
+    """(rank, step) of every slow rank the default detector names over ``steps`` steps of ``pace``."""
+    detector = SlowRankDetector()
+    found = []
+    for step in range(1, steps + 1):
+        samples = [RankWork(r, 100 + r, step, 1, pace(r, step)) for r in range(RANKS)]
+        found += [(f.rank, f.step) for f in detector.feed(samples, float(step))]
+    return found
+
+
+def own_jitter(rng: random.Random, spread: float) -> Pace:
+    table: dict[tuple[int, int], float] = {}
+    return lambda r, s: table.setdefault((r, s), 0.1 * rng.uniform(1.0, spread))
+
+
+def bench_detector(trials: int, healthy_steps: int) -> dict[str, Any]:
+    latency: dict[str, list[int | None]] = {}
+    #: healthy ranks named in the straggler runs (their first 100 steps, and 3 of 4 ranks after, are healthy).
+    beside: dict[str, int] = {}
+    for spread in (1.2, 5.0):
+        named: list[int | None] = []
+        beside[f"{spread:g}x"] = 0
+        for seed in range(trials):
+            noise = own_jitter(random.Random(seed), spread)
+            found = feed(
+                lambda r, s, n=noise: n(r, s) * (2.0 if r == 2 and s >= SLOW_AT else 1.0), SLOW_AT + 200
+            )
+            first = next((step for rank, step in found if rank == 2 and step >= SLOW_AT), None)
+            named.append(None if first is None else first - SLOW_AT)
+            wrong = [(rank, step) for rank, step in found if rank != 2 or step < SLOW_AT]
+            if wrong:
+                logger.warning("seed %s, %gx: named while healthy (rank, step): %s", seed, spread, wrong)
+            beside[f"{spread:g}x"] += len(wrong)
+        latency[f"{spread:g}x"] = named
+    half = healthy_steps // 2
+    false: dict[str, int] = {"own_5x": 0, "common_5x": 0, "job_wide_2x": 0}
+    for seed in range(trials):
+        false["own_5x"] += len(feed(own_jitter(random.Random(seed), 5.0), healthy_steps))
+        rng = random.Random(seed)
+        common = {s: rng.uniform(1.0, 5.0) for s in range(1, healthy_steps + 1)}
+        false["common_5x"] += len(feed(lambda r, s, c=common: 0.1 * c[s], healthy_steps))
+        noise = own_jitter(random.Random(seed), 1.2)
+        false["job_wide_2x"] += len(
+            feed(lambda r, s, n=noise: n(r, s) * (2.0 if s > half else 1.0), healthy_steps)
+        )
+    config = SlowRankConfig()
+    return {
+        "trials": trials,
+        "healthy_steps": healthy_steps,
+        "bound": config.bound,
+        "window": config.window,
+        "hold": config.steps_held,
+        "latency": latency,
+        "false_beside_straggler": beside,
+        "false_positives": false,
+    }
+
+
+def taskd_run(children: Children, work: Path, job: str, *train: str) -> Any:
+    """``train_live.py`` on 4 ranks under ``taskd run``, its controller's journal in ``work/controller.db``."""
+    args = [
+        PYTHON, "-m", "taskd_core", "--log-level", "INFO", "run", "--nproc", str(RANKS), "--job-id", job,
+        "--controller-port", str(free_port()), "--master-port", str(free_port()),
+        "--controller-state", str(work / "controller.db"), "--log-dir", str(work / "logs"), "--",
+        PYTHON, str(TRAIN), "--ckpt-dir", str(work / "ckpt"), "--ckpt-every", "1000",
+        "--progress", str(work / "progress.jsonl"), *train,
+    ]  # fmt: skip
+    return children.start(args, log=work / "taskd.log", cwd=REPO, env={"TASKD_JOB_TOKEN": TOKEN})
+
+
+def slow_events(work: Path, job: str) -> list[dict[str, Any]]:
+    db = sqlite3.connect(work / "controller.db")
+    try:
+        rows = db.execute(
+            "SELECT detail FROM events WHERE job_id = ? AND kind = 'slow-rank' ORDER BY seq", (job,)
+        )
+        return [json.loads(d) for (d,) in rows.fetchall()]
+    finally:
+        db.close()
+
+
+def step_times(work: Path) -> list[float]:
+    """Rank 0's wall time between consecutive steps, from the progress log."""
+    lines = (work / "progress.jsonl").read_text().splitlines()
+    stamps = [json.loads(x)["time"] for x in lines if x.endswith("}") and '"step"' in x and '"rank": 0' in x]
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
+def run_job(root: Path, name: str, *train: str) -> tuple[int, list[dict[str, Any]], list[float]]:
+    work = root / name
+    work.mkdir()
+    job = f"slowrank-{name}-{os.getpid()}"
+    with Children(grace=30.0) as children:
+        code = taskd_run(children, work, job, *train).wait(600)
+    return code, slow_events(work, job), step_times(work)
+
+
+def bench_jobs(trials: int, steps: int, root: Path) -> dict[str, Any]:
+    slowed: list[dict[str, Any]] = []
+    times: list[float] = []
+    for trial in range(trials):
+        code, found, step_wall = run_job(
+            root, f"slow{trial}", "--steps", str(SLOW_FROM + 60), "--step-time", str(STEP_TIME),
+            "--slow-rank", "2", "--slow-from", str(SLOW_FROM), "--slow-step-time", str(2 * STEP_TIME),
+        )  # fmt: skip
+        first = found[0] if found else None
+        slowed.append({
+            "exit": code,
+            "named": [d["ranks"] for d in found],
+            "steps_to_name": None if first is None else first["step"] - SLOW_FROM,
+            "ratio": None if first is None else first["ratio"],
+        })  # fmt: skip
+        times += step_wall[: SLOW_FROM - 1]
+    code, found, _ = run_job(
+        root, "healthy", "--steps", str(steps), "--step-time", "0.01", "--step-jitter", "5"
+    )
+    return {
+        "trials": slowed,
+        "healthy": {"exit": code, "steps": steps, "false_positives": len(found)},
+        "step_seconds": statistics.median(times) if times else None,
+    }
+
+
+def bench_overhead(steps: int, root: Path) -> dict[str, Any]:
+    # The live session's clock lives in the pytorch adapter; imported here only (it imports torch).
+    from taskd_pytorch.live._work import WorkClock
+
+    path = root / "agent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent:
+        agent.bind(str(path))
+        agent.setblocking(False)
+        reporter = ProgressReporter(str(path))
+        clock = WorkClock()
+        began = time.perf_counter()
+        for n in range(1, steps + 1):
+            clock.begin()
+            now = clock.now()
+            clock.pending(now, now)
+            clock.pending(now, now)
+            reporter.step(n, busy=clock.commit())
+            if n % 1000 == 0:  # the agent's side of the socket keeps up, as the watcher's thread does
+                while True:
+                    try:
+                        agent.recv(512)
+                    except BlockingIOError:
+                        break
+        seconds = time.perf_counter() - began
+        reporter.close()
+    return {"steps": steps, "seconds_per_step": seconds / steps}
+
+
+def report(data: dict[str, Any]) -> str:
+    d, jobs, over = data["detector"], data["jobs"], data["overhead"]
+    rows = []
+    for noise, values in d["latency"].items():
+        named = [v for v in values if v is not None]
+        p50 = statistics.median(named) if named else None
+        rows.append([
+            f"detector, 1 of 4 ranks at 2x, each rank's steps varying by up to {noise}",
+            f"{fmt(p50, 0)} (max {max(named) if named else 'N/A'})",
+            f"{len(values) - len(named)} of {len(values)}",
+        ])  # fmt: skip
+    real = [t["steps_to_name"] for t in jobs["trials"] if t["steps_to_name"] is not None]
+    rows.append([
+        f"real job: train_live.py, 4 ranks, rank 2 at 2x its {STEP_TIME * 1000:.0f} ms step from step {SLOW_FROM}",
+        f"{fmt(statistics.median(real) if real else None, 0)} (max {max(real) if real else 'N/A'})",
+        f"{len(jobs['trials']) - len(real)} of {len(jobs['trials'])}",
+    ])  # fmt: skip
+    latency = markdown_table(["straggler", "steps until named: p50 (max)", "never named"], rows)
+    fp = d["false_positives"]
+    n, steps = d["trials"], d["healthy_steps"]
+    healthy = markdown_table(
+        ["healthy run", "slow-rank events"],
+        [
+            [f"detector: {n} x {steps} steps, each rank's steps varying by up to 5x", str(fp["own_5x"])],
+            [f"detector: {n} x {steps} steps, every rank's steps varying together by up to 5x", str(fp["common_5x"])],
+            [f"detector: {n} x {steps} steps, every rank 2x slower from the middle on", str(fp["job_wide_2x"])],
+            [f"real job: train_live.py, {jobs['healthy']['steps']} steps varying by 5x", str(jobs["healthy"]["false_positives"])],
+            *[
+                [f"detector: the straggler runs above, while healthy, steps varying by up to {noise}", str(count)]
+                for noise, count in d.get("false_beside_straggler", {}).items()
+            ],
+        ],
+    )  # fmt: skip
+    step = jobs["step_seconds"]
+    cost = over["seconds_per_step"]
+    overhead = markdown_table(
+        ["measurement per step", "µs", "share of the real job's median step"],
+        [[f"work clock + worker.step(n, busy=...), {over['steps']} steps", fmt(cost * 1e6, 2),
+          f"{fmt(100 * cost / step, 4)} % of {fmt(step * 1000, 1)} ms" if step else "N/A"]],
+    )  # fmt: skip
+    return "\n\n".join([latency, healthy, overhead])
+
+
+def verdicts(data: dict[str, Any]) -> list[list[str]]:
+    d, jobs, over = data["detector"], data["jobs"], data["overhead"]
+    named = [v for v in d["latency"]["1.2x"] if v is not None]
+    p50 = statistics.median(named) if named else None
+    real = [t["steps_to_name"] for t in jobs["trials"] if t["steps_to_name"] is not None]
+    real_p50 = statistics.median(real) if real else None
+    fp = d["false_positives"]
+    real_fp = jobs["healthy"]["false_positives"]
+    step = jobs["step_seconds"]
+    share = over["seconds_per_step"] / step if step else None
+    every = len(named) == len(d["latency"]["1.2x"]) and len(real) == len(jobs["trials"])
+    on_time = p50 is not None and real_p50 is not None and max(p50, real_p50) <= LATENCY_TARGET
+    met = "met" if every and on_time else "missed"
+    beside = sum(d.get("false_beside_straggler", {}).values())
+    quiet = fp["own_5x"] == fp["common_5x"] == fp["job_wide_2x"] == real_fp == beside == 0
+    return [
+        [
+            f"slow rank (1 of 4 at 2x) named within {LATENCY_TARGET} steps, p50",
+            f"{fmt(p50, 0)} steps (detector), {fmt(real_p50, 0)} (real jobs)",
+            met,
+        ],
+        [
+            "0 false slow ranks: 5x jitter (per rank, together), job-wide 2x slowdown, a real healthy job, "
+            "healthy stretches of the straggler runs",
+            f"{fp['own_5x']}, {fp['common_5x']}, {fp['job_wide_2x']}, {real_fp}, {beside}",
+            "met" if quiet else "missed",
+        ],
+        [
+            f"measurement overhead ≤ {OVERHEAD_TARGET:.0%} of the step time",
+            f"{fmt(100 * share, 4)} %" if share is not None else "N/A",
+            "met" if share is not None and share <= OVERHEAD_TARGET else "missed",
+        ],
+    ]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=50, help="seeds of the synthetic straggler and healthy runs")
+    p.add_argument("--healthy-steps", type=int, default=1000, help="steps of each synthetic healthy run")
+    p.add_argument("--job-trials", type=int, default=3, help="real jobs with a straggler")
+    p.add_argument("--job-steps", type=int, default=300, help="steps of the real healthy job")
+    p.add_argument("--overhead-steps", type=int, default=100_000)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args()
+    setup_logging(args.log_level)
+    with tempfile.TemporaryDirectory(prefix="taskd-slowrank-") as tmp:
+        root = Path(tmp)
+        data = {
+            "load_at_start": list(os.getloadavg()),
+            "detector": bench_detector(args.trials, args.healthy_steps),
+            "jobs": bench_jobs(args.job_trials, args.job_steps, root),
+            "overhead": bench_overhead(args.overhead_steps, root),
+            "load_at_end": list(os.getloadavg()),
+        }
+    write_json(args.json, data)
+    print(report(data))
+    for row in verdicts(data):
+        print(" | ".join(row))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
