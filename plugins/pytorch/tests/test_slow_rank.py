@@ -1,7 +1,8 @@
 """A slow rank in a real ``taskdrun`` job (1 node x 4 ranks, gloo on CPU): the controller names it.
 
 ``examples/train_ddp.py`` reports each step's work (its time less its wait in
-the all_reduce); with ``--slow-rank 2`` rank 2 sleeps longer from step 15 on,
+the all_reduce), ``examples/train_live.py``'s ``LiveSession`` measures it
+without being asked; with ``--slow-rank 2`` rank 2 sleeps longer from step 15 on,
 and the others wait for it in their all_reduce. The job runs against a
 ``taskd controller`` child process whose journal the test reads afterwards.
 """
@@ -62,7 +63,7 @@ def controller(tmp_path: Path) -> Iterator[str]:
 
 
 def train(
-    launch: Launcher, controller: str, work: Path, *extra: str
+    launch: Launcher, controller: str, work: Path, *extra: str, script: str = "train_ddp.py"
 ) -> tuple[list[JournalEvent], list[dict]]:
     """Run the job to its end; its journal and its progress events."""
     work.mkdir()
@@ -73,7 +74,7 @@ def train(
         controller,
         "--taskd-job-id",
         work.name,
-        str(EXAMPLES / "train_ddp.py"),
+        str(EXAMPLES / script),
         "--ckpt-dir",
         str(work / "ckpt"),
         "--progress",
@@ -95,9 +96,11 @@ def train(
     return list(page.events), events(progress)
 
 
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_live.py"], ids=["busy-argument", "live-session"])
 def test_a_rank_that_works_longer_than_its_peers_is_named_with_its_evidence(
-    launch: Launcher, controller: str, tmp_path: Path
+    launch: Launcher, controller: str, tmp_path: Path, script: str
 ) -> None:
+    """``train_ddp.py`` reports its work (``worker.step(n, busy=...)``); ``LiveSession`` measures it unasked."""
     journal, progress = train(
         launch,
         controller,
@@ -110,6 +113,7 @@ def test_a_rank_that_works_longer_than_its_peers_is_named_with_its_evidence(
         "15",
         "--slow-step-time",
         "0.12",
+        script=script,
     )
     found = [e.detail for e in journal if e.kind == "slow-rank"]
     assert [d["ranks"] for d in found] == [[2]], found
