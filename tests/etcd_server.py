@@ -92,6 +92,10 @@ class EtcdServer:
 
     def keys(self, prefix: str) -> list[bytes]:
         """Every key under ``prefix`` (v3 API, plaintext only), as etcdctl get --prefix --keys-only would list them."""
+        return list(self.items(prefix))
+
+    def items(self, prefix: str) -> dict[bytes, bytes]:
+        """Every key under ``prefix`` and its value (v3 API, plaintext only)."""
         end = bytearray(prefix.encode())
         end[-1] += 1
         with grpc.insecure_channel(self.endpoint) as channel:
@@ -100,8 +104,8 @@ class EtcdServer:
                 request_serializer=epb.RangeRequest.SerializeToString,
                 response_deserializer=epb.RangeResponse.FromString,
             )
-            answer = scan(epb.RangeRequest(key=prefix.encode(), range_end=bytes(end), keys_only=True), timeout=10.0)
-        return [kv.key for kv in answer.kvs]
+            answer = scan(epb.RangeRequest(key=prefix.encode(), range_end=bytes(end)), timeout=10.0)
+        return {kv.key: kv.value for kv in answer.kvs}
 
     def _answers(self) -> bool:
         if self.tls and self.client:

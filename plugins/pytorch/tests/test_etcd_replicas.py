@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from pt_support import WORKERS, Launcher, kill, records
 
+from taskd_core.authstream import stream_key, verify
 from taskd_core.testing import descendants, process_running, wait_until
 from tests.etcd_server import EtcdServer
 
@@ -194,3 +195,46 @@ def test_etcd_gone_past_the_bound_ends_the_job_with_a_line_that_says_so(
         assert any("stands by: etcd does not answer it" in line for line in errors), errors
         assert "Traceback" not in text
     wait_until(lambda: not [r for r in first if process_running(int(r["pid"]))], "no worker to be left", 30)
+
+
+def test_with_the_jobs_token_and_certificates_the_replicas_serve_mutual_tls_and_sign_their_addresses(
+    launch: Launcher, etcd_v2: EtcdServer, out_dir: Path, tmp_path: Path
+) -> None:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    node = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    node.cert_chain_pems[0].write_to_path(str(tmp_path / "node.pem"))
+    node.private_key_pem.write_to_path(str(tmp_path / "node.key"))
+    secure = {
+        "TASKD_JOB_TOKEN": "s3cret",
+        "TASKD_TLS_CA": str(tmp_path / "ca.pem"),
+        "TASKD_TLS_CERT": str(tmp_path / "node.pem"),  # the node's certificate serves both ends
+        "TASKD_TLS_KEY": str(tmp_path / "node.key"),
+    }
+    until = tmp_path / "finish"
+    common = [
+        f"--nnodes={NODES}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=etcd-v2",
+        f"--rdzv-endpoint={etcd_v2.endpoint}",
+        "--rdzv-id=tls",
+        "--taskd-stop-timeout",
+        "5",
+    ]
+    nodes = [
+        launch(*common, IDLE, str(out_dir), "--until", str(until), log="tls", env=secure)
+        for _ in range(NODES)
+    ]
+    first = wait_until(lambda: len(records(out_dir)) == NODES and records(out_dir), "every worker", 120)
+    text = logs(tmp_path, "tls")
+    assert all(re.search(r"controller replica listening on \S+ \(mutual TLS\)", t) for t in text)
+    listed = etcd_v2.items("/taskd/rdzv/tls/replicas/")
+    key = stream_key("s3cret", "controller replicas")
+    addresses = [verify(key, b"controller replica\0tls", v.decode()) for v in listed.values()]
+    assert len(addresses) == NODES and None not in addresses, listed
+
+    kill(next(int(r["pid"]) for r in first if r["RANK"] == "0"))
+    wait_until(lambda: len(records(out_dir)) == 2 * NODES, "every worker again", 120)
+    until.touch()
+    assert [node.wait(timeout=120) for node in nodes] == [0] * NODES
