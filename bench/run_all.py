@@ -992,7 +992,7 @@ def slowrank_fields(data: dict[str, Any]) -> Rendered:
 
 def snapshot_fields(data: dict[str, Any]) -> Rendered:
     cfg, steps, lost = data["config"], data["steps"], data["lost"]
-    sizes = list(steps)
+    sizes = sorted(steps, key=lambda size: size != "example")  # the example first, whatever the JSON's order
     example, big = steps[sizes[0]], steps[sizes[-1]]
     target = data["target"]
     rows = []
