@@ -71,7 +71,9 @@ class Lifeline:
         self._send(f"m{self.scope.token}")
         if self.scope.cgroup is not None:
             self._send(f"c{self.scope.cgroup}")
-        self._send(f"t{scratch_pattern()}")
+        scratch = scratch_pattern()
+        if scratch is not None:
+            self._send(f"t{scratch}")
 
     @property
     def guard_pid(self) -> int:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from taskd_core.errors import ConfigError, FrameworkMissingError, TaskdError
 from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers
+from taskd_core.scratch import check_temp_dir
 from taskd_pytorch.adapter import require_torch
 
 if TYPE_CHECKING:
@@ -107,7 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Checked without importing torch, before a fork server that would preload it starts.
         require_torch()
-    except FrameworkMissingError as exc:
+        # torch's import itself needs one (through dill): said in one line before anything imports it.
+        check_temp_dir(os.environ)
+    except (FrameworkMissingError, ConfigError) as exc:
         print(f"taskdrun: {exc}", file=sys.stderr)
         return 2
     given = sys.argv[1:] if argv is None else argv
