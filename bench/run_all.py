@@ -988,6 +988,8 @@ def slowrank_fields(data: dict[str, Any]) -> Rendered:
         "trials": str(detector["trials"]),
         "healthy_steps": str(detector["healthy_steps"]),
         "step_ms": f"{slowrank_bench.STEP_TIME * 1000:.0f}",
+        "slow_sleep": f"{slowrank_bench.SLOW_SLEEP:g}",
+        "healthy_ms": f"{slowrank_bench.HEALTHY_STEP * 1000:.0f}",
         "slow_from": str(slowrank_bench.SLOW_FROM),
         "real_ratio": ", ".join(f"{r:.2f}" for r in ratios) or "none",
         "load_start": _loads(data["load_at_start"]),
