@@ -737,7 +737,14 @@ class Controller:
         elif digest and self._access.is_admin(caller):
             self._rates.admit(digest, "the admin token", now, journals=False)
         else:
-            self._rates.admit(f"peer:{caller.peer}", f"host {caller.peer or '?'}", now, journals=False)
+            self._rates.admit(f"peer:{caller.peer}", f"host {caller.peer or '?'}", now, journals=True)
+
+    @staticmethod
+    def _tenant(job: _Job) -> str:
+        """Who pays for a job's journal: its token, else (a legacy job) the host that claimed it."""
+        if job.claim is not None and job.claim.token_digest:
+            return job.claim.token_digest
+        return f"peer:{job.peer}" if job.peer else ""
 
     def _index(self, job: _Job) -> None:
         if job.claim is not None and job.claim.token_digest:
@@ -783,13 +790,15 @@ class Controller:
                 limit="--max-agents",
             )
         digest = job.claim.token_digest if job.claim is not None else ""
-        if digest:
-            held = sum(len(self._jobs[j].agents) for j in self._by_token.get(digest, ()))
-            if held >= quotas.agents_per_token:
+        for index, key, most, whose, flag in (
+            (self._by_token, digest, quotas.agents_per_token, "this token", "--max-agents-per-token"),
+            (self._by_peer, job.peer, quotas.agents_per_peer, f"host {job.peer}", "--max-agents-per-peer"),
+        ):
+            if key and sum(len(self._jobs[j].agents) for j in index.get(key, ())) >= most:
                 raise QuotaExceededError(
-                    f"jobId={job.job_id}: the jobs of this token already have {quotas.agents_per_token} "
-                    "agents, the most one token may register (the controller's --max-agents-per-token)",
-                    limit="--max-agents-per-token",
+                    f"jobId={job.job_id}: the jobs {whose} claimed already have {most} agents, the most "
+                    f"it may register (the controller's {flag})",
+                    limit=flag,
                 )
 
     def _live(self, job: _Job) -> bool:
@@ -929,9 +938,10 @@ class Controller:
         )
         entries = tuple(journal)
         now = self._clock()
-        if charge and job.claim is not None and job.claim.token_digest and entries:
+        tenant = self._tenant(job)
+        if charge and tenant and entries:
             size = sum(len(e.kind) + len(journal_detail(e)) for e in entries)
-            self._rates.journalled(job.claim.token_digest, size, now)
+            self._rates.journalled(tenant, size, now)
         # Agents are live objects: the write keeps copies.
         written = asyncio.ensure_future(
             self._store.write(Commit(row, entries, tuple(replace(a) for a in agents), now))
