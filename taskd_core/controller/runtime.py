@@ -84,6 +84,7 @@ from taskd_core.errors import (
 )
 from taskd_core.models import (
     CONNECT_TIMEOUT,
+    SPARE_ROLE,
     AgentStatus,
     Code,
     FaultRank,
@@ -227,6 +228,7 @@ class _Job:
         "inited",
         "lost",
         "machine",
+        "had_spares",
         "peer",
         "sent",
         "slow",
@@ -239,6 +241,8 @@ class _Job:
 
     def __init__(self, job_id: str, policy: JobPolicy, snapshot: Snapshot | None = None) -> None:
         self.agents: dict[str, AgentInfo] = {}
+        #: a spare registered for this job once: silent nodes are watched during its cycles too.
+        self.had_spares = False
         #: who registered the job; None until its first Init (a job SetJobPolicy created).
         self.claim: Claim | None = None
         #: the host whose Init claimed the job ("" when unknown: restored, or created by SetJobPolicy).
@@ -430,6 +434,7 @@ class Controller:
         if agent is None:
             self._check_agent_quota(job)
         fresh = AgentInfo(who.key, who.role, who.node_rank, who.rank_ids, None, self._clock())
+        job.had_spares |= who.role == SPARE_ROLE
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
             fresh.role,
             fresh.node_rank,
@@ -1101,15 +1106,20 @@ class Controller:
     async def _watch_nodes(self) -> None:
         """Declare lost the nodes whose HealthChecks stopped for the policy's ``node_lost_timeout``.
 
-        Only while a spare stands by, which is what such a node is replaced by;
-        without one, a node that comes back still rejoins its job. Runs until
-        close() cancels it.
+        While a spare stands by, which is what such a node is replaced by; and
+        during a recovery cycle of a job that had spares (a promoted spare that
+        died while it started, a second node lost with no spare left): the cycle
+        then ends at once with the reason instead of waiting out its report
+        timeout. Otherwise a node that comes back still rejoins its job. Runs
+        until close() cancels it.
         """
         while True:
             await asyncio.sleep(NODE_WATCH_INTERVAL)
             now = self._clock()
             for job in list(self._jobs.values()):
-                if job.machine.state in _TERMINAL or not self._spare_ready(job):
+                state = job.machine.state
+                in_cycle = state in (State.WAIT_STOP, State.WAIT_STRATEGIES, State.WAIT_STATUS)
+                if state in _TERMINAL or not (self._spare_ready(job) or (in_cycle and job.had_spares)):
                     continue
                 timeout = job.machine.policy.node_lost_timeout
                 for agent in list(job.agents.values()):
