@@ -45,6 +45,8 @@ class ControllerUnavailableError(TaskdError):
 #: What to do about each refusal of :class:`RegistrationRefusedError`.
 _REFUSAL_FIXES: dict[int | str, str] = {
     409: "the job id or client fields are invalid; fix the job id (printable, at most 256 characters)",
+    410: "this node was declared lost and a spare took its place; start it again with the job's command "
+    "line to stand by as a spare",
     500: "the controller serves as many jobs as it can; use another controller or let jobs end first",
     "PERMISSION_DENIED": "this client may not act for the job; check its job token",
     "UNAUTHENTICATED": "the controller wants credentials; give the client its token / TLS settings",

@@ -39,6 +39,8 @@ class Code(enum.IntEnum):
     UNINIT = 408
     #: a request field that cannot be right (empty job id, rank "abc", fault type "7", ...).
     INVALID_PARAM = 409
+    #: TaskD extension: the caller's node was declared lost and a spare took its place (fenced).
+    NODE_REPLACED = 410
     #: client -> controller: generic failure of the requested action.
     CLIENT_ERROR = 499
     OUT_OF_MAX_JOBS = 500
@@ -122,6 +124,9 @@ RECOVER_VARIANTS: dict[str, Strategy] = {
 }
 #: ``extraParams`` of the ``exit`` that follows a dump.
 EXTRA_DUMP_EXIT = "dump_exit"
+#: ``ClientInfo.role`` of a spare: a launcher of the job that stands by, with no workers, to take
+#: the place of a lost node (docs/node-loss.md).
+SPARE_ROLE = "spare"
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,6 +333,9 @@ class JobPolicy:
     cycle_window: float = 3600.0
     #: agents the job should have; 0 means whoever registered.
     expected_agents: int = 0
+    #: seconds without a HealthCheck after which a node's agent counts as lost (its machine
+    #: hangs or is cut off) and a waiting spare takes its place (docs/node-loss.md).
+    node_lost_timeout: float = 5.0
     #: what a slow rank gets (``taskd_core.controller.slowrank``).
     slow_rank: SlowRankPolicy = SlowRankPolicy.WARN
     #: a rank whose work per step is at least this many times its peers' median is slow...

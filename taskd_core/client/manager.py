@@ -473,15 +473,19 @@ class DLRecoverManager:
             self._killed.set()
         return kill
 
+    def health_check(self) -> None:
+        """One HealthCheck: the controller hears from this client (raises ``grpc.RpcError``)."""
+        info = self.client_info()
+        if self._health_note is not None:
+            info.progress = self._health_note()
+        self._endpoints.pick()[1].HealthCheck(info, timeout=self._rpc_timeout)
+
     def _health_loop(self) -> None:
         healthy = True
         while not self._health_stop.wait(self._health_interval) and not self._closed.is_set():
+            address = self._endpoints.current
             try:
-                info = self.client_info()
-                if self._health_note is not None:
-                    info.progress = self._health_note()
-                address, stub = self._endpoints.pick()
-                stub.HealthCheck(info, timeout=self._rpc_timeout)
+                self.health_check()
                 if not healthy:
                     logger.info("controller %s answers again", address)
                 healthy = True

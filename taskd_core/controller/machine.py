@@ -15,6 +15,7 @@ diagram against it)::
     IDLE --fault--> FLUSHING                                    (a flush window collects faults)
     IDLE --fault, no flush window--> WAIT_STOP                  (stopTrain sent)
     IDLE --fault, cycle budget used--> GIVEN_UP                 (killMaster sent)
+    IDLE --node lost, a spare takes its place--> FLUSHING / WAIT_STOP / GIVEN_UP   (as a fault)
     FLUSHING --flush deadline--> WAIT_STOP                      (stopTrain sent)
     WAIT_STOP --all stopped--> WAIT_STRATEGIES                  (globalFault sent)
     WAIT_STRATEGIES --all reported / deadline--> WAIT_STATUS    (changeStrategy sent)
@@ -24,7 +25,8 @@ diagram against it)::
     WAIT_STOP / WAIT_STRATEGIES / WAIT_STATUS --failure that leaves only exit--> GIVEN_UP
     (an agent that exits, or whose stream ends for good, during a wait counts as a failed answer;
     once a member is gone the cycle's next rung is one its nodes need not all take part in:
-    dump, or exit)
+    dump, or exit; unless a spare stands by: then the spare takes the lost node's seat and
+    answers in its place, see :mod:`~taskd_core.controller.membership`)
     IDLE --every agent exited 0--> FINISHED
 
 A report that does not fit the state, the cycle's uuid or the cycle's members
@@ -39,6 +41,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from taskd_core.controller.membership import NodeLossKind, decide_node_loss, is_node
 from taskd_core.errors import IllegalTransition
 from taskd_core.models import (
     EXTRA_DUMP_EXIT,
@@ -110,6 +113,8 @@ class AgentInfo:
     last_seen: float = 0.0
     #: hang-detection timeouts the agent last reported (not persisted: the next HealthCheck resends it).
     progress: str = ""
+    #: the spare that took this lost node's place; the agent is fenced from then on (not persisted).
+    replaced_by: str = ""
 
 
 # --- events -----------------------------------------------------------------
@@ -163,9 +168,12 @@ class AgentExited:
 
 @dataclass(frozen=True, slots=True)
 class AgentLost:
-    """The agent's signal stream ended and it did not subscribe again within the runtime's grace."""
+    """The agent's node is lost: its signal stream ended and it did not subscribe again within the
+    runtime's grace, or it sent no HealthCheck for the policy's ``node_lost_timeout``."""
 
     agent: str
+    #: how the loss was found, for the journal.
+    why: str = "its signal stream ended"
 
 
 Event = (
@@ -505,7 +513,7 @@ class JobMachine:
             # Only the starts still inside the window matter: the list stays short.
             s.cycle_starts = [t for t in s.cycle_starts if fx.now - t < self.policy.cycle_window] + [fx.now]
         s.uuid = new_cycle_uuid()
-        s.members = sorted(a for a, info in self.agents.items() if info.exit_code is None)
+        s.members = sorted(a for a, info in self.agents.items() if info.exit_code is None and is_node(info))
         self._lost = set()
         s.stops, s.strategies, s.statuses = {}, {}, {}
         s.strategy, s.tried = "", []
@@ -705,11 +713,12 @@ class JobMachine:
         self._journal(fx, "agent exit", agent=event.agent, code=event.code)
         if self.snap.state in _CONCLUDE:
             self._settle_gone(event.agent, fx)
-        everyone = self.agents.values()
+        # Spares never ran a rank, and a replaced node's place is its spare's: only the nodes count.
+        nodes = [info for info in self.agents.values() if is_node(info)]
         if (
             self.snap.state is State.IDLE
-            and len(self.agents) >= self.policy.expected_agents
-            and all(info.exit_code == Code.OK for info in everyone)
+            and len(nodes) >= self.policy.expected_agents
+            and all(info.exit_code == Code.OK for info in nodes)
         ):
             self._enter(fx, State.FINISHED, None)
             self.snap.outcome = "job finished"
@@ -717,10 +726,48 @@ class JobMachine:
         return Reply(Code.OK, f"jobId={self.job_id}, receive ReportAgentExit")
 
     def _on_agent_lost(self, event: AgentLost, fx: _Effects) -> Reply:
-        self._journal(fx, "agent lost", agent=event.agent)
-        self._lost.add(event.agent)
-        self._settle_gone(event.agent, fx)
+        """A node is lost: :func:`~taskd_core.controller.membership.decide_node_loss` says what follows.
+
+        Replaced, the node's ranks count as faulty and a cycle runs (one starts
+        when none is in flight: the survivors' ranks may wait for the lost node in
+        a collective); given up, a wait in flight settles its answer as failed.
+        """
+        s = self.snap
+        lost = self.agents.get(event.agent)
+        self._journal(fx, "agent lost", agent=event.agent, why=event.why)
+        if lost is None or not is_node(lost) or lost.exit_code is not None:
+            return Reply()
+        decision = decide_node_loss(event.agent, self.agents, fx.now, self.policy)
+        if decision.kind is NodeLossKind.REPLACE:
+            self._replace(event.agent, decision.spare, fx)
+            ranks = [FaultRank(rank, FaultType.NORMAL) for rank in lost.rank_ids]
+            if s.state is State.WAIT_STATUS:
+                # The strategy in flight restarts every rank (the spare joins its restart):
+                # the lost ranks are already covered by it.
+                return Reply()
+            merge_faults(s.faults, ranks)
+            if s.state is State.IDLE:
+                self._begin(fx)
+            return Reply()
+        self._journal(fx, "node given up", agent=event.agent, reason=decision.reason)
+        if s.state in _CONCLUDE:
+            self._lost.add(event.agent)
+            self._settle_gone(event.agent, fx)
         return Reply()
+
+    def _replace(self, lost: str, spare: str, fx: _Effects) -> None:
+        """``spare`` takes node ``lost``'s node rank, ranks and seat in the cycle in flight."""
+        s = self.snap
+        old, new = self.agents[lost], self.agents[spare]
+        new.node_rank, new.rank_ids = old.node_rank, old.rank_ids
+        old.replaced_by = spare
+        if s.state in _CONCLUDE:
+            s.members = sorted(spare if m == lost else m for m in s.members)
+            for answers in (s.stops, s.strategies, s.statuses):
+                answers.pop(lost, None)
+        self._journal(
+            fx, "node replaced", lost=lost, spare=spare, node_rank=old.node_rank, ranks=list(old.rank_ids)
+        )
 
     def _settle_gone(self, agent: str, fx: _Effects) -> None:
         """A member that can no longer answer the wait in flight counts as having answered it failed.
@@ -777,7 +824,7 @@ _TABLE: dict[tuple[State, type], Handler] = {
     (State.WAIT_STATUS, StatusReported): JobMachine._on_status,
     (State.WAIT_STATUS, DeadlinePassed): JobMachine._on_deadline,
     **{(state, AgentExited): JobMachine._on_agent_exit for state in State},
-    **{(state, AgentLost): JobMachine._on_agent_lost for state in _CONCLUDE},
+    **{(state, AgentLost): JobMachine._on_agent_lost for state in (State.IDLE, State.FLUSHING, *_CONCLUDE)},
 }
 
 _CYCLE_START = frozenset({State.FLUSHING, State.WAIT_STOP, State.GIVEN_UP})
@@ -797,6 +844,8 @@ _TARGETS: dict[tuple[State, type], frozenset[State]] = {
     (State.WAIT_STATUS, StatusReported): _AFTER_STATUS,
     (State.WAIT_STATUS, DeadlinePassed): _AFTER_STATUS,
     (State.IDLE, AgentExited): frozenset({State.FINISHED}),
+    # A node replaced by a spare while no cycle runs starts one.
+    (State.IDLE, AgentLost): _CYCLE_START,
     # An agent gone during a wait settles its answer, which may end the wait.
     **{
         (wait, gone): targets

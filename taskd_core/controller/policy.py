@@ -49,6 +49,7 @@ _FILE_KEYS = {
     "max_cycles": "max_cycles",
     "cycle_window": "cycle_window",
     "expected_agents": "expected_agents",
+    "node_lost_timeout": "node_lost_timeout",
     "slow_rank": "slow_rank",
     "slow_rank_bound": "slow_rank_bound",
     "slow_rank_window": "slow_rank_window",
@@ -117,7 +118,7 @@ def updated_policy(
             if not isinstance(value, bool):
                 raise ConfigError(f"{key}: expected true or false, got {value!r}")
             clean[name] = value
-        elif name == "report_timeout":
+        elif name in ("report_timeout", "node_lost_timeout"):
             clean[name] = _number(key, value, minimum=0, integer=False, exclusive=True)
         elif name in ("flush_seconds", "cycle_window"):
             clean[name] = _number(key, value, minimum=0, integer=False)
@@ -175,6 +176,7 @@ def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
         "max_cycles": policy.max_cycles,
         "cycle_window": policy.cycle_window,
         "expected_agents": policy.expected_agents,
+        "node_lost_timeout": policy.node_lost_timeout,
         "slow_rank": policy.slow_rank.value,
         "slow_rank_bound": policy.slow_rank_bound,
         "slow_rank_window": policy.slow_rank_window,

@@ -56,6 +56,7 @@ from taskd_core.controller.machine import (
     State,
     brief,
 )
+from taskd_core.controller.membership import is_node, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
 from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector
@@ -112,6 +113,11 @@ DENIAL_JOURNAL_INTERVAL = 1.0
 #: Journal entries one QueryEvents answer carries at most.
 EVENTS_PAGE = 1000
 _TERMINAL = (State.FINISHED, State.GIVEN_UP)
+#: Seconds a node's closed signal stream may take to come back while a spare stands by: a
+#: client re-subscribes within its first backoff step, a machine that died does not at all.
+STREAM_CLOSED_GRACE = 0.5
+#: How often the runtime looks for nodes whose HealthChecks stopped (a hung or cut-off machine).
+NODE_WATCH_INTERVAL = 0.25
 _ANONYMOUS = Caller()
 
 
@@ -284,6 +290,7 @@ class Controller:
         #: agents of every job together.
         self._agent_count = 0
         self._keepalive_task: asyncio.Task[None] | None = None
+        self._node_watch_task: asyncio.Task[None] | None = None
         #: transitions started by timers (deadlines, lost streams), until they are done.
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -306,6 +313,7 @@ class Controller:
                     job.machine.snap.cycle,
                 )
         self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
+        self._node_watch_task = asyncio.get_running_loop().create_task(self._watch_nodes())
 
     def _restore(self, stored: StoredJob) -> _Job:
         row = stored.row
@@ -324,7 +332,7 @@ class Controller:
                 # subscribe here within the grace is lost as if its stream had ended here, the way a
                 # node lost together with the previous leader would otherwise be waited for forever.
                 job.lost[agent.agent_id] = loop.call_later(
-                    self._stream_grace, self._on_stream_lost, job, agent.agent_id
+                    self._stream_grace, self._on_stream_lost, job, agent.agent_id, self._stream_grace
                 )
         self._jobs[row.job_id] = job
         self._arm(job)
@@ -338,9 +346,10 @@ class Controller:
             job.subscribers.clear()
 
     async def close(self) -> None:
-        if self._keepalive_task is not None:
-            self._keepalive_task.cancel()
-            await asyncio.gather(self._keepalive_task, return_exceptions=True)
+        for loop_task in (self._keepalive_task, self._node_watch_task):
+            if loop_task is not None:
+                loop_task.cancel()
+                await asyncio.gather(loop_task, return_exceptions=True)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -403,6 +412,8 @@ class Controller:
             return Reply(Code.UNINIT, f"jobId={job_id} not inited; call Init before Register")
         self._authorise(job, caller, "Register")
         agent = job.agents.get(who.key)
+        if agent is not None:
+            self._check_fence(job, agent)
         if agent is None and len(job.agents) >= self._limits.max_agents:
             raise RequestRejected(
                 Code.INVALID_PARAM,
@@ -441,6 +452,7 @@ class Controller:
                 f"jobId={job.job_id}: agent {who.key!r} already has a live signal stream; every agent of a "
                 "job needs its own identity: set ClientInfo.agentId (e.g. to the node rank)",
             )
+        self._check_fence(job, job.agents[who.key])
         sub = job.subscribers[who.key] = Subscriber(job.job_id, who.key)
         lost = job.lost.pop(who.key, None)
         if lost is not None:
@@ -464,10 +476,14 @@ class Controller:
             del job.subscribers[sub.agent_id]
             logger.info("job %s: agent %s stream ended", sub.job_id, sub.agent_id)
             # A wait must not sit out its report timeout for an agent that is gone; one that
-            # comes back within the grace rejoins the cycle instead.
+            # comes back within the grace rejoins the cycle instead. With a spare standing by,
+            # a node whose stream closed is replaced unless it re-subscribes at once.
             if sub.agent_id not in job.lost:
+                grace = self._stream_grace
+                if self._spare_ready(job):
+                    grace = min(grace, STREAM_CLOSED_GRACE)
                 job.lost[sub.agent_id] = asyncio.get_running_loop().call_later(
-                    self._stream_grace, self._on_stream_lost, job, sub.agent_id
+                    grace, self._on_stream_lost, job, sub.agent_id, grace
                 )
         sub.close()
 
@@ -506,7 +522,7 @@ class Controller:
         self.admit(caller)
         job = self._jobs.get(job_id)
         agent = job.agents.get(agent_id) if job is not None else None
-        if job is None or agent is None:
+        if job is None or agent is None or agent.replaced_by:
             return
         try:
             self._authorise(job, caller, "HealthCheck")
@@ -854,6 +870,7 @@ class Controller:
                 raise RequestRejected(
                     Code.UNREGISTERED, f"jobId={job.job_id}: agent {agent_id!r} did not Register"
                 )
+            self._check_fence(job, job.agents[agent_id])
             return agent_id
         if len(job.agents) == 1:
             return next(iter(job.agents))
@@ -961,16 +978,71 @@ class Controller:
         job.timer = asyncio.get_running_loop().call_later(delay, self._on_deadline, job, snap.step)
         job.timer_step = snap.step
 
-    def _on_stream_lost(self, job: _Job, agent_id: str) -> None:
+    def _on_stream_lost(self, job: _Job, agent_id: str, grace: float) -> None:
         job.lost.pop(agent_id, None)
         if agent_id not in job.subscribers and self._jobs.get(job.job_id) is job:
             logger.warning(
-                "job %s: agent %s did not subscribe again within %.0fs",
-                job.job_id,
-                agent_id,
-                self._stream_grace,
+                "job %s: agent %s did not subscribe again within %.1fs", job.job_id, agent_id, grace
             )
-            self._spawn(self._apply(job, AgentLost(agent_id)))
+            self.node_lost(
+                job.job_id, agent_id, f"its signal stream ended and did not come back within {grace:.1f}s"
+            )
+
+    # --- lost nodes -----------------------------------------------------------------------
+
+    def node_lost(self, job_id: str, agent_id: str, why: str) -> None:
+        """Declare node ``agent_id`` of ``job_id`` lost, whatever found it (the one way a node is replaced).
+
+        Its signal stream is closed (a hung agent still holds one), and the job's
+        machine decides (:func:`~taskd_core.controller.membership.decide_node_loss`):
+        a spare takes the node's place, or the node is given up.
+        """
+        job = self._jobs.get(job_id)
+        agent = job.agents.get(agent_id) if job is not None else None
+        if job is None or agent is None or not is_node(agent) or agent.exit_code is not None:
+            return
+        logger.warning("job %s: node %s (node rank %s) lost: %s", job_id, agent_id, agent.node_rank, why)
+        pending = job.lost.pop(agent_id, None)
+        if pending is not None:
+            pending.cancel()
+        sub = job.subscribers.pop(agent_id, None)
+        if sub is not None:
+            sub.close()
+        self._spawn(self._apply(job, AgentLost(agent_id, why)))
+
+    def _spare_ready(self, job: _Job) -> bool:
+        return bool(ready_spares(job.agents, self._clock(), job.machine.policy.node_lost_timeout))
+
+    @staticmethod
+    def _check_fence(job: _Job, agent: AgentInfo) -> None:
+        """Refuse a node a spare replaced: it must neither train nor steer the job any more."""
+        if agent.replaced_by:
+            raise RequestRejected(
+                Code.NODE_REPLACED,
+                f"jobId={job.job_id}: agent {agent.agent_id!r} (node rank {agent.node_rank}) was declared "
+                f"lost and spare {agent.replaced_by!r} took its place; this node must stop its workers "
+                "and end (start it again with the job's command line to stand by as a spare)",
+            )
+
+    async def _watch_nodes(self) -> None:
+        """Declare lost the nodes whose HealthChecks stopped for the policy's ``node_lost_timeout``.
+
+        Only while a spare stands by, which is what such a node is replaced by;
+        without one, a node that comes back still rejoins its job. Runs until
+        close() cancels it.
+        """
+        while True:
+            await asyncio.sleep(NODE_WATCH_INTERVAL)
+            now = self._clock()
+            for job in list(self._jobs.values()):
+                if job.machine.state in _TERMINAL or not self._spare_ready(job):
+                    continue
+                timeout = job.machine.policy.node_lost_timeout
+                for agent in list(job.agents.values()):
+                    silent = now - agent.last_seen
+                    if is_node(agent) and agent.exit_code is None and silent > timeout:
+                        self.node_lost(job.job_id, agent.agent_id, f"no HealthCheck for {silent:.1f}s")
+                        break  # one replacement at a time: the spare pool changed
 
     def _on_deadline(self, job: _Job, step: int) -> None:
         job.timer = None

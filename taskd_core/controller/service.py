@@ -72,6 +72,8 @@ MAX_PROGRESS = 1_000
 
 _STREAM_STATUS = {
     Code.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
+    # A fenced node may not act for the job any more: a client stops retrying on it.
+    Code.NODE_REPLACED: grpc.StatusCode.PERMISSION_DENIED,
     Code.UNREGISTERED: grpc.StatusCode.NOT_FOUND,
     Code.UNINIT: grpc.StatusCode.FAILED_PRECONDITION,
     Code.INVALID_PARAM: grpc.StatusCode.INVALID_ARGUMENT,

@@ -50,6 +50,8 @@ _CONTROLLER = "controller"
 _POLICY = "recovery policy (embedded controller only)"
 _WARM = "warm restarts"
 _HANGS = "hang detection"
+#: Seconds between the health checks of a node of a job with several nodes, unless set.
+NODE_HEALTH_INTERVAL = 1.0
 _SNAPSHOTS = "memory snapshots"
 
 
@@ -294,6 +296,14 @@ OPTIONS: tuple[Option, ...] = (
         "deadline of each of the embedded controller's waits for the agents",
         _POLICY,
         (JobPolicy, "report_timeout"),
+    ),
+    Option(
+        "node-lost-timeout",
+        _positive_seconds,
+        "seconds without a health check after which a node counts as lost (hung, cut off) and a waiting "
+        "spare takes its place",
+        _POLICY,
+        (JobPolicy, "node_lost_timeout"),
     ),
     Option(
         "flush-seconds",
@@ -553,6 +563,10 @@ def node_settings(
         shared=shared,
     )
     launch = credentials.launch
+    checks = values.fields(AgentConfig)
+    if nnodes > 1 and values.given("health-interval") is None:
+        # The controller finds a hung node by its missing health checks: several per timeout.
+        checks["health_interval"] = min(checks["health_interval"], NODE_HEALTH_INTERVAL)
     agent = AgentConfig(
         job_id=values.flag("job-id") or job_id_from_env(env) or job_id or default_job_id(launcher, launch),
         controller=controller,
@@ -561,7 +575,7 @@ def node_settings(
         credentials=credentials,
         progress=ProgressConfig(**values.fields(ProgressConfig)),
         restart_backoff=RestartBackoff(**values.fields(RestartBackoff)),
-        **values.fields(AgentConfig),
+        **checks,
     )
     return NodeSettings(
         agent=agent,

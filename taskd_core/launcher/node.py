@@ -21,13 +21,15 @@ from taskd_core.errors import ControllerUnavailableError, TaskdError
 from taskd_core.launcher.embedded import controller_address
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.settings import NodeSettings
-from taskd_core.models import Credentials
+from taskd_core.models import SPARE_ROLE, Credentials
 from taskd_core.plugins import Adapter
 
 logger = logging.getLogger(__name__)
 
 #: How often :func:`wait_for_agents` asks the controller again.
 _AGENT_POLL = 0.2
+#: Seconds since its last HealthCheck within which a spare counts as standing by.
+SPARE_FRESH = 5.0
 
 
 def run_node_agent(
@@ -103,8 +105,10 @@ def wait_for_agents(
 
     Node 0 calls this before its embedded controller stops with it: an agent
     on another node that is still finishing would otherwise lose the
-    controller and could not report. True when all have ended, False at the
-    deadline (logged; the caller goes on regardless) or as soon as ``stop`` is set.
+    controller and could not report. The spares standing by (heard from within
+    :data:`SPARE_FRESH` seconds) must have seen the job end too. True when all
+    have ended, False at the deadline (logged; the caller goes on regardless)
+    or as soon as ``stop`` is set.
     """
     stop = stop or threading.Event()
     deadline = time.monotonic() + timeout
@@ -112,13 +116,18 @@ def wait_for_agents(
         remaining = deadline - time.monotonic()
         try:
             with QueryClient(address, credentials or Credentials(), timeout=max(remaining, 0.1)) as client:
-                ended = client.ended_agents(job_id)
+                job = client.job(job_id)
+            spares = [a for a in job.agents if a.role == SPARE_ROLE and a.node_rank is None]
+            ended = sum(1 for a in job.agents if a.exit_code is not None and a not in spares)
+            standing_by = [
+                a for a in spares if a.exit_code is None and time.time() - a.last_seen < SPARE_FRESH
+            ]
         except ControllerUnavailableError as exc:
             logger.warning("cannot ask the controller about job %s: %s", job_id, exc)
             return False
         except TaskdError:
-            ended = 0  # the job is not registered (yet): none of its agents has ended
-        if ended >= agents:
+            ended, standing_by = 0, []  # the job is not registered (yet): none of its agents has ended
+        if ended >= agents and not standing_by:
             return True
         if remaining <= 0:
             logger.warning(

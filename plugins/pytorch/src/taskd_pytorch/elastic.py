@@ -15,6 +15,9 @@ says, and launching through ``start_processes``. What it changes:
 * a whole-group restart keeps the last rendezvous round when every node of
   it restarts (:mod:`taskd_pytorch.rendezvous_reuse`), instead of paying
   torch's polling of a new round;
+* with the c10d backend, the agents of a round share a store of TaskD's
+  (:mod:`taskd_pytorch.membership`), so that a spare can take a lost node's
+  seat in the round (:meth:`TaskdElasticAgent.stand_in`) without a new one;
 * the rendezvous runs where a stop signal can end the wait
   (:func:`~taskd_pytorch.rendezvous.run_interruptibly`), and the launcher may
   join the first round on its own (:meth:`TaskdElasticAgent.join`) to learn its
@@ -43,7 +46,7 @@ from string import Template
 
 import torch
 from torch.distributed import Store  # type: ignore[attr-defined]  # re-exported without __all__
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.api import WorkerState as TorchState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
@@ -58,6 +61,7 @@ from taskd_core.models import WorkerState, WorkerStatus
 from taskd_core.snapshots.keeper import Keeper
 from taskd_pytorch.bootstrap import USE_AGENT_STORE, RoundStores
 from taskd_pytorch.live._channel import JOB_TOKEN_ENV, LIVE_DIR_ENV, LiveChannel
+from taskd_pytorch.membership import Epoch, JobStore
 from taskd_pytorch.processes import Launch, RankProcesses
 from taskd_pytorch.rendezvous import run_interruptibly
 from taskd_pytorch.rendezvous_reuse import Regroup, RoundReuse
@@ -92,6 +96,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         worker reaches it: loopback, or the address of the interface the job uses.
     :param job_token: the job's token, handed to the workers: it keys their live state hand-over
         (empty: no live recovery, nothing could authenticate the hand-over).
+    :param members: the job's keys in the c10d rendezvous store; None for the other backends.
     :param keeper: the node's keeper of memory snapshots, which the workers are told about.
     """
 
@@ -109,6 +114,7 @@ class TaskdElasticAgent(LocalElasticAgent):
         store_host: str = "127.0.0.1",
         job_token: str = "",
         keeper: Keeper | None = None,
+        members: JobStore | None = None,
     ) -> None:
         if spec.virtual_local_rank:
             raise ConfigError("taskdrun does not support --virtual-local-rank")
@@ -141,6 +147,12 @@ class TaskdElasticAgent(LocalElasticAgent):
         #: the launcher joined the current round itself (:meth:`join`); the next start uses it.
         self._taskd_joined = False
         self._taskd_reuse = RoundReuse(spec.rdzv_handler)
+        self._taskd_members = members
+        self._taskd_round_no = 0
+        #: a spare took a node's seat: its next start joins the round as the others restart it ...
+        self._taskd_seated = False
+        #: ... but not the node agent's first start, which comes before the cycle's restart.
+        self._taskd_seat_idle = False
         self._taskd_keeper = keeper
 
     # --- what the launcher does first -------------------------------------------------
@@ -159,7 +171,65 @@ class TaskdElasticAgent(LocalElasticAgent):
             self._taskd_joined = True
             if group.store is None:
                 raise ConfigError("the rendezvous gave this node no store")
+            self._publish_epoch()
             return group.group_rank, group.store
+
+    def stand_in(self, group_rank: int) -> None:
+        """Take lost node ``group_rank``'s seat in the job's round: a spare the controller promoted.
+
+        The seat is the lost node's: its group rank, its global ranks, the
+        round's world size and store. The workers start with the job's next
+        whole-group restart (the recovery cycle's), not before: the first
+        :meth:`restart_all`, the node agent's own start, starts none.
+        """
+        members = self._taskd_members
+        if members is None:
+            raise ConfigError("only the c10d rendezvous lets a spare take a node's seat")
+        with self._taskd_lock:
+            epoch = members.epoch()
+            group = self.get_worker_group()
+            size = group.spec.local_world_size
+            world = epoch.group_world_size * size
+            # torch annotates these as None (set by its own rendezvous); the seat sets them instead.
+            group.group_rank = group_rank  # type: ignore[assignment]
+            group.group_world_size = epoch.group_world_size  # type: ignore[assignment]
+            group.workers = [
+                Worker(
+                    local_rank=i,
+                    global_rank=group_rank * size + i,
+                    role_rank=group_rank * size + i,
+                    world_size=world,
+                    role_world_size=world,
+                )
+                for i in range(size)
+            ]
+            self._taskd_seated = self._taskd_seat_idle = True
+            logger.info(
+                "taking the seat of node %s: global ranks %s of %s",
+                group_rank,
+                [w.global_rank for w in group.workers],
+                world,
+            )
+
+    def _take_seat(self, group: WorkerGroup) -> None:
+        """The round as the other agents of the job restart it now (see :mod:`taskd_pytorch.membership`)."""
+        assert self._taskd_members is not None
+        epoch = self._taskd_members.epoch()
+        group.store = self._taskd_members.round(epoch.round_no)  # type: ignore[assignment]  # as above
+        self._taskd_round_no, self._taskd_starts = epoch.round_no, epoch.starts
+        self._taskd_reuse.resume(epoch.restarts)
+
+    def _publish_epoch(self) -> None:
+        group = self.get_worker_group()
+        if self._taskd_members is not None and group.group_world_size is not None:
+            self._taskd_members.publish(
+                Epoch(
+                    self._taskd_round_no,
+                    self._taskd_starts,
+                    self._taskd_reuse.restarts,
+                    group.group_world_size,
+                )
+            )
 
     # --- what the TaskD hooks do ------------------------------------------------------
 
@@ -167,13 +237,21 @@ class TaskdElasticAgent(LocalElasticAgent):
         """Stop leftovers, join the next rendezvous round and start every local worker; returns pids."""
         with self._taskd_lock:
             group = self.get_worker_group()
+            if self._taskd_seat_idle:
+                self._taskd_seat_idle = False
+                logger.info("seated as a spare: the workers start with the job's next restart")
+                return {}
             self._taskd_procs.stop(None, self._taskd_stop_timeout)
             group.state = TorchState.STOPPED
             # A whole group starts from its checkpoints, in live round 0 of a new store.
             self._taskd_live.reset()
+            if self._taskd_seated:
+                self._taskd_seated = False
+                self._take_seat(group)
             # torch's template method: rendezvous, rank assignment, then our _start_workers.
             self._initialize_workers(group)
             self._taskd_starts += 1
+            self._publish_epoch()
             return {w.local_rank: w.id for w in group.workers}
 
     def restart_list(self, local_ranks: Sequence[int]) -> dict[int, int]:
@@ -268,6 +346,8 @@ class TaskdElasticAgent(LocalElasticAgent):
             return
         rendezvous = functools.partial(super()._rendezvous, worker_group)
         run_interruptibly(rendezvous, self._taskd_stop, "rendezvous")
+        if self._taskd_members is not None and group.store is not None:
+            group.store, self._taskd_round_no = self._taskd_members.round_store(group.store, group.group_rank)
         self._taskd_reuse.formed()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:

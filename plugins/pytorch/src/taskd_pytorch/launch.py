@@ -9,6 +9,11 @@ rendezvous is closed as torchrun closes it when its agent ends without a
 signal. The stop signals are routed to every step, from before the
 rendezvous to after the cleanup.
 
+A launcher that finds its job already has all its nodes (c10d backend:
+:mod:`taskd_pytorch.membership`) joins no round: it stands by as a spare
+(:mod:`taskd_pytorch.spare`) and, once the controller gives it a lost node's
+place, runs that node's workers from the job's next restart on.
+
 Imported by :mod:`taskd_pytorch.cli` once the options parsed: ``taskdrun --help``
 and option errors need neither the agent nor torch's launcher.
 """
@@ -27,6 +32,8 @@ from dataclasses import dataclass, replace
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
@@ -45,8 +52,11 @@ from taskd_core.values import LOCALHOST, is_loopback, join_address
 from taskd_pytorch.adapter import PytorchAdapter
 from taskd_pytorch.elastic import TaskdElasticAgent
 from taskd_pytorch.listen import job_interface
+from taskd_pytorch.membership import Command, JobStore
 from taskd_pytorch.options import STOP_SIGNALS, TaskdOptions
 from taskd_pytorch.rendezvous import StoreBoard, run_interruptibly
+from taskd_pytorch.rendezvous_reuse import REUSABLE_BACKEND
+from taskd_pytorch.spare import stand_by
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +99,19 @@ class NodeJob:
     #: the rendezvous endpoint's host.
     master_host: str
     options: TaskdOptions
+
+    def command(self) -> Command:
+        """What every node of the job, spares included, must be started with."""
+        config = self.config
+        return {
+            "--nnodes": f"{config.min_nodes}:{config.max_nodes}",
+            "--nproc-per-node": str(config.nproc_per_node),
+            "--rdzv-backend": config.rdzv_backend,
+            "--rdzv-endpoint": config.rdzv_endpoint,
+            "--rdzv-id": config.run_id,
+            "the script": str(self.entrypoint),
+            "the script's arguments": " ".join(self.entry_args),
+        }
 
 
 def parse(args: argparse.Namespace) -> NodeJob:
@@ -174,21 +197,28 @@ class Node:
         self.lifeline = Lifeline()
         self.launcher = fork_launcher(job, early)
         self.rendezvous: RendezvousHandler | None = None
+        self.members: JobStore | None = None
         self.elastic: TaskdElasticAgent | None = None
         self.keeper: Keeper | None = None
         self.outcome: AgentOutcome | None = None
+        #: this launcher came after the job had all its nodes (a spare, until it is given a node's place).
+        self.spare = False
 
     def run(self) -> AgentOutcome:
         """Join the job and run its workers here until the job ends on this node.
 
         :raises LauncherInterrupted: when the stop request fires before the node agent runs.
         """
-        self.rendezvous = connect_rendezvous(self.job, self.stop)
+        self.rendezvous, self.members = connect_rendezvous(self.job, self.stop)
         self.keeper = snapshot_keeper(self.job)
         self.elastic = elastic_agent(
-            self.job, self.rendezvous, self.stop, self.lifeline, self.launcher, self.keeper
+            self.job, self.rendezvous, self.stop, self.lifeline, self.launcher, self.keeper, self.members
         )
-        self.outcome = run_agent(self.job, self.elastic, self.stop)
+        if self.members is not None and self.members.has_all_nodes():
+            self.spare = True
+            self.outcome = run_spare(self.job, self.members, self.elastic, self.stop)
+        else:
+            self.outcome = run_agent(self.job, self.elastic, self.stop, self.members)
         return self.outcome
 
     def close(self) -> None:
@@ -196,7 +226,8 @@ class Node:
         if self.elastic is not None:
             self.elastic.close()
         interrupted = self.outcome is None or self.outcome.kind is Outcome.INTERRUPTED
-        if self.rendezvous is not None and not interrupted:
+        # A spare never joined the rendezvous: closing it would end the job's.
+        if self.rendezvous is not None and not interrupted and not self.spare:
             close_rendezvous(self.rendezvous)
         if self.keeper is not None:
             self.keeper.close()
@@ -225,8 +256,12 @@ def fork_launcher(job: NodeJob, early: ForkLauncher | None = None) -> ForkLaunch
     return launcher
 
 
-def connect_rendezvous(job: NodeJob, stop: StopRequest) -> RendezvousHandler:
-    """The job's rendezvous handler; connecting may wait for the store's host (c10d, etcd), interruptibly."""
+def connect_rendezvous(job: NodeJob, stop: StopRequest) -> tuple[RendezvousHandler, JobStore | None]:
+    """The job's rendezvous handler and, with c10d, the job's keys in its store.
+
+    Connecting may wait for the store's host (c10d, etcd), interruptibly. The
+    c10d handler is built as torch's registry builds it, keeping its store.
+    """
     config = job.config
     logger.info(
         "job %s: joining the %s rendezvous at %s for %s nodes",
@@ -242,21 +277,23 @@ def connect_rendezvous(job: NodeJob, stop: StopRequest) -> RendezvousHandler:
             "(--rdzv-backend=etcd-v2 --rdzv-endpoint=ETCD_HOST:2379; see docs/deploy.md)",
             config.rdzv_endpoint,
         )
-    return run_interruptibly(
-        lambda: get_rendezvous_handler(
-            RendezvousParameters(
-                backend=config.rdzv_backend,
-                endpoint=config.rdzv_endpoint,
-                run_id=config.run_id,
-                min_nodes=config.min_nodes,
-                max_nodes=config.max_nodes,
-                local_addr=config.local_addr,
-                **config.rdzv_configs,
-            )
-        ),
-        stop,
-        "connecting to the rendezvous",
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
     )
+
+    def connect() -> tuple[RendezvousHandler, JobStore | None]:
+        if config.rdzv_backend != REUSABLE_BACKEND:
+            return get_rendezvous_handler(params), None
+        backend, store = create_backend(params)
+        return create_handler(store, backend, params), JobStore(store, config.run_id)
+
+    return run_interruptibly(connect, stop, "connecting to the rendezvous")
 
 
 def snapshot_keeper(job: NodeJob) -> Keeper | None:
@@ -280,6 +317,7 @@ def elastic_agent(
     lifeline: Lifeline,
     launcher: ForkLauncher | None,
     keeper: Keeper | None = None,
+    members: JobStore | None = None,
 ) -> TaskdElasticAgent:
     """torch's elastic agent for this node's workers (it starts none yet)."""
     config = job.config
@@ -307,6 +345,7 @@ def elastic_agent(
         store_host=store_host(job.master_host, config.local_addr),
         job_token=job.options.node.agent.credentials.token,
         keeper=keeper,
+        members=members,
     )
 
 
@@ -324,9 +363,16 @@ def store_host(rdzv_host: str, local_addr: str | None) -> str:
         raise ConfigError(f"no route from this host to the rendezvous host {rdzv_host!r}: {exc}") from exc
 
 
-def run_agent(job: NodeJob, elastic: TaskdElasticAgent, stop: StopRequest) -> AgentOutcome:
+def run_agent(
+    job: NodeJob, elastic: TaskdElasticAgent, stop: StopRequest, members: JobStore | None = None
+) -> AgentOutcome:
     """Join the first rendezvous round, then run the node agent over ``elastic`` until the job ends here."""
     group_rank, store = elastic.join()
+    if members is not None:
+        # Every round (and a spare) reads the controller's address from the job's own keys.
+        store = members.store
+        if group_rank == 0:
+            members.formed(job.command())
     logger.info(
         "job %s node %s: %s workers of %s",
         job.options.node.job_id,
@@ -344,6 +390,33 @@ def run_agent(job: NodeJob, elastic: TaskdElasticAgent, stop: StopRequest) -> Ag
     )
     adapter = load_adapter("pytorch", instance=PytorchAdapter(elastic, in_place=job.options.in_place))
     return run_node_agent(adapter, settings, who="taskdrun", stop=stop)
+
+
+def run_spare(job: NodeJob, members: JobStore, elastic: TaskdElasticAgent, stop: StopRequest) -> AgentOutcome:
+    """Stand by as a spare of the job; once given a lost node's place, run that node's workers.
+
+    :raises ConfigError: when this launcher's command line is not the job's.
+    """
+    members.check_command(job.command())
+    settings = job.options.node
+    controller = settings.agent.controller or StoreBoard(members.store, stop).lookup(
+        settings.agent.connect_timeout
+    )
+    promotion = stand_by(settings, controller, stop)
+    if promotion is None:
+        return AgentOutcome(Outcome.SUCCEEDED, 0, "spare not needed")
+    elastic.stand_in(promotion.node_rank)
+    seat = replace(
+        settings,
+        agent=replace(
+            settings.agent,
+            node_rank=promotion.node_rank,
+            agent_id=promotion.agent_id,
+            controller=promotion.controller,
+        ),
+    )
+    adapter = load_adapter("pytorch", instance=PytorchAdapter(elastic, in_place=job.options.in_place))
+    return run_node_agent(adapter, seat, who="taskdrun", stop=stop)
 
 
 def controller_host(backend: str, rdzv_host: str, local_addr: str | None) -> str:

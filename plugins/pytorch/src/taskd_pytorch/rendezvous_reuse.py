@@ -82,6 +82,15 @@ class RoundReuse:
         """A new rendezvous round formed: its store has no agreement keys yet."""
         self._restarts = 0
 
+    @property
+    def restarts(self) -> int:
+        """Whole-group restarts since the round formed: the number of the next agreement."""
+        return self._restarts
+
+    def resume(self, restarts: int) -> None:
+        """Join a round the other agents have restarted ``restarts`` times already (a spare taking a seat)."""
+        self._restarts = restarts
+
     def decide(self, store: Store | None, group_world_size: int | None, stop: StopRequest) -> Regroup:
         """Agree with the other agents of the round whether the next start keeps it.
 

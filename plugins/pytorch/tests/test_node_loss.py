@@ -1,0 +1,183 @@
+"""A whole machine lost: real ``taskdrun`` nodes (2 x 2 gloo ranks) and a spare, each its own process tree.
+
+The node that hosts the rendezvous store and the embedded controller is
+started first and survives (with c10d both live in node 0's launcher, as
+with torchrun); the other node is lost, every process of it at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pt_support import EXAMPLES, Launcher, events
+
+from taskd_core.client.query import QueryClient
+from taskd_core.testing import descendants, free_port, process_running, wait_until
+
+pytestmark = pytest.mark.slow
+
+STEPS = 200
+WAIT = 120.0
+
+
+class Job:
+    """One training job's command line and what its launchers left behind."""
+
+    def __init__(self, launch: Launcher, work: Path, *taskd: str) -> None:
+        work.mkdir()
+        self.launch, self.work = launch, work
+        self.progress, self.result = work / "progress.jsonl", work / "result.json"
+        self.argv = [
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            f"--rdzv-id={work.name}",
+            *taskd,
+            str(EXAMPLES / "train_ddp.py"),
+            "--ckpt-dir",
+            str(work / "ckpt"),
+            "--progress",
+            str(self.progress),
+            "--result",
+            str(self.result),
+            "--steps",
+            str(STEPS),
+            "--ckpt-every",
+            "3",
+            "--step-time",
+            "0.1",
+        ]
+        self.logs: list[Path] = []
+
+    def start(self, *argv: str) -> subprocess.Popen[bytes]:
+        name = f"{self.work.name}-{len(self.logs)}"
+        self.logs.append(self.launch.root / f"{name}.{len(self.launch.started)}.log")
+        return self.launch(*(argv or self.argv), log=name)
+
+    def log(self, n: int) -> str:
+        return self.logs[n].read_text()
+
+    def stepping(self) -> set[int]:
+        return {e["rank"] for e in events(self.progress) if e["event"] == "step"}
+
+    def controller(self) -> str:
+        found = re.search(r"embedded controller listening on (\S+) ", self.log(0))
+        assert found is not None, self.log(0)[-2000:]
+        return found.group(1)
+
+    def journal(self) -> list[Any]:
+        with QueryClient(self.controller()) as query:
+            return list(query.events(self.work.name).events)
+
+
+def start_nodes(job: Job) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+    """Node 0 first (it hosts the rendezvous store), then node 1, then a spare once the job has both."""
+    first = job.start()
+    wait_until(lambda: "joining the c10d rendezvous" in job.log(0), "node 0 to reach the rendezvous", WAIT)
+    second = job.start()
+    wait_until(
+        lambda: f"job {job.work.name} node 0: 2 workers" in job.log(0) + job.log(1), "the first round", WAIT
+    )
+    spare = job.start()
+    wait_until(lambda: len(job.stepping()) == 4, "every rank to train", WAIT)
+    assert "embedded controller listening" in job.log(0), "node 0 (the store's host) must host the controller"
+    wait_until(lambda: "standing by as spare" in job.log(2), "the third launcher to stand by", WAIT)
+    return first, second, spare
+
+
+def kill_tree(pid: int) -> set[int]:
+    tree = {pid, *descendants(pid)}
+    for each in tree:
+        try:
+            os.kill(each, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return tree
+
+
+def no_leftovers(job: Job, *trees: set[int]) -> None:
+    everyone = {int(e["pid"]) for e in events(job.progress)}.union(*trees)
+    wait_until(
+        lambda: not [p for p in everyone if process_running(p)], "no process of the job to be left", 60
+    )
+
+
+def test_a_lost_node_is_replaced_by_the_spare_and_the_job_finishes(launch: Launcher, tmp_path: Path) -> None:
+    job = Job(launch, tmp_path / "spare")
+    node0, node1, spare = start_nodes(job)
+    # A second spare: not needed, it ends with the job. A third one with another command line is refused.
+    idle = job.start()
+    wrong = [a.replace("--nproc-per-node=2", "--nproc-per-node=1") for a in job.argv]
+    bad = job.start(*wrong)
+    assert bad.wait(timeout=WAIT) == 2
+    assert "its --nproc-per-node is '1' where the job's is '2'" in job.log(4)
+    assert "Traceback" not in job.log(4)
+    wait_until(lambda: "standing by as spare" in job.log(3), "the second spare to stand by", WAIT)
+    lost_ranks = {e["rank"] for e in events(job.progress) if int(e["pid"]) in set(descendants(node1.pid))}
+    assert lost_ranks == {2, 3}
+    spare_tree = {spare.pid, *descendants(spare.pid), idle.pid, *descendants(idle.pid)}
+    before = len(events(job.progress))
+    killed = kill_tree(node1.pid)
+
+    assert node0.wait(timeout=WAIT) == 0, job.log(0)[-3000:]
+    assert spare.wait(timeout=WAIT) == 0, job.log(2)[-3000:]
+    assert idle.wait(timeout=WAIT) == 0, job.log(3)[-3000:]
+    used, unused = (2, 3) if "takes the place of lost node 1" in job.log(2) else (3, 2)
+    assert "without needing it" in job.log(unused)
+    assert json.loads(job.result.read_text())["steps"] == STEPS
+    after = events(job.progress)[before:]
+    resumed = [e for e in after if e["event"] == "resumed"]
+    assert {e["rank"] for e in resumed} == {0, 1, 2, 3} and len({e["step"] for e in resumed}) == 1
+    # The lost ranks ran on the spare, warm: forked by its fork server, which existed before the loss.
+    spare_pids = {int(e["pid"]) for e in after if e["rank"] in lost_ranks and e["event"] == "start"}
+    assert len(spare_pids) >= 2 and not spare_pids & killed
+    assert "takes the place of lost node 1" in job.log(used)
+    assert "node node-1 (node rank 1) lost: its signal stream ended and did not come back" in job.log(0)
+    no_leftovers(job, killed, spare_tree)
+
+
+def signal_tree(pids: set[int], sig: signal.Signals) -> None:
+    for each in pids:
+        try:
+            os.kill(each, sig)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_hung_node_is_replaced_and_fenced_when_it_comes_back(launch: Launcher, tmp_path: Path) -> None:
+    """Every process of node 1 stopped (sockets open): declared lost after its silent HealthChecks, replaced;
+    resumed, it learns it was replaced, stops its workers and ends with that line."""
+    job = Job(launch, tmp_path / "hung", "--taskd-node-lost-timeout", "3")
+    node0, node1, spare = start_nodes(job)
+    tree = {node1.pid, *descendants(node1.pid)}
+    stopped_at = len(events(job.progress))
+    signal_tree(tree, signal.SIGSTOP)
+    try:
+        wait_until(
+            lambda: "takes the place of lost node 1" in job.log(2), "the spare to be given node 1", WAIT
+        )
+        wait_until(
+            lambda: (
+                {e["rank"] for e in events(job.progress)[stopped_at:] if e["event"] == "resumed"}
+                == {0, 1, 2, 3}
+            ),
+            "every rank to resume, the lost ones on the spare",
+            WAIT,
+        )
+    finally:
+        signal_tree(tree, signal.SIGCONT)
+    assert node1.wait(timeout=WAIT) == 1, job.log(1)[-3000:]
+    assert "was declared lost and spare" in job.log(1) and "took its place" in job.log(1)
+    assert node0.wait(timeout=WAIT) == 0, job.log(0)[-3000:]
+    assert spare.wait(timeout=WAIT) == 0, job.log(2)[-3000:]
+    assert json.loads(job.result.read_text())["steps"] == STEPS
+    assert "lost: no HealthCheck for" in job.log(0)
+    no_leftovers(job, tree)

@@ -1,0 +1,83 @@
+"""Which agents are a job's nodes and which stand by, and the one decision about a lost node.
+
+A job's *nodes* are the agents that run its ranks; a *spare* is an agent that
+registered with :data:`~taskd_core.models.SPARE_ROLE` (a launcher started with
+the job's own command line once the job had all its nodes) and runs nothing.
+When a node is lost (its signal stream closed, or no HealthCheck came for the
+policy's ``node_lost_timeout``), :func:`decide_node_loss` is the only place
+that says what happens to the job:
+
+* ``REPLACE``: a spare that was heard from recently takes the node's place:
+  its node rank and ranks, its seat in the recovery cycle; the lost agent is
+  *fenced* (:attr:`AgentInfo.replaced_by`): the controller refuses what it
+  sends from then on, with :attr:`~taskd_core.models.Code.NODE_REPLACED`;
+* ``GIVE_UP``: no spare is ready; the cycle goes on without the node, whose
+  absence leaves only dump or exit (the machine's ``departed`` rule).
+
+Everything that replaces a node goes through this decision and
+:meth:`~taskd_core.controller.machine.JobMachine.handle` of an
+:class:`~taskd_core.controller.machine.AgentLost` event, whatever found the
+loss (a closed stream, a hung machine, a slow node a policy gives up on): the
+runtime's :meth:`~taskd_core.controller.runtime.Controller.node_lost` is the
+call. Free of I/O, like the machine.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from taskd_core.models import SPARE_ROLE, JobPolicy
+
+if TYPE_CHECKING:
+    from taskd_core.controller.machine import AgentInfo
+
+
+class NodeLossKind(str, enum.Enum):
+    """What the controller does about a lost node."""
+
+    REPLACE = "replace"
+    GIVE_UP = "give-up"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLossDecision:
+    """The decision about one lost node, with what the journal says about it."""
+
+    kind: NodeLossKind
+    lost: str
+    #: the spare that takes the node's place (``REPLACE`` only).
+    spare: str = ""
+    reason: str = ""
+
+
+def is_spare(info: AgentInfo) -> bool:
+    """A spare still standing by: no node rank given to it yet, not ended."""
+    return info.role == SPARE_ROLE and info.node_rank is None and info.exit_code is None
+
+
+def is_node(info: AgentInfo) -> bool:
+    """One of the job's nodes now: no spare standing by (a promoted one is), no node a spare replaced."""
+    standing_by = info.role == SPARE_ROLE and info.node_rank is None
+    return not standing_by and not info.replaced_by
+
+
+def ready_spares(agents: Mapping[str, AgentInfo], now: float, fresh: float) -> list[str]:
+    """Spares heard from within ``fresh`` seconds, in the order they are used (by name)."""
+    return sorted(a for a, info in agents.items() if is_spare(info) and now - info.last_seen <= fresh)
+
+
+def decide_node_loss(
+    lost: str, agents: Mapping[str, AgentInfo], now: float, policy: JobPolicy
+) -> NodeLossDecision:
+    """Node ``lost`` is gone: replace it by a ready spare, or give the node up.
+
+    A spare counts as ready when it was heard from within the policy's
+    ``node_lost_timeout`` (a spare sends a HealthCheck every second).
+    """
+    spares = ready_spares(agents, now, policy.node_lost_timeout)
+    if spares:
+        return NodeLossDecision(NodeLossKind.REPLACE, lost, spares[0], "a spare stands by")
+    return NodeLossDecision(NodeLossKind.GIVE_UP, lost, reason="no spare stands by")

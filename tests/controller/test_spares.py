@@ -1,0 +1,129 @@
+"""A lost node replaced by a spare: the spare takes its seat in the cycle, the lost agent is fenced."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from taskd_core.controller.server import EmbeddedController
+from taskd_core.models import SPARE_ROLE, Code
+from taskd_core.testing import wait_until
+from tests.conftest import TEST_POLICY, WAIT, RawAgent
+
+JOB = "spares"
+NEVER = 3600.0
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., EmbeddedController]]:
+    started: list[EmbeddedController] = []
+
+    def make(node_lost_timeout: float = 5.0) -> EmbeddedController:
+        policy = dataclasses.replace(
+            TEST_POLICY, report_timeout=NEVER, expected_agents=2, node_lost_timeout=node_lost_timeout
+        )
+        ctl = EmbeddedController(defaults=policy, keepalive_interval=0.5, stream_grace=NEVER)
+        started.append(ctl)
+        return ctl
+
+    yield make
+    for ctl in started:
+        ctl.stop()
+
+
+def job_of_two_and_a_spare(
+    ctl: EmbeddedController, make_agent: Callable[..., RawAgent]
+) -> tuple[RawAgent, RawAgent, RawAgent]:
+    a = make_agent(ctl.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+    b = make_agent(ctl.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
+    spare = make_agent(ctl.address, JOB, agent_id="spare-x", role=SPARE_ROLE)
+    assert spare.stub.Init(spare.info, timeout=WAIT).code == 0
+    assert spare.stub.Register(spare.info, timeout=WAIT).code == 0
+    return a, b, spare
+
+
+def kinds(agent: RawAgent) -> list[str]:
+    return [e.kind for e in agent.job(events=200).events]
+
+
+def promoted(agent: RawAgent) -> RawAgent:
+    """The spare, once the controller gave it the lost node's rank, registers as that node and subscribes."""
+    wait_until(
+        lambda: any(a.agentId == "spare-x" and a.nodeRank == 1 for a in agent.job().agents),
+        "the spare to get node rank 1",
+        WAIT,
+    )
+    agent.info.role, agent.info.nodeRank = "taskd", 1
+    agent.info.rankIds[:] = ["2", "3"]
+    assert agent.stub.Register(agent.info, timeout=WAIT).code == 0
+    agent.subscribe()
+    return agent
+
+
+def test_a_node_whose_stream_closes_is_replaced_by_the_spare_which_answers_the_cycle_in_its_place(
+    start, make_agent
+) -> None:
+    a, b, spare = job_of_two_and_a_spare(start(), make_agent)
+    b.cut()  # node 1 dies: its stream closes, a cycle starts for its ranks though nobody reported them
+    a.expect("stopTrain")
+    promoted(spare).expect("stopTrain")  # the pending signal, as for a node that comes back
+    assert a.stopped().code == Code.OK and spare.stopped().code == Code.OK
+    a.expect("globalFault")
+    spare.expect("globalFault")
+    assert a.strategies(["recover", "exit"]).code == Code.OK
+    assert spare.strategies(["recover", "exit"]).code == Code.OK
+    a.expect("changeStrategy", changeStrategy="recover")
+    assert a.status(Code.OK, "recover").code == Code.OK and spare.status(Code.OK, "recover").code == Code.OK
+    wait_until(lambda: a.job().state == "idle", "the cycle to succeed", WAIT)
+    assert "node replaced" in kinds(a)
+    # The job ends when its nodes end, the replaced one not counted.
+    assert a.exited(0).code == Code.OK and spare.exited(0).code == Code.OK
+    wait_until(lambda: a.job().state == "finished", "the job to finish", WAIT)
+
+
+def test_the_replaced_agent_is_fenced_with_a_clear_reason(start, make_agent) -> None:
+    a, b, spare = job_of_two_and_a_spare(start(), make_agent)
+    assert a.fault({0: 1}).code == Code.OK
+    a.expect("stopTrain")
+    b.cut()
+    promoted(spare)
+    stale = b.stub.Register(b.info, timeout=WAIT)
+    assert stale.code == Code.NODE_REPLACED and "spare 'spare-x' took its place" in stale.info
+    assert b.stopped().code == Code.NODE_REPLACED
+    b.subscribe()
+    refused = b.stream_end()
+    assert refused is not None and refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "was declared lost" in (refused.details() or "")
+
+
+def test_a_node_that_stops_sending_health_checks_is_declared_lost_when_a_spare_waits(
+    start, make_agent
+) -> None:
+    ctl = start(node_lost_timeout=1.0)
+    a, b, spare = job_of_two_and_a_spare(ctl, make_agent)
+    # a and the spare stay heard from; b holds its stream open but says nothing (a stopped machine).
+    deadline = time.monotonic() + WAIT
+    while "node replaced" not in kinds(a):
+        assert time.monotonic() < deadline, "b was not declared lost"
+        a.stub.HealthCheck(a.info, timeout=WAIT)
+        spare.stub.HealthCheck(spare.info, timeout=WAIT)
+        time.sleep(0.2)
+    assert b.stream_end() is None  # the controller closed the stream it still held
+    a.expect("stopTrain")
+    events = a.job(events=200).events
+    lost = next(e for e in events if e.kind == "agent lost")
+    assert "no HealthCheck" in lost.detail and "node-1" in lost.detail
+
+
+def test_without_a_spare_a_lost_node_still_ends_the_job_as_before(start, make_agent) -> None:
+    ctl = start()
+    a = make_agent(ctl.address, JOB, agent_id="node-0", rank_ids=(0,)).join()
+    b = make_agent(ctl.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(1,)).join()
+    assert a.fault({1: 1}).code == Code.OK
+    a.expect("stopTrain")
+    assert "node replaced" not in kinds(a)
+    assert b is not None
