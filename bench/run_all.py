@@ -17,6 +17,7 @@ timings), each as a child process writing JSON:
 11. ``mindspore_bench.py``: real msrun, kill → the rank stepping again against a cold start of the same job;
 12. ``failover_bench.py``: controller replicas on a real etcd: fail-over, etcd against SQLite, 2048 agents, chaos.
 13. ``slowrank_bench.py``: steps until a slow rank is named, false alarms, the cost of measuring work per step.
+14. ``snapshot_bench.py``: memory snapshots of FSDP2 every step against none and ``dcp.async_save`` to disk.
 
 Then writes the Markdown report: the machine, versions, the exact command,
 the targets and each bench's section. The prose is in ``bench/templates/``
@@ -66,6 +67,7 @@ import recovery_bench
 import security_bench
 import signal_bench
 import slowrank_bench
+import snapshot_bench
 import transfer_bench
 from _common import (
     PYTHON,
@@ -195,6 +197,26 @@ STEPS = (
         ("--trials", "50", "--job-trials", "3", "--job-steps", "300"),
         ("--trials", "5", "--job-trials", "1", "--job-steps", "60", "--overhead-steps", "20000"),
         900.0,
+    ),
+    Step(
+        "snapshots",
+        "snapshot_bench.py",
+        ("--repeats", "3", "--mib", "256"),
+        (
+            "--repeats",
+            "1",
+            "--mib",
+            "32",
+            "--steps",
+            "16",
+            "--big-steps",
+            "6",
+            "--kill-at",
+            "10",
+            "--ckpt-every",
+            "4",
+        ),
+        2400.0,
     ),
 )
 
@@ -957,6 +979,8 @@ def slowrank_fields(data: dict[str, Any]) -> Rendered:
         "trials": str(detector["trials"]),
         "healthy_steps": str(detector["healthy_steps"]),
         "step_ms": f"{slowrank_bench.STEP_TIME * 1000:.0f}",
+        "slow_sleep": f"{slowrank_bench.SLOW_SLEEP:g}",
+        "healthy_ms": f"{slowrank_bench.HEALTHY_STEP * 1000:.0f}",
         "slow_from": str(slowrank_bench.SLOW_FROM),
         "real_ratio": ", ".join(f"{r:.2f}" for r in ratios) or "none",
         "load_start": _loads(data["load_at_start"]),
@@ -964,6 +988,55 @@ def slowrank_fields(data: dict[str, Any]) -> Rendered:
         "table": slowrank_bench.report(data),
     }
     return fields, slowrank_bench.verdicts(data)
+
+
+def snapshot_fields(data: dict[str, Any]) -> Rendered:
+    cfg, steps, lost = data["config"], data["steps"], data["lost"]
+    sizes = list(steps)
+    example, big = steps[sizes[0]], steps[sizes[-1]]
+    target = data["target"]
+    rows = []
+    for size in sizes:
+        modes = steps[size]["modes"]
+        cost = modes["memory"]["median_s"] / modes["none"]["median_s"] - 1
+        disk = modes["disk"]["median_s"] / modes["none"]["median_s"] - 1
+        rows.append(
+            [
+                f"memory snapshot every step: step time +≤ {target * 100:g} % ({size})",
+                f"+{fmt(cost * 100, 1)} % (dcp.async_save to disk: +{fmt(disk * 100, 1)} %)",
+                _met(cost <= target),
+            ]
+        )
+    memory = lost["memory"]
+    rows.append(
+        [
+            "a SIGKILLed rank of a 4-rank FSDP2 job loses ≤ 1 step",
+            f"{memory['lost']} lost, restored from {memory['source']} (none: {lost['none']['lost']}, "
+            f"disk every step: {lost['disk']['lost']})",
+            _met(memory["lost"] <= 1 and memory["source"] == "memory"),
+        ]
+    )
+    bw = data["bandwidth"]["median_gb_s"]
+    rows.append(
+        [
+            "snapshot copy bandwidth, against a plain memcpy",
+            f"store {fmt(bw['store'])} GB/s, memcpy {fmt(bw['memcpy'])} GB/s, peer copy {fmt(bw['peer'])} GB/s",
+            "reported",
+        ]
+    )
+    fields: dict[str, Value] = {
+        "example_ranks": str(example["ranks"]),
+        "example_params": str(example["modes"]["none"]["params"]),
+        "big_ranks": str(big["ranks"]),
+        "mib": f"{cfg['mib']:g}",
+        "warmup": str(cfg["warmup"]),
+        "repeats": str(cfg["repeats"]),
+        "kill_at": str(cfg["kill_at"]),
+        "ckpt_every": str(cfg["ckpt_every"]),
+        "load": " → ".join(_loads(load) for load in data["loads"]),
+        "table": snapshot_bench.report(data),
+    }
+    return fields, rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -990,6 +1063,7 @@ PARTS = (
     Part("mindspore", "mindspore", mindspore_fields),
     Part("failover", "failover", failover_fields),
     Part("slowrank", "slowrank", slowrank_fields),
+    Part("snapshots", "snapshots", snapshot_fields),
 )
 
 

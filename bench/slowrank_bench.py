@@ -9,7 +9,8 @@
    with a job-wide 2x slowdown.
 2. **Real jobs**: ``examples/train_live.py`` (``LiveSession`` measures the
    work itself, no script change) on ``taskd run --nproc 4``; rank 2 sleeps
-   2x the step time from step ``SLOW_FROM`` on: the step of the controller's
+   ``SLOW_SLEEP`` x the step's sleep from step ``SLOW_FROM`` on (about 2x its
+   work, as every rank also works outside its sleep): the step of the controller's
    ``slow-rank`` event minus ``SLOW_FROM``, over ``--job-trials`` jobs, and a
    healthy job of ``--job-steps`` steps whose step times vary by 5x: its
    ``slow-rank`` events (must be none). The journal is read from the
@@ -54,8 +55,12 @@ RANKS = 4
 #: The synthetic straggler's start, and the real one's.
 SLOW_AT = 100
 SLOW_FROM = 30
-#: The real job's step (seconds of sleep standing for compute) and the straggler's.
+#: The real job's step (seconds of sleep standing for compute), and the straggler's sleep as a
+#: multiple of it: every rank also works outside the sleep, so 2.5x the sleep is about 2x the work.
 STEP_TIME = 0.2
+SLOW_SLEEP = 2.5
+#: The real healthy job's step: its sleep varies between 1x and 5x this.
+HEALTHY_STEP = 0.1
 #: Targets (issue 27).
 LATENCY_TARGET = 20
 OVERHEAD_TARGET = 0.01
@@ -166,7 +171,7 @@ def bench_jobs(trials: int, steps: int, root: Path) -> dict[str, Any]:
     for trial in range(trials):
         code, found, step_wall = run_job(
             root, f"slow{trial}", "--steps", str(SLOW_FROM + 60), "--step-time", str(STEP_TIME),
-            "--slow-rank", "2", "--slow-from", str(SLOW_FROM), "--slow-step-time", str(2 * STEP_TIME),
+            "--slow-rank", "2", "--slow-from", str(SLOW_FROM), "--slow-step-time", str(SLOW_SLEEP * STEP_TIME),
         )  # fmt: skip
         first = found[0] if found else None
         slowed.append({
@@ -227,7 +232,7 @@ def report(data: dict[str, Any]) -> str:
         ])  # fmt: skip
     real = [t["steps_to_name"] for t in jobs["trials"] if t["steps_to_name"] is not None]
     rows.append([
-        f"real job: train_live.py, 4 ranks, rank 2 at 2x its {STEP_TIME * 1000:.0f} ms step from step {SLOW_FROM}",
+        f"real job: train_live.py, 4 ranks, rank 2 sleeping {SLOW_SLEEP:g}x the {STEP_TIME * 1000:.0f} ms step from step {SLOW_FROM}",
         f"{fmt(statistics.median(real) if real else None, 0)} (max {max(real) if real else 'N/A'})",
         f"{len(jobs['trials']) - len(real)} of {len(jobs['trials'])}",
     ])  # fmt: skip

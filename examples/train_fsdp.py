@@ -62,8 +62,12 @@ LEARNING_RATE = 1e-3
 def parse_args() -> Any:
     p = build_parser(__doc__)
     p.add_argument("--snapshot-every", type=int, default=1, help="memory snapshot every K steps (0: none)")
-    p.add_argument("--snapshot-to", choices=("memory", "disk"), default="memory",
-                   help="where the every-step async_save goes: TaskD's memory tier, or local disk")
+    p.add_argument(
+        "--snapshot-to",
+        choices=("memory", "disk"),
+        default="memory",
+        help="where the every-step async_save goes: TaskD's memory tier, or local disk",
+    )
     p.add_argument("--width", type=int, default=64, help="features of every layer")
     p.add_argument("--layers", type=int, default=4, help="linear layers")
     p.add_argument("--zero", action="store_true", help="DDP + ZeroRedundancyOptimizer instead of FSDP2")
@@ -118,7 +122,11 @@ class Sharded:
             # under a key of its own: DCP would take same-named entries of all ranks for copies.
             optim = self.optimizer.optim.state_dict()
             optim_state = {str(k): v for k, v in optim["state"].items()}  # DCP's keys are strings
-            return {"model": self.model.state_dict(), "optim": {self.shard: optim_state}, "extra": {"step": done}}
+            return {
+                "model": self.model.state_dict(),
+                "optim": {self.shard: optim_state},
+                "extra": {"step": done},
+            }
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {"model": model_sd, "optim": optim_sd, "extra": {"step": done}}
 
@@ -143,7 +151,9 @@ class Sharded:
             for i, p in enumerate(params):
                 inner.state[p] = state["optim"][self.shard][str(i)]
             return
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
 
     def train_step(self, step: int, rank: int, width: int, loss_fn: nn.Module) -> None:
         x, y = batch(step, rank, width)
@@ -195,14 +205,19 @@ class DiskCheckpoints:
                     shutil.rmtree(old, ignore_errors=True)
 
 
-def restore(job: Sharded, disk: DiskCheckpoints, async_disk: DiskCheckpoints, args: Any, rank: int) -> tuple[int, str]:
+def restore(
+    job: Sharded, disk: DiskCheckpoints, async_disk: DiskCheckpoints, args: Any, rank: int
+) -> tuple[int, str]:
     """Load the newest state there is; returns the steps it had done and where it came from."""
     job.prime()
     state = job.state(0)
     if args.snapshot_to == "disk":
         # The alternative: the every-step async_save to disk, else the regular checkpoint.
-        newest = max((d for d in (async_disk.latest(), disk.latest()) if d is not None),
-                     key=lambda d: int(d.name.split("-")[1]), default=None)
+        newest = max(
+            (d for d in (async_disk.latest(), disk.latest()) if d is not None),
+            key=lambda d: int(d.name.split("-")[1]),
+            default=None,
+        )
         if newest is None:
             return 0, "none"
         dcp.load(state, checkpoint_id=newest)
@@ -249,9 +264,13 @@ def main() -> int:
         began = time.monotonic()
         pending.result()
         if args.snapshot_to == "disk" and rank == 0:
+            previous = async_disk.latest()
             tmp = async_disk.root / f"latest.tmp{os.getpid()}"
             tmp.write_text(f"step-{pending_step}")
             os.replace(tmp, async_disk.root / "latest")
+            for old in async_disk.root.glob("step-*"):
+                if old.name != f"step-{pending_step}" and old != previous:
+                    shutil.rmtree(old, ignore_errors=True)
         progress.log("snapshot", pending_step)
         pending = None
         waited[0] += time.monotonic() - began
@@ -275,7 +294,8 @@ def main() -> int:
             progress.log("step", done)
             if args.snapshot_every and done % args.snapshot_every == 0:
                 writer: Any = (
-                    SnapshotWriter(done) if args.snapshot_to == "memory"
+                    SnapshotWriter(done)
+                    if args.snapshot_to == "memory"
                     else dcp.FileSystemWriter(async_disk.root / f"step-{done}")
                 )
                 pending = dcp.async_save(job.state(done), storage_writer=writer, process_group=ckpt_group)

@@ -339,8 +339,8 @@ class JobPolicy:
     #: what a slow rank gets (``taskd_core.controller.slowrank``).
     slow_rank: SlowRankPolicy = SlowRankPolicy.WARN
     #: a rank whose work per step is at least this many times its peers' median is slow...
-    slow_rank_bound: float = 1.5
-    #: ...measured over this many steps (and held for a quarter of them).
+    slow_rank_bound: float = 1.6
+    #: ...measured over this many steps (and held for three tenths of them).
     slow_rank_window: int = 20
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 

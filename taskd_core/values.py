@@ -21,10 +21,12 @@ each ``check_*`` takes a value already typed. Imports nothing of TaskD but
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import math
 import os
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -356,3 +358,27 @@ def argtype(convert: Callable[[str], T]) -> Callable[[str], T]:
 
     checked.__name__ = getattr(convert, "__name__", "value")
     return checked
+
+
+def cannot_bind(what: str, host: str, port: int, exc: Exception) -> ConfigError:
+    """What a failed bind of ``host:port`` means, found out again with a plain socket."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        return ConfigError(
+            f"{what}: cannot resolve {host!r} ({err.strerror}); give an address of this machine"
+        )
+    family, kind, proto, _, address = infos[0]
+    # The plain socket binds: the port is free and the address is ours, so the cause is elsewhere.
+    reason = f"{exc}; the address and port themselves are usable"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            reason = {
+                errno.EADDRINUSE: "the port is in use; pick a free port",
+                errno.EADDRNOTAVAIL: "not an address of this machine; give one of its addresses",
+                errno.EACCES: f"port {port} needs privileges; pick one above 1023",
+            }.get(err.errno or 0, err.strerror or str(err))
+    return ConfigError(f"{what}: cannot bind on {host} ({reason})")

@@ -148,25 +148,28 @@ def run(args: argparse.Namespace) -> int:
             settings.snapshots, job_id=spec.job_id, host="", token="", local_world_size=spec.nproc
         )
         spec = dataclasses.replace(spec, env={**spec.env, **keeper.worker_env()})
-    launcher = None
-    if settings.fork_server.enabled:
-        # Started now, so that the server preloads while the agent finds the controller.
-        cwd = None if spec.cwd is None else str(spec.cwd)
-        shared = {**spec.env, "TASKD_JOB_ID": spec.job_id}
-        launcher = ForkLauncher(spec.command, settings.fork_server, cwd, shared)
     try:
+        # First: the fork server and every worker started afterwards are marked as this job's.
         with Lifeline() as lifeline:
-            adapter = load_adapter("process", instance=ProcessAdapter(spec, lifeline, launcher))
-            logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
+            launcher = None
+            if settings.fork_server.enabled:
+                # Started now, so that the server preloads while the agent finds the controller.
+                cwd = None if spec.cwd is None else str(spec.cwd)
+                shared = {**spec.env, "TASKD_JOB_ID": spec.job_id}
+                launcher = ForkLauncher(spec.command, settings.fork_server, cwd, shared)
             try:
-                outcome = run_node_agent(adapter, settings, "taskd run")
+                adapter = load_adapter("process", instance=ProcessAdapter(spec, lifeline, launcher))
+                logger.info("%s workers of %s", spec.nproc, " ".join(spec.command))
+                try:
+                    outcome = run_node_agent(adapter, settings, "taskd run")
+                finally:
+                    # Workers that exited 0 may leave children behind (the agent is done with
+                    # them once the leaders ended): taskd run leaves no process of the job running.
+                    adapter.stop(None, spec.stop_timeout)
             finally:
-                # Workers that exited 0 may leave children behind (the agent is done with
-                # them once the leaders ended): taskd run leaves no process of the job running.
-                adapter.stop(None, spec.stop_timeout)
+                if launcher is not None:
+                    launcher.close()
     finally:
-        if launcher is not None:
-            launcher.close()
         if keeper is not None:
             keeper.close()
     return outcome.exit_code

@@ -39,6 +39,7 @@ from taskd_core.controller.runtime import ControllerGauges
 from taskd_core.errors import ConfigError
 from taskd_core.models import FaultType
 from taskd_core.rpc.security import ServerTls
+from taskd_core.values import cannot_bind
 
 logger = logging.getLogger(__name__)
 
@@ -510,15 +511,16 @@ class MetricsEndpoint:
     ) -> None:
         fields = {"registry": metrics.registry, "timeout": METRICS_IO_TIMEOUT}
         handler = type("Handler", (MetricsHandler,), fields)
-        # The files were checked as PEM when the gRPC server's credentials were made.
-        context = _tls_context(tls) if tls is not None else None
+        try:
+            # The files were checked as PEM when the gRPC server's credentials were made.
+            context = _tls_context(tls) if tls is not None else None
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"--metrics-port: cannot use the TLS files for /metrics ({exc})") from None
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
             self._server = _MetricsServer((host, port), family, handler, context, max_connections)
         except OSError as exc:
-            raise ConfigError(
-                f"metrics port {host}:{port}: cannot bind ({exc.strerror or exc}); pick a free port"
-            ) from None
+            raise cannot_bind(f"--metrics-port {port}", host, port, exc) from None
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="taskd-metrics", daemon=True)
         self._thread.start()

@@ -12,8 +12,8 @@ per job that differs::
     cycle_window = 3600       # seconds over which max_cycles counts; 0: the job's whole life
     expected_agents = 0       # 0: whoever registered
     slow_rank = "warn"        # a rank slower than its peers: "warn" (journal, metric, status) or "replace"
-    slow_rank_bound = 1.5     # its work per step over its peers' median that makes it slow...
-    slow_rank_window = 20     # ...over this many steps (held for a quarter of them)
+    slow_rank_bound = 1.6     # its work per step over its peers' median that makes it slow...
+    slow_rank_window = 20     # ...over this many steps (held for three tenths of them)
 
     [jobs."job-42"]
     strategies = "recover,exit"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import errno
 import logging
 import signal
 import socket
@@ -53,6 +52,7 @@ from taskd_core.values import (
     DEFAULT_CONTROLLER,
     LOCALHOST,
     Address,
+    cannot_bind,
     is_loopback,
     is_wildcard,
     join_address,
@@ -167,29 +167,6 @@ class ControllerConfig:
 def listen_address(listen: str, flag: str = "--listen") -> Address:
     """A listener's ``HOST:PORT`` (``[v6]:PORT`` too; port 0 picks one); ConfigError when malformed."""
     return parse_address(listen, flag, allow_zero=True)
-
-
-def cannot_bind(what: str, host: str, port: int, exc: Exception) -> ConfigError:
-    """What a failed bind of ``host:port`` means, found out again with a plain socket."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as err:
-        return ConfigError(
-            f"{what}: cannot resolve {host!r} ({err.strerror}); give an address of this machine"
-        )
-    family, kind, proto, _, address = infos[0]
-    reason = f"{exc}; pick a free port"
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as err:
-            reason = {
-                errno.EADDRINUSE: "the port is in use; pick a free port",
-                errno.EADDRNOTAVAIL: "not an address of this machine; give one of its addresses",
-                errno.EACCES: f"port {port} needs privileges; pick one above 1023",
-            }.get(err.errno or 0, err.strerror or str(err))
-    return ConfigError(f"{what}: cannot bind on {host} ({reason})")
 
 
 class ControllerServer:

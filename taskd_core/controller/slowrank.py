@@ -42,15 +42,15 @@ class SlowRankConfig:
     """When a rank counts as slow (the job's policy: ``slow_rank_bound``, ``slow_rank_window``)."""
 
     #: a rank's work per step over its peers' median, at or above which it is slower than them.
-    bound: float = 1.5
+    bound: float = 1.6
     #: steps whose (trimmed) mean work is a rank's level.
     window: int = 20
-    #: steps in a row its ratio must stay at or above the bound (0: a quarter of the window).
+    #: steps in a row its ratio must stay at or above the bound (0: three tenths of the window).
     hold: int = 0
 
     @property
     def steps_held(self) -> int:
-        return self.hold or max(1, self.window // 4)
+        return self.hold or max(1, 3 * self.window // 10)
 
 
 @dataclass(frozen=True, slots=True)

@@ -384,6 +384,23 @@ def _die_with_parent(server_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _join_job_cgroup(job_cgroup: str | None) -> None:
+    """Move into this worker's own cgroup of the job's, where the launcher will look for it.
+
+    Done here, before any user code, so that nothing the worker starts is born outside.
+    The launcher moves it there too once it hears of the worker (a failure here costs nothing).
+    """
+    if not job_cgroup:
+        return
+    own = os.path.join(job_cgroup, f"w{os.getpid()}")
+    try:
+        os.makedirs(own, exist_ok=True)
+        with open(os.path.join(own, "cgroup.procs"), "w") as f:
+            f.write("0")
+    except OSError:
+        pass
+
+
 def _stdio(fd: int, write: bool, errors: str, line_buffering: bool, unbuffered: bool) -> io.TextIOWrapper:
     """A standard stream as the interpreter builds it at startup (unbuffered: -u or PYTHONUNBUFFERED)."""
     unbuffered = unbuffered and write
@@ -424,6 +441,7 @@ def _become_worker(job: ChildJob) -> str | None:
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.env)
+    _join_job_cgroup(os.environ.get(wire.SCOPE_CGROUP_ENV))
     out_errors = (sys.__stdout__.errors if sys.__stdout__ is not None else None) or "strict"
     # The server's streams close fds 0-2 when collected: they must outlive the worker's use of them.
     _RETIRED_STDIO.extend((sys.__stdin__, sys.__stdout__, sys.__stderr__, sys.stdin, sys.stdout, sys.stderr))

@@ -30,6 +30,9 @@ MAX_MESSAGE = 1 << 22
 STDIO_FDS = 3
 #: The server's name in ``ps``/``top`` (``/proc/<pid>/comm``); each child takes the interpreter's back.
 SERVER_NAME = b"taskd-forksrv"
+#: Names the job's cgroup (:mod:`taskd_core.forkserver.jobscope`) in a worker's environment: a
+#: forked worker moves itself into a cgroup of its own there before running any user code.
+SCOPE_CGROUP_ENV = "TASKD_SCOPE_CGROUP"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,11 @@
-"""The environment every launcher reads alike: the reference's variables and a usable temporary directory.
+"""The environment every launcher reads alike: the reference's variables.
 
 - :func:`controller_from_env`: ``TASKD_CONTROLLER`` (one controller, or its replicas
   comma-separated), else ClusterD's
   ``MINDX_SERVER_IP`` (port 8899 unless it names one);
-- :func:`job_id_from_env`: ``TASKD_JOB_ID``, else the reference's ``MINDX_TASK_ID``;
-- :func:`check_temp_dir`: where the agent's and the workers' temporary files go
-  (progress sockets, live-recovery files) must exist before anything starts.
+- :func:`job_id_from_env`: ``TASKD_JOB_ID``, else the reference's ``MINDX_TASK_ID``.
+
+Whether a usable temporary directory exists: :func:`taskd_core.scratch.check_temp_dir`.
 
 The ``TASKD_<NAME>`` variable of each shared flag is read by
 :class:`taskd_core.launcher.flags.OptionValues`.
@@ -13,10 +13,8 @@ The ``TASKD_<NAME>`` variable of each shared flag is read by
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Mapping
 
-from taskd_core.errors import ConfigError
 from taskd_core.values import DEFAULT_CONTROLLER_PORT, join_address, parse_address, parse_controller
 
 
@@ -43,20 +41,3 @@ def controller_from_env(env: Mapping[str, str]) -> str | None:
 def job_id_from_env(env: Mapping[str, str]) -> str | None:
     """The job id the environment names: ``TASKD_JOB_ID``, else the reference's ``MINDX_TASK_ID``."""
     return env.get("TASKD_JOB_ID", "").strip() or env.get("MINDX_TASK_ID", "").strip() or None
-
-
-def check_temp_dir(env: Mapping[str, str]) -> None:
-    """Raise :class:`ConfigError` unless Python finds a usable temporary directory.
-
-    The node agent and live recovery make their files there once workers run;
-    finding out then would end the job midway, with a traceback.
-    """
-    try:
-        tempfile.gettempdir()
-    except FileNotFoundError:
-        given = env.get("TMPDIR", "")
-        where = f"TMPDIR={given!r} is not a writable directory, nor" if given else "none of"
-        raise ConfigError(
-            f"no usable temporary directory: {where} /tmp, /var/tmp, /usr/tmp or the current directory "
-            "is writable; set TMPDIR to a writable directory"
-        ) from None

@@ -24,11 +24,12 @@ from taskd_core.agent.hangs.config import ProgressConfig
 from taskd_core.controller.policy import parse_slow_rank, parse_strategies
 from taskd_core.errors import ConfigError
 from taskd_core.forkserver.client import ForkServerSettings
-from taskd_core.launcher.environment import check_temp_dir, controller_from_env, job_id_from_env
+from taskd_core.launcher.environment import controller_from_env, job_id_from_env
 from taskd_core.launcher.identity import controller_host, default_job_id, job_credentials
 from taskd_core.launcher.interrupt import STOP_SIGNALS
 from taskd_core.launcher.settings import NodeSettings, default_of, embedded_port
 from taskd_core.models import JobPolicy
+from taskd_core.scratch import check_temp_dir
 from taskd_core.snapshots.settings import SnapshotSettings
 from taskd_core.values import (
     DEFAULT_CONTROLLER_PORT,

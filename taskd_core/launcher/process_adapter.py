@@ -74,6 +74,15 @@ class ProcessAdapter:
             launcher=self.launcher,
         )
 
+    def _sweep(self, stopped: Sequence[WorkerProcess]) -> None:
+        """End what the ``stopped`` workers left outside their groups; all of the job's once none runs."""
+        if self._lifeline is None:
+            return
+        if any(worker.alive() for worker in self._workers.values()):
+            self._lifeline.sweep([worker.pid for worker in stopped])
+        else:
+            self._lifeline.sweep()
+
     @hookimpl
     def taskd_strategies(self) -> list[str]:
         independent = self.spec is not None and self.spec.independent_workers
@@ -92,6 +101,7 @@ class ProcessAdapter:
                 self._check_ranks(local_ranks)
                 targets = [self._workers[r] for r in local_ranks if r in self._workers]
             stop_processes(targets, timeout)
+            self._sweep(targets)
         return True
 
     @hookimpl
@@ -99,6 +109,7 @@ class ProcessAdapter:
         with self._lock:
             spec = self._spec()
             stop_processes(list(self._workers.values()), spec.stop_timeout)
+            self._sweep(list(self._workers.values()))
             # One counter for the node (torchrun's TORCHELASTIC_RESTART_COUNT): the first start is 0.
             count = max(self._restarts.values()) + 1 if self._restarts else 0
             for local_rank in range(spec.nproc):
@@ -112,6 +123,7 @@ class ProcessAdapter:
             self._check_ranks(local_ranks)
             leftovers = [self._workers[r] for r in local_ranks if r in self._workers]
             stop_processes(leftovers, self._spec().stop_timeout)
+            self._sweep(leftovers)
             for local_rank in local_ranks:
                 self._restarts[local_rank] = self._restarts.get(local_rank, -1) + 1
                 self._start(local_rank)

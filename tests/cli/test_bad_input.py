@@ -24,10 +24,12 @@ from tests.conftest import ROOT
 TIMEOUT = 60.0
 
 
-def taskd(*argv: str, env: dict[str, str] | None = None, mounts: str = "") -> subprocess.CompletedProcess[str]:
-    """``python -m taskd_core ARGV`` as a user runs it; ``mounts``: shell commands run first in a private
-    mount namespace (as root), to make directories read-only for the command alone."""
-    command = [sys.executable, "-m", "taskd_core", *argv]
+def taskd(
+    *argv: str, env: dict[str, str] | None = None, mounts: str = "", program: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m taskd_core ARGV`` (or ``program ARGV``) as a user runs it; ``mounts``: shell commands
+    run first in a private mount namespace (as root), to make directories read-only for the command alone."""
+    command = [*([program] if program else [sys.executable, "-m", "taskd_core"]), *argv]
     if mounts:
         script = f"{mounts} && exec {shlex.join(command)}"
         command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
@@ -54,7 +56,19 @@ def private_mounts() -> None:
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare(1) to make a directory read-only for one command")
     done = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs", "-o", "ro", "none", "/mnt"],
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            "ro",
+            "none",
+            "/mnt",
+        ],
         capture_output=True,
         timeout=TIMEOUT,
     )
@@ -65,14 +79,29 @@ def private_mounts() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["run", "--nproc", "1000000000", "--", "true"], "--nproc/--nproc-per-node: '1000000000' is more than 1024"),
+        (
+            ["run", "--nproc", "1000000000", "--", "true"],
+            "--nproc/--nproc-per-node: '1000000000' is more than 1024",
+        ),
         (["run", "--nnodes", "99999999", "--", "true"], "--nnodes: '99999999' is more than 65536"),
-        (["run", "--max-cycles", "99999999999", "--", "true"], "--max-cycles: '99999999999' is more than 2147483647"),
-        (["run", "--stop-timeout", "1e308", "--", "true"], "--stop-timeout: '1e308' is more than 86400 seconds (a day)"),
-        (["run", "--hang-ceiling", "1e308", "--", "true"], "--hang-ceiling: '1e308' is more than 86400 seconds"),
+        (
+            ["run", "--max-cycles", "99999999999", "--", "true"],
+            "--max-cycles: '99999999999' is more than 2147483647",
+        ),
+        (
+            ["run", "--stop-timeout", "1e308", "--", "true"],
+            "--stop-timeout: '1e308' is more than 86400 seconds (a day)",
+        ),
+        (
+            ["run", "--hang-ceiling", "1e308", "--", "true"],
+            "--hang-ceiling: '1e308' is more than 86400 seconds",
+        ),
         (["run", "--dump-signal", "KILL", "--", "true"], "--dump-signal: SIGKILL cannot be caught"),
         (["run", "--dump-signal", "19", "--", "true"], "--dump-signal: SIGSTOP cannot be caught"),
-        (["controller", "--max-cycles", "99999999999"], "--max-cycles: '99999999999' is more than 2147483647"),
+        (
+            ["controller", "--max-cycles", "99999999999"],
+            "--max-cycles: '99999999999' is more than 2147483647",
+        ),
         (["controller", "--report-timeout", "1e308"], "--report-timeout: '1e308' is more than 86400 seconds"),
         (["controller", "--keepalive-interval", "1e308"], "--keepalive-interval: '1e308' is more than 86400"),
         (["status", "--timeout", "1e308"], "--timeout: '1e308' is more than 86400 seconds"),
@@ -102,7 +131,10 @@ def test_a_log_dir_under_a_file_is_refused_before_any_worker_starts(tmp_path: Pa
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"[defaults]\nmax_cycles = 1 # \xff\xfe\n", "not UTF-8 text (byte 28 is 0xff); TOML files are UTF-8"),
+        (
+            b"[defaults]\nmax_cycles = 1 # \xff\xfe\n",
+            "not UTF-8 text (byte 28 is 0xff); TOML files are UTF-8",
+        ),
         (b"[defaults]\nmax_cycles = 99999999999\n", "[defaults] max_cycles: must be at most 2147483647"),
         (b"[defaults]\nreport_timeout = 1e308\n", "[defaults] report_timeout: must be at most 86400 seconds"),
     ],
@@ -110,7 +142,15 @@ def test_a_log_dir_under_a_file_is_refused_before_any_worker_starts(tmp_path: Pa
 def test_a_bad_policy_file_is_one_line(tmp_path: Path, content: bytes, message: str) -> None:
     (tmp_path / "policy.toml").write_bytes(content)
     refused(
-        taskd("controller", "--state", ":memory:", "--listen", "127.0.0.1:0", "--policy", str(tmp_path / "policy.toml")),
+        taskd(
+            "controller",
+            "--state",
+            ":memory:",
+            "--listen",
+            "127.0.0.1:0",
+            "--policy",
+            str(tmp_path / "policy.toml"),
+        ),
         message,
     )
 
@@ -136,7 +176,9 @@ def test_bad_tls_material_says_which_file_and_why(tmp_path: Path, pki) -> None:
         f"TLS key {junk}: not the unencrypted PEM private key of {pki.server_cert}; check --tls-key",
     )
     refused(
-        taskd(*base, "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", str(junk)),
+        taskd(
+            *base, "--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", str(junk)
+        ),
         f"TLS client CA {junk}: no PEM certificate in it",
     )
 
@@ -159,8 +201,11 @@ def test_listen_addresses_that_cannot_be_bound_say_why(controller) -> None:
 @pytest.mark.parametrize("argv", [["run", "--", "true"], ["status"]])
 def test_a_token_grpc_cannot_send_is_refused_at_once(argv: list[str], controller) -> None:
     """gRPC metadata is ASCII: a non-ASCII token would only fail deep in gRPC's C core, again and again."""
-    done = taskd(*argv, *(["--controller", controller.address] if argv == ["status"] else []),
-                 env={"TASKD_JOB_TOKEN": "tökén"})
+    done = taskd(
+        *argv,
+        *(["--controller", controller.address] if argv == ["status"] else []),
+        env={"TASKD_JOB_TOKEN": "tökén"},
+    )
     refused(done, "TASKD_JOB_TOKEN: must be printable ASCII without spaces")
 
 
@@ -169,6 +214,14 @@ def test_no_usable_temporary_directory_is_one_line(private_mounts: None) -> None
     mounts = "mount --bind -o ro /tmp /tmp && mount --bind -o ro /var/tmp /var/tmp && cd /tmp"
     done = taskd("run", "--", "true", env={"TMPDIR": "/nonexistent"}, mounts=mounts)
     refused(done, "no usable temporary directory: TMPDIR='/nonexistent' is not a writable directory")
+    # taskdrun: torch's own import needs one (dill makes a temporary file when imported).
+    taskdrun = str(Path(sys.executable).with_name("taskdrun"))
+    done = taskd(
+        "--nproc-per-node=1", "x.py", env={"TMPDIR": "/nonexistent"}, mounts=mounts, program=taskdrun
+    )
+    refused(
+        done, "taskdrun: no usable temporary directory: TMPDIR='/nonexistent' is not a writable directory"
+    )
 
 
 def test_read_only_state_files_say_what_is_wrong_and_what_to_do(tmp_path: Path, private_mounts: None) -> None:
@@ -193,7 +246,9 @@ def test_read_only_state_files_say_what_is_wrong_and_what_to_do(tmp_path: Path, 
     )
 
 
-@pytest.mark.parametrize("argv", [["controller", "--listen", "127.0.0.1:0", "--state", ":memory:"], ["status"]])
+@pytest.mark.parametrize(
+    "argv", [["controller", "--listen", "127.0.0.1:0", "--state", ":memory:"], ["status"]]
+)
 def test_a_token_file_other_users_may_read_is_refused_with_the_chmod_to_run(tmp_path: Path, argv) -> None:
     token = tmp_path / "admin.token"
     token.write_text("the-admin\n")

@@ -159,7 +159,7 @@ def test_taskd_controller_refuses_a_metrics_port_in_use(caplog):
         port = taken.getsockname()[1]
         argv = ["controller", "--state", ":memory:", "--listen", "127.0.0.1:0", "--metrics-port", str(port)]
         assert main(argv) == 2
-    assert f"metrics port 127.0.0.1:{port}: cannot bind" in caplog.records[-1].getMessage()
+    assert f"--metrics-port {port}: cannot bind on 127.0.0.1 (the port is in use" in caplog.records[-1].getMessage()
 
 
 def test_the_grafana_dashboard_and_the_docs_name_only_exported_metrics():
@@ -222,3 +222,4 @@ def test_an_idle_connection_does_not_block_an_https_scrape(pki):
         for sock in idle:
             sock.close()
         ctl.stop()
+

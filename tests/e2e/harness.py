@@ -43,9 +43,21 @@ def job_processes(job_id: str, *, fork_servers: bool = True) -> list[int]:
         except OSError:  # gone, or not ours to read
             continue
         server = stat[stat.find(b"(") + 1 : stat.rfind(b")")] == SERVER_NAME
-        if needle in environ and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z" and (fork_servers or not server):
+        if (
+            needle in environ
+            and stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z"
+            and (fork_servers or not server)
+        ):
             pids.append(int(entry))
     return pids
+
+
+def worker_command(tmp_path: Path, source: str, mode: str) -> list[str]:
+    """The command running worker script ``source`` as ``worker.py OUT MODE`` (OUT: ``tmp_path/out``, made)."""
+    script = tmp_path / "worker.py"
+    script.write_text(source)
+    (tmp_path / "out").mkdir(exist_ok=True)
+    return [sys.executable, str(script), str(tmp_path / "out"), mode]
 
 
 class TaskdRun:

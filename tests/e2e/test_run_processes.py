@@ -13,7 +13,7 @@ import pytest
 
 from taskd_core import testing
 
-from .harness import DEADLINE, REPO, Cluster, job_processes, wait_until
+from .harness import DEADLINE, REPO, Cluster, job_processes, wait_until, worker_command
 
 #: argv: OUT MODE. Records each start as OUT/start-<rank>-<restart>-<pid>, then
 #: "finish": exits 0; "crash": exits 1; "orphan": starts a long-lived child and exits 0;
@@ -39,10 +39,7 @@ WORKER = textwrap.dedent(
 
 
 def worker(tmp_path: Path, mode: str) -> list[str]:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    (tmp_path / "out").mkdir(exist_ok=True)
-    return [sys.executable, str(script), str(tmp_path / "out"), mode]
+    return worker_command(tmp_path, WORKER, mode)
 
 
 def starts(tmp_path: Path) -> dict[tuple[int, int], int]:
@@ -147,8 +144,12 @@ def test_sigkill_of_taskd_run_takes_every_worker_and_their_children(tmp_path: Pa
     run.proc.kill()
     run.wait()
     # Well under 1 s when measured; the deadline is only a ceiling for a loaded machine.
-    testing.wait_until(lambda: not job_processes(cluster.job_id), "the guard to end every job process", 30.0,
-                       explain=lambda: f"left: {job_processes(cluster.job_id)}")
+    testing.wait_until(
+        lambda: not job_processes(cluster.job_id),
+        "the guard to end every job process",
+        30.0,
+        explain=lambda: f"left: {job_processes(cluster.job_id)}",
+    )
 
 
 #: A distribution whose adapter is the process adapter with a fixed command; it marks each hook call.

@@ -228,3 +228,32 @@ def test_every_message_survives_the_wire() -> None:
         wire.Imported(()),
     ]
     assert [wire.decode(wire.encode(m)) for m in messages] == messages
+
+
+@pytest.mark.parametrize("gone", ["before-ready", "ready-unread", "after-ready"])
+def test_a_server_whose_agent_is_gone_ends_quietly(gone: str) -> None:
+    """The agent closes its end (or dies: the kernel closes it) before the server said ready
+    (BrokenPipeError), with the Ready message unread (ConnectionResetError) or once it read it
+    (end of file): the server ends 0 with nothing on the stderr the user's log gets."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER), "--fd", str(theirs.fileno()), "--preload", "json"],
+        pass_fds=(theirs.fileno(),),
+        stderr=subprocess.PIPE,
+    )
+    theirs.close()
+    try:
+        if gone == "ready-unread":
+            ours.settimeout(WAIT)
+            ours.recv(wire.MAX_MESSAGE, socket.MSG_PEEK)  # sent, and left in our queue
+        elif gone == "after-ready":
+            ready = wire.recv(ours)
+            assert ready is not None and isinstance(ready[0], wire.Ready)
+        ours.close()
+        _, err = proc.communicate(timeout=WAIT)
+    finally:
+        ours.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and err == b"", err.decode(errors="replace")

@@ -45,11 +45,17 @@ class Launcher:
         self.root = root
         self.started: list[subprocess.Popen[bytes]] = []
 
-    def __call__(self, *argv: str, log: str = "taskdrun", env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def __call__(
+        self, *argv: str, log: str = "taskdrun", env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         with open(self.root / f"{log}.{len(self.started)}.log", "wb") as out:
             proc = subprocess.Popen(
-                [taskdrun_exe(), "--taskd-log-level", "INFO", *argv], stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=self.root, env=None if env is None else {**os.environ, **env},
+                [taskdrun_exe(), "--taskd-log-level", "INFO", *argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.root,
+                env=None if env is None else {**os.environ, **env},
             )
         self.started.append(proc)
         return proc
@@ -76,8 +82,14 @@ FORMS = ("c10d", "static")
 
 
 def run_job(
-    launch: Launcher, work: Path, *extra: str, script: str = "train_ddp.py", form: str = "c10d",
-    max_cycles: int | None = None, taskd: tuple[str, ...] = (), env: dict[str, str] | None = None,
+    launch: Launcher,
+    work: Path,
+    *extra: str,
+    script: str = "train_ddp.py",
+    form: str = "c10d",
+    max_cycles: int | None = None,
+    taskd: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> tuple[list[subprocess.Popen[bytes]], Path, Path]:
     """Start the two ``taskdrun`` nodes (2 workers each) of one training job in ``work``.
 
@@ -102,9 +114,22 @@ def run_job(
     else:
         common += ["--master-addr=127.0.0.1", f"--master-port={port}"]
         per_node = [[f"--node-rank={n}"] for n in (0, 1)]
-    job = [str(EXAMPLES / script), "--ckpt-dir", str(work / "ckpt"), "--progress", str(progress),
-           "--result", str(result), *TRAIN_ARGS, *extra]
-    return [launch(*common, *per_node[n], *job, log=f"{work.name}{n}", env=env) for n in (0, 1)], progress, result
+    job = [
+        str(EXAMPLES / script),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--progress",
+        str(progress),
+        "--result",
+        str(result),
+        *TRAIN_ARGS,
+        *extra,
+    ]
+    return (
+        [launch(*common, *per_node[n], *job, log=f"{work.name}{n}", env=env) for n in (0, 1)],
+        progress,
+        result,
+    )
 
 
 def finish(nodes: list[subprocess.Popen[bytes]], result: Path) -> dict[str, Any]:
@@ -114,8 +139,11 @@ def finish(nodes: list[subprocess.Popen[bytes]], result: Path) -> dict[str, Any]
 
 
 def worker_pids(root: Path) -> set[int]:
-    """Every worker pid any test file under ``root`` recorded."""
-    pids = {int(json.loads(p.read_text())["pid"]) for p in root.rglob("rank*.json")}
+    """Every worker pid any test file under ``root`` recorded (and the children it left, with ``--escape``)."""
+    pids = set()
+    for path in root.rglob("rank*.json"):
+        record = json.loads(path.read_text())
+        pids |= {int(record["pid"]), *record.get("escaped", [])}
     for progress in root.rglob("*.jsonl"):
         pids |= {int(json.loads(line)["pid"]) for line in progress.read_text().splitlines() if line.strip()}
     return pids

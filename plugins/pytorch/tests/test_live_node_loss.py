@@ -26,17 +26,27 @@ TOKEN = {"TASKD_JOB_TOKEN": "s3cret"}
 TRANSFER_KEY = "taskd/live/0/1//state-transfer"
 
 
-
-
+@pytest.mark.parametrize("lost", ["receiver", "replica"])
 def test_a_node_lost_during_the_hand_over_ends_the_job_on_the_other_node_with_a_clear_message(
-    launch: Launcher, tmp_path: Path
+    launch: Launcher, tmp_path: Path, lost: str
 ) -> None:
+    """The node lost holds the replacement that receives the state, or the replica that sends it
+    (both of the other node's ranks were lost, so only the lost node's ranks are replicas)."""
     nodes, progress, _ = run_job(
-        launch, tmp_path / "loss", "--ballast-mb", "256", script="train_live.py", env=TOKEN,
+        launch,
+        tmp_path / "loss",
+        "--ballast-mb",
+        "256",
+        script="train_live.py",
+        env=TOKEN,
         taskd=("--taskd-live-timeout", "10", "--taskd-dump-grace", "5", "--taskd-no-hang-detection"),
     )
     logs = [tmp_path / f"loss{n}.{n}.log" for n in (0, 1)]
-    wait_until(lambda: len({e["rank"] for e in events(progress) if e["event"] == "step"}) == 4, "every rank to train", 240)
+    wait_until(
+        lambda: len({e["rank"] for e in events(progress) if e["event"] == "step"}) == 4,
+        "every rank to train",
+        240,
+    )
     # The node that hosts the controller (and the workers' store) survives; the other one is lost.
     survivor = next(n for n in (0, 1) if "embedded controller listening" in logs[n].read_text())
     victim = 1 - survivor
@@ -46,8 +56,13 @@ def test_a_node_lost_during_the_hand_over_ends_the_job_on_the_other_node_with_a_
     starts = {int(e["pid"]): int(e["rank"]) for e in events(progress) if e["event"] == "start"}
     victim_ranks = sorted(rank for pid, rank in starts.items() if pid in set(descendants(nodes[victim].pid)))
     assert len(victim_ranks) == 2
-    # One of the victim's ranks dies: its replacement, on the victim node, receives the state ...
-    os.kill(next(pid for pid, rank in starts.items() if rank == victim_ranks[1]), signal.SIGKILL)
+    if lost == "receiver":
+        # One of the victim's ranks dies: its replacement, on the victim node, receives the state ...
+        os.kill(next(pid for pid, rank in starts.items() if rank == victim_ranks[1]), signal.SIGKILL)
+    else:
+        # Both of the survivor's ranks die: their replacements take the state from a victim's rank ...
+        for pid in [pid for pid, rank in starts.items() if rank not in victim_ranks]:
+            os.kill(pid, signal.SIGKILL)
     wait_until(lambda: store.check([TRANSFER_KEY]), "the replica to publish where it serves the state", 120)
     # ... and the whole node goes while the state is on its way.
     tree = {nodes[victim].pid} | set(descendants(nodes[victim].pid))
@@ -66,4 +81,6 @@ def test_a_node_lost_during_the_hand_over_ends_the_job_on_the_other_node_with_a_
     assert "every restart needs all of the job's nodes" in text
     print(f"the surviving node ended {took:.1f}s after the other node was lost")
     everyone = set(starts) | {int(e["pid"]) for e in events(progress)} | tree
-    wait_until(lambda: not [pid for pid in everyone if process_running(pid)], "no process of the job to be left", 60)
+    wait_until(
+        lambda: not [pid for pid in everyone if process_running(pid)], "no process of the job to be left", 60
+    )

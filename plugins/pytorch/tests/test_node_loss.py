@@ -23,7 +23,7 @@ from taskd_core.testing import descendants, free_port, process_running, wait_unt
 
 pytestmark = pytest.mark.slow
 
-STEPS = 200
+STEPS = 300
 WAIT = 120.0
 
 
@@ -78,19 +78,19 @@ class Job:
             return list(query.events(self.work.name).events)
 
 
-def start_nodes(job: Job) -> tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], subprocess.Popen[bytes]]:
-    """Node 0 first (it hosts the rendezvous store), then node 1, then a spare once the job has both."""
+def start_nodes(job: Job, *late: list[str]) -> list[subprocess.Popen[bytes]]:
+    """Node 0 first (it hosts the rendezvous store), then node 1, then a spare (and the ``late`` command
+    lines) at once when the job has both: a launcher takes seconds to start on a loaded machine."""
     first = job.start()
     wait_until(lambda: "joining the c10d rendezvous" in job.log(0), "node 0 to reach the rendezvous", WAIT)
     second = job.start()
-    wait_until(
-        lambda: f"job {job.work.name} node 0: 2 workers" in job.log(0) + job.log(1), "the first round", WAIT
-    )
-    spare = job.start()
+    formed = f"job {job.work.name} node 0: 2 workers"
+    wait_until(lambda: formed in job.log(0) + job.log(1), "the first round", WAIT)
+    others = [job.start(), *(job.start(*argv) for argv in late)]
     wait_until(lambda: len(job.stepping()) == 4, "every rank to train", WAIT)
     assert "embedded controller listening" in job.log(0), "node 0 (the store's host) must host the controller"
     wait_until(lambda: "standing by as spare" in job.log(2), "the third launcher to stand by", WAIT)
-    return first, second, spare
+    return [first, second, *others]
 
 
 def kill_tree(pid: int) -> set[int]:
@@ -112,20 +112,21 @@ def no_leftovers(job: Job, *trees: set[int]) -> None:
 
 def test_a_lost_node_is_replaced_by_the_spare_and_the_job_finishes(launch: Launcher, tmp_path: Path) -> None:
     job = Job(launch, tmp_path / "spare")
-    node0, node1, spare = start_nodes(job)
     # A second spare: not needed, it ends with the job. A third one with another command line is refused.
-    idle = job.start()
     wrong = [a.replace("--nproc-per-node=2", "--nproc-per-node=1") for a in job.argv]
-    bad = job.start(*wrong)
+    node0, node1, spare, idle, bad = start_nodes(job, job.argv, wrong)
+    lost_ranks = {e["rank"] for e in events(job.progress) if int(e["pid"]) in set(descendants(node1.pid))}
+    assert lost_ranks == {2, 3}
+    spare_tree = {spare.pid, *descendants(spare.pid)}
+    before = len(events(job.progress))
+    assert node1.poll() is None, "the job ended before its node could be lost"
+    killed = kill_tree(node1.pid)
+
+    wait_until(lambda: "standing by as spare" in job.log(3), "the second spare to stand by", WAIT)
     assert bad.wait(timeout=WAIT) == 2
     assert "its --nproc-per-node is '1' where the job's is '2'" in job.log(4)
     assert "Traceback" not in job.log(4)
-    wait_until(lambda: "standing by as spare" in job.log(3), "the second spare to stand by", WAIT)
-    lost_ranks = {e["rank"] for e in events(job.progress) if int(e["pid"]) in set(descendants(node1.pid))}
-    assert lost_ranks == {2, 3}
-    spare_tree = {spare.pid, *descendants(spare.pid), idle.pid, *descendants(idle.pid)}
-    before = len(events(job.progress))
-    killed = kill_tree(node1.pid)
+    spare_tree |= {idle.pid, *descendants(idle.pid)}
 
     assert node0.wait(timeout=WAIT) == 0, job.log(0)[-3000:]
     assert spare.wait(timeout=WAIT) == 0, job.log(2)[-3000:]

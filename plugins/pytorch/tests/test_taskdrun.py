@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pt_support import WORKERS, kill, records, taskdrun_exe
@@ -18,8 +21,16 @@ IDLE = str(WORKERS / "idle.py")
 def test_help_shows_torchrun_options_and_taskd_options() -> None:
     done = subprocess.run([taskdrun_exe(), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
-    for option in ("--nproc-per-node", "--rdzv-endpoint", "--max-restarts", "--taskd-controller", "--taskd-in-place",
-                   "--taskd-max-cycles", "--taskd-strategies", "--taskd-stop-timeout"):
+    for option in (
+        "--nproc-per-node",
+        "--rdzv-endpoint",
+        "--max-restarts",
+        "--taskd-controller",
+        "--taskd-in-place",
+        "--taskd-max-cycles",
+        "--taskd-strategies",
+        "--taskd-stop-timeout",
+    ):
         assert option in done.stdout
 
 
@@ -27,7 +38,10 @@ def test_help_shows_torchrun_options_and_taskd_options() -> None:
     ("argv", "message"),
     [
         (["--taskd-max-cycles", "-1"], "argument --taskd-max-cycles: '-1' is not a whole number >= 0"),
-        (["--taskd-stop-timeout", "soon"], "argument --taskd-stop-timeout: 'soon' is not a finite number of seconds >= 0"),
+        (
+            ["--taskd-stop-timeout", "soon"],
+            "argument --taskd-stop-timeout: 'soon' is not a finite number of seconds >= 0",
+        ),
         (["--taskd-strategies", "retry,bogus"], "unknown strategy 'bogus'"),
         (["--taskd-slow-rank", "evict"], "argument --taskd-slow-rank: slow-rank: expected one of 'warn', 'replace'"),
         (["--taskd-slow-rank", "replace"], '"replace" needs hot spares'),
@@ -36,19 +50,33 @@ def test_help_shows_torchrun_options_and_taskd_options() -> None:
         (["--taskd-controller-port", "70000"], "controller port: 70000 is not a TCP port"),
         (["--nnodes", "1:2"], "--nnodes=1:2: taskdrun needs a fixed number of nodes (--nnodes=N)"),
         (["--taskd-max-cycles", "99999999999"], "--taskd-max-cycles: '99999999999' is more than 2147483647"),
-        (["--taskd-stop-timeout", "1e308"], "--taskd-stop-timeout: '1e308' is more than 86400 seconds (a day)"),
+        (
+            ["--taskd-stop-timeout", "1e308"],
+            "--taskd-stop-timeout: '1e308' is more than 86400 seconds (a day)",
+        ),
         (["--taskd-dump-signal", "KILL"], "--taskd-dump-signal: SIGKILL cannot be caught"),
         # torchrun's own options, which torch checks only when it uses them (with a traceback), or never.
         (["--nproc-per-node=0"], "--nproc-per-node/--nproc_per_node: '0' is not a whole number >= 1"),
-        (["--nproc-per-node=1000000000"], "--nproc-per-node/--nproc_per_node: '1000000000' is more than 1024"),
-        (["--rdzv-backend=bogus"], "unknown rendezvous backend 'bogus'; use one of: c10d, etcd, etcd-v2, static"),
+        (
+            ["--nproc-per-node=1000000000"],
+            "--nproc-per-node/--nproc_per_node: '1000000000' is more than 1024",
+        ),
+        (
+            ["--rdzv-backend=bogus"],
+            "unknown rendezvous backend 'bogus'; use one of: c10d, etcd, etcd-v2, static",
+        ),
         (["--rdzv-endpoint=::::"], "--rdzv-endpoint/--rdzv_endpoint: '::::' is not HOST[:PORT]"),
         (["--master-port=99999"], "--master-port/--master_port: '99999' is not a TCP port (0..65535)"),
-        (["--max-restarts=99999999999"], "--max-restarts/--max_restarts: '99999999999' is more than 2147483647"),
+        (
+            ["--max-restarts=99999999999"],
+            "--max-restarts/--max_restarts: '99999999999' is more than 2147483647",
+        ),
         (["--monitor-interval=nan"], "--monitor-interval/--monitor_interval: 'nan' is not a finite number"),
     ],
 )
-def test_bad_taskd_option_values_give_a_clear_error(argv: list[str], message: str, tmp_path: Path, capsys) -> None:
+def test_bad_taskd_option_values_give_a_clear_error(
+    argv: list[str], message: str, tmp_path: Path, capsys
+) -> None:
     from taskd_pytorch.cli import main
 
     with pytest.raises(SystemExit) as ended:
@@ -62,11 +90,23 @@ def test_a_log_dir_under_a_file_ends_taskdrun_with_one_line(tmp_path: Path) -> N
     """The real command: nothing starts (no fork server to break its pipe), exit 2, no traceback."""
     (tmp_path / "file").write_text("")
     done = subprocess.run(
-        [taskdrun_exe(), f"--log-dir={tmp_path / 'file' / 'logs'}", "--nproc-per-node=0", IDLE, str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        [
+            taskdrun_exe(),
+            f"--log-dir={tmp_path / 'file' / 'logs'}",
+            "--nproc-per-node=0",
+            IDLE,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.strip().splitlines()[-1].endswith(f"{tmp_path / 'file'} is a file, not a directory; pick a directory")
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .endswith(f"{tmp_path / 'file'} is a file, not a directory; pick a directory")
+    )
 
 
 @pytest.mark.slow
@@ -89,8 +129,13 @@ def test_recover_in_place_restarts_only_the_faulty_rank(launch, out_dir: Path, t
 
 def c10d(job: str, nnodes: int | str = 2) -> list[str]:
     """torchrun's elastic multi-node form: no node rank, no TaskD option."""
-    return [f"--nnodes={nnodes}", "--nproc-per-node=2", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={job}"]
+    return [
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-id={job}",
+    ]
 
 
 @pytest.mark.slow
@@ -112,8 +157,15 @@ def test_etcd_rendezvous_recovers_a_killed_rank_with_a_replica_on_every_node(
     launch, out_dir: Path, tmp_path: Path, etcd_server: str
 ) -> None:
     until = tmp_path / "finish"
-    common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=etcd-v2", f"--rdzv-endpoint={etcd_server}",
-              "--rdzv-id=etcd-job", "--taskd-stop-timeout", "5"]
+    common = [
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=etcd-v2",
+        f"--rdzv-endpoint={etcd_server}",
+        "--rdzv-id=etcd-job",
+        "--taskd-stop-timeout",
+        "5",
+    ]
     nodes = [launch(*common, IDLE, str(out_dir), "--until", str(until), log=f"etcd{n}") for n in (0, 1)]
     first = wait_until(lambda: len(records(out_dir)) == 4 and records(out_dir), "all four workers", 120)
 
@@ -153,11 +205,15 @@ def test_losing_the_node_that_hosts_the_controller_ends_the_other_node_with_a_cl
 
 
 @pytest.mark.slow
-def test_sigterm_while_waiting_in_the_rendezvous_ends_taskdrun_at_once(launch, out_dir: Path, tmp_path: Path) -> None:
+def test_sigterm_while_waiting_in_the_rendezvous_ends_taskdrun_at_once(
+    launch, out_dir: Path, tmp_path: Path
+) -> None:
     # The second node never comes: torch's rendezvous would wait 600 s for it.
     node = launch(*c10d("alone"), IDLE, str(out_dir), log="alone")
     log = tmp_path / "alone.0.log"
-    wait_until(lambda: "joining the c10d rendezvous" in log.read_text(), "taskdrun to wait in the rendezvous", 120)
+    wait_until(
+        lambda: "joining the c10d rendezvous" in log.read_text(), "taskdrun to wait in the rendezvous", 120
+    )
 
     node.send_signal(signal.SIGTERM)
 
@@ -172,8 +228,16 @@ def test_sigterm_while_the_controller_cannot_be_reached_ends_taskdrun_at_once(
 ) -> None:
     # Nothing listens there; without the signal taskdrun would keep trying for 600 s.
     dead = f"127.0.0.1:{free_port()}"
-    node = launch("--nproc-per-node=2", "--taskd-controller", dead, "--taskd-connect-timeout", "600", IDLE, str(out_dir),
-                  log="unreachable")
+    node = launch(
+        "--nproc-per-node=2",
+        "--taskd-controller",
+        dead,
+        "--taskd-connect-timeout",
+        "600",
+        IDLE,
+        str(out_dir),
+        log="unreachable",
+    )
     log = tmp_path / "unreachable.0.log"
     wait_until(lambda: f"controller {dead}" in log.read_text(), "taskdrun to try the controller", 120)
 
@@ -184,7 +248,9 @@ def test_sigterm_while_the_controller_cannot_be_reached_ends_taskdrun_at_once(
 
 
 @pytest.mark.slow
-def test_nnodes_min_max_is_refused_at_start_with_a_clear_message(launch, out_dir: Path, tmp_path: Path) -> None:
+def test_nnodes_min_max_is_refused_at_start_with_a_clear_message(
+    launch, out_dir: Path, tmp_path: Path
+) -> None:
     node = launch(*c10d("elastic", nnodes="1:2"), IDLE, str(out_dir), log="elastic")
 
     assert node.wait(timeout=120) == 2
@@ -213,4 +279,44 @@ def test_sigkill_of_taskdrun_leaves_no_worker(launch, out_dir: Path) -> None:
     job.wait(timeout=60)
 
     # Measured well under 1 s; the wait is generous for a loaded machine.
-    wait_until(lambda: not [r["pid"] for r in seen if process_running(r["pid"])], "workers to die with taskdrun", 5)
+    wait_until(
+        lambda: not [r["pid"] for r in seen if process_running(r["pid"])], "workers to die with taskdrun", 5
+    )
+
+
+def _scratch(launcher_pid: int) -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"taskd-*-{launcher_pid}-*"))
+
+
+def _escaped(seen: list[dict[str, Any]]) -> list[int]:
+    return [pid for record in seen for pid in record["escaped"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("warmth", [[], ["--taskd-no-fork-server"]], ids=["forked", "exec"])
+def test_children_that_left_their_group_end_with_recovery_job_and_sigkill(
+    launch, out_dir: Path, warmth: list[str]
+) -> None:
+    """Workers leave children in sessions of their own (setsid): a recovery ends the stopped workers'
+    ones, and a SIGKILLed taskdrun's guard ends the rest."""
+    job = launch("--nproc-per-node=2", *warmth, IDLE, str(out_dir), "--escape")
+    first = wait_until(lambda: len(records(out_dir)) == 2 and records(out_dir), "both workers", 60)
+    assert all(process_running(pid) for pid in _escaped(first))
+    kill(int(next(r for r in first if r["RANK"] == "1")["pid"]))
+    again = wait_until(lambda: len(records(out_dir)) == 4 and records(out_dir), "both workers restarted", 60)
+    assert not [pid for pid in _escaped(first) if process_running(pid)]
+    assert _scratch(job.pid)  # live recovery's channel, the hang watcher's socket
+    job.kill()
+    job.wait(timeout=60)
+    wait_until(
+        lambda: not [pid for pid in _escaped(again) if process_running(pid)], "the guard to end them", 30
+    )
+    wait_until(lambda: not _scratch(job.pid), "the guard to remove taskdrun's temporary directories", 30)
+
+
+@pytest.mark.slow
+def test_children_that_left_their_group_end_with_the_job(launch, out_dir: Path) -> None:
+    job = launch("--nproc-per-node=2", IDLE, str(out_dir), "--escape", "--after", "1")
+    assert job.wait(timeout=120) == 0
+    assert not [pid for pid in _escaped(records(out_dir)) if process_running(pid)]
+    assert not _scratch(job.pid)

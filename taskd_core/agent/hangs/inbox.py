@@ -24,11 +24,11 @@ import os
 import select
 import shutil
 import socket
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from taskd_core.scratch import scratch_dir
 from taskd_core.worker import SOCKET_ENV
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Inbox:
 
     def open(self) -> None:
         """Create the socket and the FIFO in a directory of their own, and publish both paths."""
-        self._dir = Path(tempfile.mkdtemp(prefix="taskd-progress-"))
+        self._dir = scratch_dir("progress")
         self.socket_path = str(self._dir / "progress.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.socket_path)

@@ -45,10 +45,12 @@ from typing import TYPE_CHECKING, NoReturn
 
 from taskd_core.errors import ConfigError, FrameworkMissingError, TaskdError
 from taskd_core.forkserver.forksafe import disable_grpc_fork_handlers
+from taskd_core.scratch import check_temp_dir
 from taskd_pytorch.adapter import require_torch
 
 if TYPE_CHECKING:
     from taskd_core.forkserver.client import ForkLauncher
+    from taskd_core.forkserver.lifeline import Lifeline
 
 logger = logging.getLogger(__name__)
 
@@ -106,21 +108,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Checked without importing torch, before a fork server that would preload it starts.
         require_torch()
-    except FrameworkMissingError as exc:
+        # torch's import itself needs one (through dill): said in one line before anything imports it.
+        check_temp_dir(os.environ)
+    except (FrameworkMissingError, ConfigError) as exc:
         print(f"taskdrun: {exc}", file=sys.stderr)
         return 2
     given = sys.argv[1:] if argv is None else argv
     # Before the fork server starts, so that what it says (when it is ready, say) is in the log.
     _configure_logging(_option(given, "--taskd-log-level") or os.environ.get("TASKD_LOG_LEVEL", "INFO"))
-    early = _early_fork_launcher(given)
-    try:
-        return _main(argv, early)
-    finally:
-        if early is not None:
-            early.close()  # a no-op when the launch took it over (and closed it)
+    from taskd_core.forkserver.lifeline import Lifeline
+
+    # First: the fork server and every worker started afterwards are marked as this job's, and
+    # whatever of the job is left when taskdrun ends (or dies) is ended.
+    with Lifeline() as lifeline:
+        early = _early_fork_launcher(given)
+        try:
+            return _main(argv, lifeline, early)
+        finally:
+            if early is not None:
+                early.close()  # a no-op when the launch took it over (and closed it)
 
 
-def _main(argv: Sequence[str] | None, early: ForkLauncher | None) -> int:
+def _main(argv: Sequence[str] | None, lifeline: Lifeline, early: ForkLauncher | None) -> int:
     # Imported once torch is known to be there: the parser is torchrun's own.
     from taskd_pytorch.options import build_parser
 
@@ -132,7 +141,7 @@ def _main(argv: Sequence[str] | None, early: ForkLauncher | None) -> int:
         # Imported here: `taskdrun --help` and the parser's errors need neither the agent nor torch.
         from taskd_pytorch.launch import launch
 
-        return launch(args, early)
+        return launch(args, lifeline, early)
     except ConfigError as exc:
         parser.error(str(exc))
     except TaskdError as exc:

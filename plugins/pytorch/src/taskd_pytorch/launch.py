@@ -68,15 +68,16 @@ logger = logging.getLogger(__name__)
 _TORCHRUN_MASTER_PORT = 29500
 
 
-def launch(args: argparse.Namespace, early: ForkLauncher | None = None) -> int:
+def launch(args: argparse.Namespace, lifeline: Lifeline, early: ForkLauncher | None = None) -> int:
     """Run this node's share of the job; the exit code.
 
+    :param lifeline: ends the job's processes with taskdrun (its owner closes it).
     :param early: the fork server started with taskdrun, taken over when it fits the workers.
     :raises ConfigError: for options that cannot work.
     """
     job = parse(args)
     stop = StopRequest()
-    node = Node(job, stop, early)
+    node = Node(job, stop, lifeline, early)
     # Installed before the rendezvous: a signal must end taskdrun in every phase, not only once workers run.
     with forward_stop_signals(stop, "taskdrun", STOP_SIGNALS), contextlib.closing(node):
         try:
@@ -195,10 +196,12 @@ class Node:
     rendezvous and the agent get going; :meth:`run` starts the rest.
     """
 
-    def __init__(self, job: NodeJob, stop: StopRequest, early: ForkLauncher | None = None) -> None:
+    def __init__(
+        self, job: NodeJob, stop: StopRequest, lifeline: Lifeline, early: ForkLauncher | None = None
+    ) -> None:
         self.job = job
         self.stop = stop
-        self.lifeline = Lifeline()
+        self.lifeline = lifeline
         self.launcher = fork_launcher(job, early)
         self.rendezvous: RendezvousHandler | None = None
         self.members: JobStore | None = None
@@ -235,7 +238,6 @@ class Node:
             close_rendezvous(self.rendezvous)
         if self.keeper is not None:
             self.keeper.close()
-        self.lifeline.close()
         if self.launcher is not None:
             self.launcher.close()
 

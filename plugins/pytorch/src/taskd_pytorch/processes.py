@@ -252,6 +252,9 @@ class RankProcesses:
             list(pool.map(lambda ctx: ctx.close(death_sig, wait), chosen.values()))
         for rank in chosen:
             self._settle(rank)
+        if self._lifeline is not None:
+            # What they left outside their groups; once no rank runs, whatever of the job is left.
+            self._lifeline.sweep([self._pids[rank] for rank in chosen] if self._contexts else None)
 
     # --- observing -----------------------------------------------------------------
 

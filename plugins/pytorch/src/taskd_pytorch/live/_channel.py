@@ -29,6 +29,8 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from taskd_core.scratch import scratch_dir
+
 #: Environment variable naming the channel directory in every worker.
 LIVE_DIR_ENV = "TASKD_LIVE_DIR"
 #: Environment variable holding the job's token, which keys the state hand-over.
@@ -45,7 +47,7 @@ class LiveChannel:
     @classmethod
     def create(cls) -> LiveChannel:
         """A new, empty channel directory (the agent's side)."""
-        return cls(Path(tempfile.mkdtemp(prefix="taskd-live-")))
+        return cls(scratch_dir("live"))
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

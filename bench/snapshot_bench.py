@@ -1,0 +1,337 @@
+"""What memory snapshots cost a sharded job, and what they save: ``examples/train_fsdp.py`` under real ``taskdrun``.
+
+Three parts, each run side by side in one invocation:
+
+1. **Step time, fault-free.** The same FSDP2 job three ways: no every-step
+   snapshot (``--snapshot-every 0``), a memory snapshot every step
+   (``dcp.async_save(storage_writer=SnapshotWriter(step))``) and
+   ``dcp.async_save`` to local disk every step (``--snapshot-to disk``, the
+   user's alternative), on two sizes: the example (4 ranks, a small model) and
+   a model whose state (parameter shard and AdamW's two moments) is about
+   ``--mib`` MiB per rank (2 ranks). The step time is the median interval
+   between rank 0's ``step`` events after the first ``--warmup`` steps; the
+   memory cost is the largest size of the nodes' snapshot directories
+   (``/dev/shm``) seen while the job ran, and the workers' largest summed RSS.
+2. **Steps lost.** The example again, a rank SIGKILLed as step ``--kill-at``
+   begins, each way: the steps done before the kill minus the step training
+   resumed from (disk checkpoints every ``--ckpt-every`` steps in all three).
+3. **Copy bandwidth.** In this process, ``--mib`` MiB: a plain ``memcpy``
+   (``Tensor.copy_`` into a buffer already allocated), the snapshot store's
+   write (file on ``/dev/shm`` and CRC-32, the worker's path) and a peer copy
+   through a keeper over loopback (encrypted and authenticated), in GB/s.
+
+    python bench/snapshot_bench.py --repeats 3 --mib 256 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import PYTHON, REPO, Children, fmt, machine, markdown_table, setup_logging, write_json
+
+logger = logging.getLogger(__name__)
+
+TASKDRUN = str(Path(PYTHON).with_name("taskdrun"))
+SCRIPT = REPO / "examples" / "train_fsdp.py"
+#: The ways a job snapshots every step, and their train_fsdp.py options.
+MODES = {
+    "none": ("--snapshot-every", "0"),
+    "memory": ("--snapshot-every", "1"),
+    "disk": ("--snapshot-every", "1", "--snapshot-to", "disk"),
+}
+LABELS = {
+    "none": "no every-step snapshot",
+    "memory": "memory snapshot (TaskD)",
+    "disk": "dcp.async_save to disk",
+}
+#: Issue 24: a snapshot every step costs at most this share of the fault-free step time.
+STEP_TARGET = 0.05
+
+
+def width_for(mib: float, ranks: int, layers: int = 2) -> int:
+    """The layer width whose state (parameters + 2 AdamW moments, float32) is ``mib`` MiB per rank."""
+    params = mib * 2**20 * ranks / 12
+    return int((params / layers) ** 0.5)
+
+
+def _shm_bytes() -> int:
+    total = 0
+    for root in Path("/dev/shm").glob("taskd-snapshots-*"):
+        for path in root.rglob("data"):
+            try:
+                total += path.stat().st_size
+            except OSError:
+                pass
+    return total
+
+
+def _rss(pids: set[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def _events(progress: Path) -> list[dict[str, Any]]:
+    if not progress.exists():
+        return []
+    return [json.loads(line) for line in progress.read_text().splitlines() if line.endswith("}")]
+
+
+def run_job(work: Path, ranks: int, extra: tuple[str, ...], timeout: float) -> dict[str, Any]:
+    """One taskdrun job of train_fsdp.py; its events, largest snapshot bytes and worker RSS."""
+    work.mkdir(parents=True)
+    progress = work / "progress.jsonl"
+    cmd = [
+        TASKDRUN,
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        str(SCRIPT),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--progress",
+        str(progress),
+        "--result",
+        str(work / "result.json"),
+        *extra,
+    ]
+    shm = rss = 0
+    with Children(grace=30.0) as children:
+        proc = children.start(cmd, log=work / "taskdrun.log", cwd=REPO)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            events = _events(progress)
+            pids = {e["pid"] for e in events if e["event"] == "start"}
+            children.adopt(pids)
+            shm, rss = max(shm, _shm_bytes()), max(rss, _rss(pids))
+            time.sleep(0.2)
+        code = proc.wait(max(1.0, deadline - time.monotonic()))
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {code}; see {work / 'taskdrun.log'}")
+    return {
+        "events": _events(progress),
+        "shm_bytes": shm,
+        "rss_bytes": rss,
+        "result": json.loads((work / "result.json").read_text()),
+    }
+
+
+def step_time(events: list[dict[str, Any]], warmup: int) -> float:
+    """The median interval between rank 0's steps after ``warmup`` (the last one, with a disk save, left out)."""
+    times = [e["time"] for e in events if e["event"] == "step" and e["rank"] == 0 and e["restart"] == 0]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)][warmup:-1]
+    return statistics.median(gaps)
+
+
+def steps_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    sizes = {
+        "example": (4, ("--steps", str(args.steps), "--ckpt-every", str(args.steps))),
+        f"{args.mib:g} MiB per rank": (
+            2,
+            (
+                "--steps",
+                str(args.big_steps),
+                "--ckpt-every",
+                str(args.big_steps),
+                "--layers",
+                "2",
+                "--width",
+                str(width_for(args.mib, 2)),
+            ),
+        ),
+    }
+    out: dict[str, Any] = {}
+    for size, (ranks, base) in sizes.items():
+        per: dict[str, dict[str, Any]] = {m: {"step_s": [], "shm_bytes": 0, "rss_bytes": 0} for m in MODES}
+        for repeat in range(args.repeats):
+            for mode, flags in MODES.items():  # interleaved: the machine's load hits every mode alike
+                name = f"{size.split()[0]}-{mode}-{repeat}"
+                logger.info("step time: %s, %s, repeat %s", size, mode, repeat)
+                job = run_job(root / name, ranks, (*base, *flags), args.timeout)
+                per[mode]["step_s"].append(step_time(job["events"], args.warmup))
+                per[mode]["shm_bytes"] = max(per[mode]["shm_bytes"], job["shm_bytes"])
+                per[mode]["rss_bytes"] = max(per[mode]["rss_bytes"], job["rss_bytes"])
+                per[mode]["params"] = job["result"]["params"]
+        for mode in MODES:
+            per[mode]["median_s"] = statistics.median(per[mode]["step_s"])
+        out[size] = {"ranks": ranks, "modes": per}
+    return out
+
+
+def lost_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode, flags in MODES.items():
+        logger.info("steps lost: %s", mode)
+        extra = (
+            "--steps",
+            str(args.steps),
+            "--ckpt-every",
+            str(args.ckpt_every),
+            "--fail-at-step",
+            str(args.kill_at),
+            "--fail-rank",
+            "1",
+            "--fail-mode",
+            "kill",
+            *flags,
+        )
+        job = run_job(root / f"lost-{mode}", 4, extra, args.timeout)
+        resumed = [e for e in job["events"] if e["event"] == "resumed" and e["restart"] > 0]
+        source = {
+            e["event"].removeprefix("restored-from-")
+            for e in job["events"]
+            if e["event"].startswith("restored-from-") and e["restart"] > 0
+        }
+        step = min(e["step"] for e in resumed)
+        out[mode] = {
+            "killed_after": args.kill_at,
+            "resumed": step,
+            "lost": args.kill_at - step,
+            "source": ",".join(sorted(source)),
+            "sha256": job["result"]["sha256"],
+        }
+    return out
+
+
+def bandwidth_part(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from taskd_core.snapshots.keeper import Keeper
+    from taskd_core.snapshots.peer import PeerClient
+    from taskd_core.snapshots.settings import SnapshotSettings
+    from taskd_core.snapshots.store import SnapshotStore, crc32
+
+    size = int(args.mib * 2**20)
+    src = torch.randn(size // 4)
+    dst = torch.empty_like(src)
+    view = memoryview(src.numpy()).cast("B")
+    rates: dict[str, list[float]] = {"memcpy": [], "crc32": [], "store": [], "peer": []}
+    with (
+        tempfile.TemporaryDirectory(dir="/dev/shm", prefix="taskd-bench-") as tmp,
+        Keeper(
+            SnapshotSettings(directory=Path(tmp)),
+            job_id="bench",
+            host="127.0.0.1",
+            token="bench",
+            local_world_size=1,
+        ) as keeper,
+    ):
+        store = SnapshotStore(Path(tmp) / "own")
+        client = PeerClient("bench", "bench")
+        address = keeper.address()
+        for trial in range(args.repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            t1 = time.perf_counter()
+            crc32([view])
+            t2 = time.perf_counter()
+            seal = store.write(0, trial, b"meta", [view])
+            t3 = time.perf_counter()
+            client.put(address, seal, b"meta", [view])
+            t4 = time.perf_counter()
+            for key, seconds in (
+                ("memcpy", t1 - t0),
+                ("crc32", t2 - t1),
+                ("store", t3 - t2),
+                ("peer", t4 - t3),
+            ):
+                rates[key].append(size / seconds / 1e9)
+    return {"bytes": size, "gb_s": rates, "median_gb_s": {k: statistics.median(v) for k, v in rates.items()}}
+
+
+def report(data: dict[str, Any]) -> str:
+    """The three parts as Markdown tables."""
+    rows = []
+    for size, part in data["steps"].items():
+        base = part["modes"]["none"]["median_s"]
+        for mode, m in part["modes"].items():
+            rows.append(
+                [
+                    size,
+                    LABELS[mode],
+                    fmt(m["median_s"] * 1e3, 1),
+                    fmt(100 * (m["median_s"] / base - 1), 1),
+                    fmt(m["shm_bytes"] / 2**20, 0),
+                    fmt(m["rss_bytes"] / 2**20, 0),
+                ]
+            )
+    steps = markdown_table(
+        [
+            "state",
+            "every step",
+            "step (ms)",
+            "vs none (%)",
+            "snapshots in /dev/shm (MiB)",
+            "workers' RSS (MiB)",
+        ],
+        rows,
+    )
+    lost = markdown_table(
+        ["every step", "steps done at the kill", "resumed from", "steps lost", "restored from"],
+        [
+            [LABELS[m], str(r["killed_after"]), str(r["resumed"]), str(r["lost"]), r["source"]]
+            for m, r in data["lost"].items()
+        ],
+    )
+    bw = data["bandwidth"]["median_gb_s"]
+    copy = markdown_table(
+        ["copy", "GB/s"],
+        [
+            ["plain memcpy (Tensor.copy_)", fmt(bw["memcpy"])],
+            ["CRC-32 alone", fmt(bw["crc32"])],
+            ["snapshot store write (/dev/shm + CRC-32)", fmt(bw["store"])],
+            ["peer copy to a keeper over loopback (AES-GCM)", fmt(bw["peer"])],
+        ],
+    )
+    return f"{steps}\n\n{lost}\n\n{copy}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="runs of each job (default: %(default)s)")
+    p.add_argument("--mib", type=float, default=256.0, help="state per rank of the large job, MiB")
+    p.add_argument("--steps", type=int, default=40, help="steps of the example job")
+    p.add_argument("--big-steps", type=int, default=12, help="steps of the large job")
+    p.add_argument("--warmup", type=int, default=3, help="first step intervals left out")
+    p.add_argument("--kill-at", type=int, default=25, help="the killed rank dies as this step begins")
+    p.add_argument("--ckpt-every", type=int, default=10, help="disk checkpoints of the steps-lost jobs")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of each job, seconds")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args()
+    setup_logging(args.log_level)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="taskd-snapshot-bench-") as tmp:
+        root = Path(tmp)
+        data = {
+            "steps": steps_part(root, args),
+            "lost": lost_part(root, args),
+            "bandwidth": bandwidth_part(args),
+        }
+    data.update(
+        config={k: v for k, v in vars(args).items() if k != "json"} | {"json": None},
+        machine=machine(),
+        loads=[load_before, os.getloadavg()],
+        target=STEP_TARGET,
+    )
+    data["config"].pop("json")
+    print(report(data))
+    write_json(args.json, data)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
