@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 WAIT = 120.0
 #: Slower steps than the fault-free run's (the same math: only the sleep differs), so that the spare
 #: is standing by before the job ends.
-STEP_TIME = ("--step-time", "0.5")
+STEP_TIME = ("--step-time", "1.0")
 
 
 def test_rank_0s_node_lost_the_spare_takes_its_ranks_and_the_job_ends_as_without_a_fault(
