@@ -83,6 +83,7 @@ from taskd_core.errors import (
 )
 from taskd_core.models import (
     CONNECT_TIMEOUT,
+    SPARE_ROLE,
     AgentStatus,
     Code,
     FaultRank,
@@ -225,6 +226,7 @@ class _Job:
         "inited",
         "lost",
         "machine",
+        "had_spares",
         "peer",
         "sent",
         "slow",
@@ -235,6 +237,8 @@ class _Job:
 
     def __init__(self, job_id: str, policy: JobPolicy, snapshot: Snapshot | None = None) -> None:
         self.agents: dict[str, AgentInfo] = {}
+        #: a spare registered for this job once: silent nodes are watched during its cycles too.
+        self.had_spares = False
         #: who registered the job; None until its first Init (a job SetJobPolicy created).
         self.claim: Claim | None = None
         #: the host whose Init claimed the job ("" when unknown: restored, or created by SetJobPolicy).
@@ -422,6 +426,7 @@ class Controller:
         if agent is None:
             self._check_agent_quota(job)
         fresh = AgentInfo(who.key, who.role, who.node_rank, who.rank_ids, None, self._clock())
+        job.had_spares |= who.role == SPARE_ROLE
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
             fresh.role,
             fresh.node_rank,
@@ -732,7 +737,14 @@ class Controller:
         elif digest and self._access.is_admin(caller):
             self._rates.admit(digest, "the admin token", now, journals=False)
         else:
-            self._rates.admit(f"peer:{caller.peer}", f"host {caller.peer or '?'}", now, journals=False)
+            self._rates.admit(f"peer:{caller.peer}", f"host {caller.peer or '?'}", now, journals=True)
+
+    @staticmethod
+    def _tenant(job: _Job) -> str:
+        """Who pays for a job's journal: its token, else (a legacy job) the host that claimed it."""
+        if job.claim is not None and job.claim.token_digest:
+            return job.claim.token_digest
+        return f"peer:{job.peer}" if job.peer else ""
 
     def _index(self, job: _Job) -> None:
         if job.claim is not None and job.claim.token_digest:
@@ -778,13 +790,15 @@ class Controller:
                 limit="--max-agents",
             )
         digest = job.claim.token_digest if job.claim is not None else ""
-        if digest:
-            held = sum(len(self._jobs[j].agents) for j in self._by_token.get(digest, ()))
-            if held >= quotas.agents_per_token:
+        for index, key, most, whose, flag in (
+            (self._by_token, digest, quotas.agents_per_token, "this token", "--max-agents-per-token"),
+            (self._by_peer, job.peer, quotas.agents_per_peer, f"host {job.peer}", "--max-agents-per-peer"),
+        ):
+            if key and sum(len(self._jobs[j].agents) for j in index.get(key, ())) >= most:
                 raise QuotaExceededError(
-                    f"jobId={job.job_id}: the jobs of this token already have {quotas.agents_per_token} "
-                    "agents, the most one token may register (the controller's --max-agents-per-token)",
-                    limit="--max-agents-per-token",
+                    f"jobId={job.job_id}: the jobs {whose} claimed already have {most} agents, the most "
+                    f"it may register (the controller's {flag})",
+                    limit=flag,
                 )
 
     def _live(self, job: _Job) -> bool:
@@ -924,9 +938,10 @@ class Controller:
         )
         entries = tuple(journal)
         now = self._clock()
-        if charge and job.claim is not None and job.claim.token_digest and entries:
+        tenant = self._tenant(job)
+        if charge and tenant and entries:
             size = sum(len(e.kind) + len(journal_detail(e)) for e in entries)
-            self._rates.journalled(job.claim.token_digest, size, now)
+            self._rates.journalled(tenant, size, now)
         # Agents are live objects: the write keeps copies.
         written = asyncio.ensure_future(
             self._store.write(Commit(row, entries, tuple(replace(a) for a in agents), now))
@@ -1027,15 +1042,20 @@ class Controller:
     async def _watch_nodes(self) -> None:
         """Declare lost the nodes whose HealthChecks stopped for the policy's ``node_lost_timeout``.
 
-        Only while a spare stands by, which is what such a node is replaced by;
-        without one, a node that comes back still rejoins its job. Runs until
-        close() cancels it.
+        While a spare stands by, which is what such a node is replaced by; and
+        during a recovery cycle of a job that had spares (a promoted spare that
+        died while it started, a second node lost with no spare left): the cycle
+        then ends at once with the reason instead of waiting out its report
+        timeout. Otherwise a node that comes back still rejoins its job. Runs
+        until close() cancels it.
         """
         while True:
             await asyncio.sleep(NODE_WATCH_INTERVAL)
             now = self._clock()
             for job in list(self._jobs.values()):
-                if job.machine.state in _TERMINAL or not self._spare_ready(job):
+                state = job.machine.state
+                in_cycle = state in (State.WAIT_STOP, State.WAIT_STRATEGIES, State.WAIT_STATUS)
+                if state in _TERMINAL or not (self._spare_ready(job) or (in_cycle and job.had_spares)):
                     continue
                 timeout = job.machine.policy.node_lost_timeout
                 for agent in list(job.agents.values()):

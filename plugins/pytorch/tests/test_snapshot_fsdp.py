@@ -204,3 +204,41 @@ def test_on_two_nodes_a_damaged_local_copy_is_replaced_by_the_peer_copy_on_the_o
     assert {back[r][0] for r in (0, 1, 3)} == {"memory"}, back
     assert len({step for _, step in back.values()}) == 1
     assert json.loads(result.read_text())["sha256"] == reference["fsdp"]
+
+
+def test_a_lost_node_is_replaced_by_a_spare_whose_ranks_restore_from_the_peer_copies(
+    launch: Launcher, tmp_path: Path, reference: dict[str, str]
+) -> None:
+    """2 taskdrun nodes x 2 ranks and a hot spare; the node without the controller loses its whole tree."""
+    work = tmp_path / "spare"
+    work.mkdir()
+    progress, result = work / "progress.jsonl", work / "result.json"
+    argv = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "--rdzv-id=spare", str(EXAMPLES / "train_fsdp.py"), "--ckpt-dir", str(work / "ckpt"),
+            "--progress", str(progress), "--result", str(result), *ARGS,
+            "--step-time", "1.5"]  # the sleep stands for compute: it changes no parameter
+    token = {"TASKD_JOB_TOKEN": "s3cret"}
+    logs = [launch.root / f"spare{n}.{n}.log" for n in range(3)]
+    node0 = launch(*argv, log="spare0", env=token)
+    wait_until(lambda: "joining the c10d rendezvous" in logs[0].read_text(), "node 0 to reach the rendezvous", 120)
+    node1 = launch(*argv, log="spare1", env=token)
+    wait_until(lambda: "job spare node 0: 2 workers" in logs[0].read_text() + logs[1].read_text(), "the first round", 120)
+    spare = launch(*argv, log="spare2", env=token)
+    wait_until(lambda: "standing by as spare" in logs[2].read_text(), "the spare to stand by", 120)
+    wait_until(lambda: last_step(progress) >= 2, "every rank to train", 120)
+    assert "embedded controller listening" in logs[0].read_text(), "node 0 (the store's host) survives"
+    lost = {e["rank"] for e in events(progress) if e["event"] == "start" and e["pid"] in descendants(node1.pid)}
+    assert len(lost) == 2
+    seen = last_step(progress)
+    for pid in {node1.pid, *descendants(node1.pid)}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert node0.wait(timeout=240) == 0 and spare.wait(timeout=240) == 0
+    back = restores(progress)
+    assert {back[r][0] for r in lost} == {"peer"}, back  # the lost node's memory is gone: its copies at node 0
+    assert {back[r][0] for r in set(range(4)) - lost} == {"memory"}, back
+    (step,) = {step for _, step in back.values()}
+    assert seen - 1 <= step <= seen + 1, (seen, back)  # a step may end between the look and the kill
+    assert json.loads(result.read_text())["sha256"] == reference["fsdp"]
