@@ -17,7 +17,8 @@ a spare registered with the job's controller). When every rank logged step
 
 ``time.time()`` is taken right before the first signal. Figure per trial: that
 moment → every rank (0..3) completed a step in a process started after it
-(the workers' own progress log), and the steps lost. A trial that does not get
+(the workers' own progress log), and the steps lost (the last step a worker started
+before the fault completed, less the step training resumed from). A trial that does not get
 there within ``--recovery-deadline`` counts as not recovered. Launchers:
 ``torchrun`` 2.13 with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (SPEC §9), and
 ``taskdrun`` with no TaskD option (its defaults: a node is lost when its stream
@@ -157,7 +158,6 @@ def run_trial(name: str, fault: str, trial: Trial, work: Path) -> dict[str, Any]
             # taskdrun's controller is with group rank 0, which must survive here (the rank-0 case is
             # bench/rank0_bench.py's): the trial does not count.
             return {"launcher": name, "fault": fault, "recovered": False, "all_stepped": None, "valid": False}
-        last_step = max(e["step"] for e in events if e["event"] == "step")
         old = {int(e["pid"]) for e in events}
         t_fault = time.time()
         victim_tree = signal_tree(second.pid, FAULTS[fault])
@@ -173,7 +173,10 @@ def run_trial(name: str, fault: str, trial: Trial, work: Path) -> dict[str, Any]
                 if e["event"] == "step" and e["rank"] not in stepped:
                     stepped[e["rank"]] = float(e["time"])
             time.sleep(_POLL)
-        seen = {int(e["pid"]) for e in read_events(progress)}
+        final = read_events(progress)
+        seen = {int(e["pid"]) for e in final}
+        # Steps the old workers completed, whenever they noticed the fault, count as done.
+        last_step = max(e["step"] for e in final if e["event"] == "step" and int(e["pid"]) in old)
         children.adopt(seen | victim_tree)
         recovered = len(stepped) == WORLD
         result = {

@@ -11,7 +11,7 @@ per job that differs::
     max_cycles = 3            # recovery cycles a job may use within cycle_window before it is given up
     cycle_window = 3600       # seconds over which max_cycles counts; 0: the job's whole life
     expected_agents = 0       # 0: whoever registered
-    slow_rank = "warn"        # a rank slower than its peers: "warn" (journal, metric, status) or "replace"
+    slow_rank = "warn"        # "warn" (journal, metric, status) or "replace" (a spare takes its node)
     slow_rank_bound = 1.6     # its work per step over its peers' median that makes it slow...
     slow_rank_window = 20     # ...over this many steps (held for three tenths of them)
 
@@ -146,12 +146,6 @@ def parse_slow_rank(value: object, key: str = "slow_rank") -> SlowRankPolicy:
     except ValueError:
         known = ", ".join(repr(p.value) for p in SlowRankPolicy)
         raise ConfigError(f"{key}: expected one of {known}, got {value!r}") from None
-    if policy is SlowRankPolicy.REPLACE:
-        # Replacing needs a waiting hot spare and the lost-node path to drain onto it.
-        raise ConfigError(
-            f'{key}: "replace" needs hot spares, which this controller cannot use yet; '
-            'use "warn" (the slow rank is journalled, counted and shown in taskd status)'
-        )
     return policy
 
 

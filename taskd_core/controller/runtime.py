@@ -59,7 +59,8 @@ from taskd_core.controller.machine import (
 from taskd_core.controller.membership import is_node, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
-from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector
+from taskd_core.controller.slowrank import SlowRankAction, SlowRankConfig, SlowRankDetector, SlowRankFound
+from taskd_core.controller.slowrank import decide as decide_slow_rank
 from taskd_core.controller.store import (
     Commit,
     DropAgents,
@@ -94,6 +95,7 @@ from taskd_core.models import (
     RankWork,
     Signal,
     SignalType,
+    SlowRankPolicy,
     Strategy,
     WorkerEvent,
 )
@@ -230,6 +232,8 @@ class _Job:
         "peer",
         "sent",
         "slow",
+        "slow_replaced",
+        "slow_waiting",
         "subscribers",
         "timer",
         "timer_step",
@@ -249,6 +253,10 @@ class _Job:
         self.subscribers: dict[str, Subscriber] = {}
         #: the job's slow-rank detection, from its ranks' work per step (not persisted: it re-learns).
         self.slow = SlowRankDetector(slow_rank_config(policy))
+        #: ranks whose node was replaced for slowness: slow again, they are reported, not bounced.
+        self.slow_replaced: set[int] = set()
+        #: slow ranks the replace policy left for now (no spare ready, a recovery in flight), by rank.
+        self.slow_waiting: dict[int, SlowRankFound] = {}
         self.timer: asyncio.TimerHandle | None = None
         self.timer_step = -1
         #: agents whose stream ended: when each counts as lost for good unless it subscribes again.
@@ -581,21 +589,13 @@ class Controller:
         agent = self._attribute(job, agent_id)
         cycle = job.machine.snap.cycle
         entries = [JournalEntry(f"worker {e.kind.value}", cycle, worker_detail(agent, e)) for e in events]
-        for found in job.slow.feed(work, self._clock()):
-            logger.warning(
-                "job %s: rank %s is slow: %.1f ms of work per step, %.2fx its peers' median (%.1f ms) "
-                "since step %s",
-                job.job_id,
-                found.rank,
-                found.work * 1000,
-                found.ratio,
-                found.peer_median * 1000,
-                found.since_step,
-            )
-            detail = {"agent": agent, "policy": job.machine.policy.slow_rank.value, **found.detail()}
-            entries.append(JournalEntry("slow-rank", cycle, detail))
+        found_now = job.slow.feed(work, self._clock())
+        drains = self._slow_ranks(job, agent, found_now, entries)
         if entries:
             await self._save(job, entries)
+        for node, why in drains:
+            # The lost-node path: a spare takes the node's place and the node is fenced for good.
+            self.node_lost(job.job_id, node, why)
         return Reply(Code.OK, f"jobId={job_id}: {len(entries)} worker event(s) journalled")
 
     async def events_after(
@@ -1024,6 +1024,70 @@ class Controller:
         if sub is not None:
             sub.close()
         self._spawn(self._apply(job, AgentLost(agent_id, why)))
+
+    def _slow_ranks(
+        self, job: _Job, agent: str, found: Sequence[SlowRankFound], entries: list[JournalEntry]
+    ) -> list[tuple[str, str]]:
+        """Journal the ranks just found slow, with what the policy does; the nodes to drain, and why.
+
+        A rank left slow for want of a spare (or during a recovery) is looked at
+        again with every report, and replaced once a spare is ready.
+        """
+        current = {s.rank: s.pid for s in job.slow.slow()}
+        waiting = [f for r, f in job.slow_waiting.items() if current.get(r) == f.pid]
+        job.slow_waiting = {}
+        drains = []
+        for each in [*waiting, *found]:
+            act = self._slow_rank_action(job, each.rank)
+            if each in waiting and act.action is SlowRankPolicy.WARN:
+                job.slow_waiting[each.rank] = each  # still no spare: nothing new to journal
+                continue
+            logger.warning(
+                "job %s: rank %s is slow: %.1f ms of work per step, %.2fx its peers' median (%.1f ms) "
+                "since step %s; %s: %s",
+                job.job_id,
+                each.rank,
+                each.work * 1000,
+                each.ratio,
+                each.peer_median * 1000,
+                each.since_step,
+                act.action.value,
+                act.reason,
+            )
+            detail = {
+                "agent": agent,
+                "policy": job.machine.policy.slow_rank.value,
+                "action": act.action.value,
+                "reason": act.reason,
+                **each.detail(),
+            }
+            if act.node:
+                detail["node"] = act.node
+                job.slow_replaced.add(each.rank)
+                drains.append((act.node, f"rank {each.rank} is {each.ratio:.2f}x slower than its peers"))
+            elif act.transient:
+                job.slow_waiting[each.rank] = each
+            entries.append(JournalEntry("slow-rank", job.machine.snap.cycle, detail))
+        return drains
+
+    def _slow_rank_action(self, job: _Job, rank: int) -> SlowRankAction:
+        """What the job's policy does about slow ``rank`` (see :func:`~.slowrank.decide`)."""
+        node = next(
+            (
+                a.agent_id
+                for a in job.agents.values()
+                if is_node(a) and a.exit_code is None and rank in a.rank_ids
+            ),
+            None,
+        )
+        return decide_slow_rank(
+            job.machine.policy.slow_rank,
+            rank,
+            node,
+            replaced_before=rank in job.slow_replaced,
+            spare=self._spare_ready(job),
+            idle=job.machine.state is State.IDLE,
+        )
 
     def _spare_ready(self, job: _Job) -> bool:
         return bool(ready_spares(job.agents, self._clock(), job.machine.policy.node_lost_timeout))
