@@ -442,6 +442,12 @@ class Controller:
             self._check_agent_quota(job)
         fresh = AgentInfo(who.key, who.role, who.node_rank, who.rank_ids, None, self._clock())
         job.had_spares |= who.role == SPARE_ROLE
+        if who.role == SPARE_ROLE:
+            # A lost node's place that waits for a spare is offered this one (once it is registered).
+            for waiting in job.machine.awaiting_spare():
+                asyncio.get_running_loop().call_soon(
+                    self.node_lost, job.job_id, waiting, "a spare registered"
+                )
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
             fresh.role,
             fresh.node_rank,
@@ -1125,11 +1131,20 @@ class Controller:
             now = self._clock()
             for job in list(self._jobs.values()):
                 state = job.machine.state
-                in_cycle = state in (State.WAIT_STOP, State.WAIT_STRATEGIES, State.WAIT_STATUS)
-                if state in _TERMINAL or not (self._spare_ready(job) or (in_cycle and job.had_spares)):
+                if state in _TERMINAL:
                     continue
-                timeout = job.machine.policy.node_lost_timeout
+                policy = job.machine.policy
+                waiting = job.machine.awaiting_spare()
+                for agent_id, since in waiting.items():
+                    if now - since >= policy.spare_wait:
+                        self.node_lost(job.job_id, agent_id, f"no spare came within {policy.spare_wait:g}s")
+                in_cycle = state in (State.WAIT_STOP, State.WAIT_STRATEGIES, State.WAIT_STATUS)
+                if not (self._spare_ready(job) or (in_cycle and job.had_spares)):
+                    continue
+                timeout = policy.node_lost_timeout
                 for agent in list(job.agents.values()):
+                    if agent.agent_id in waiting:
+                        continue
                     silent = now - agent.last_seen
                     if is_node(agent) and agent.exit_code is None and silent > timeout:
                         self.node_lost(job.job_id, agent.agent_id, f"no HealthCheck for {silent:.1f}s")
