@@ -50,6 +50,7 @@ _FILE_KEYS = {
     "cycle_window": "cycle_window",
     "expected_agents": "expected_agents",
     "node_lost_timeout": "node_lost_timeout",
+    "spare_wait": "spare_wait",
     "slow_rank": "slow_rank",
     "slow_rank_bound": "slow_rank_bound",
     "slow_rank_window": "slow_rank_window",
@@ -120,7 +121,7 @@ def updated_policy(
             clean[name] = value
         elif name in ("report_timeout", "node_lost_timeout"):
             clean[name] = _number(key, value, minimum=0, integer=False, exclusive=True)
-        elif name in ("flush_seconds", "cycle_window"):
+        elif name in ("flush_seconds", "cycle_window", "spare_wait"):
             clean[name] = _number(key, value, minimum=0, integer=False)
         elif name in ("max_cycles", "expected_agents"):
             clean[name] = int(_number(key, value, minimum=0, integer=True))
@@ -171,6 +172,7 @@ def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
         "cycle_window": policy.cycle_window,
         "expected_agents": policy.expected_agents,
         "node_lost_timeout": policy.node_lost_timeout,
+        "spare_wait": policy.spare_wait,
         "slow_rank": policy.slow_rank.value,
         "slow_rank_bound": policy.slow_rank_bound,
         "slow_rank_window": policy.slow_rank_window,

@@ -119,6 +119,10 @@ _TERMINAL = (State.FINISHED, State.GIVEN_UP)
 #: Seconds a node's closed signal stream may take to come back while a spare stands by: a
 #: client re-subscribes within its first backoff step, a machine that died does not at all.
 STREAM_CLOSED_GRACE = 0.5
+#: Seconds a node loaded from the state (a new leader took over) has to subscribe while a spare
+#: stands by: its agent retries a standby at most a second apart (``FOLLOW_CAP``) and follows the
+#: leader it names at once; one lost with the previous leader never comes.
+TAKEOVER_GRACE = 2.0
 #: How often the runtime looks for nodes whose HealthChecks stopped (a hung or cut-off machine).
 NODE_WATCH_INTERVAL = 0.25
 _ANONYMOUS = Caller()
@@ -336,15 +340,18 @@ class Controller:
         self._agent_count += len(job.agents)
         self._index(job)
         # Agents get a full grace period to come back before their job counts as abandoned.
-        loop = asyncio.get_running_loop()
         for agent in job.agents.values():
             agent.last_seen = max(agent.last_seen, self._clock())
+        # Their streams were with the controller before this one (or none): one that does not
+        # subscribe here within the grace is lost as if its stream had ended here, the way a node
+        # lost together with the previous leader would otherwise be waited for forever. With a
+        # spare standing by, a surviving agent follows the new leader within a second or two.
+        grace = min(self._stream_grace, TAKEOVER_GRACE) if self._spare_ready(job) else self._stream_grace
+        loop = asyncio.get_running_loop()
+        for agent in job.agents.values():
             if agent.exit_code is None:
-                # Its stream was with the controller before this one (or none): one that does not
-                # subscribe here within the grace is lost as if its stream had ended here, the way a
-                # node lost together with the previous leader would otherwise be waited for forever.
                 job.lost[agent.agent_id] = loop.call_later(
-                    self._stream_grace, self._on_stream_lost, job, agent.agent_id, self._stream_grace
+                    grace, self._on_stream_lost, job, agent.agent_id, grace
                 )
         self._jobs[row.job_id] = job
         self._arm(job)
@@ -435,6 +442,12 @@ class Controller:
             self._check_agent_quota(job)
         fresh = AgentInfo(who.key, who.role, who.node_rank, who.rank_ids, None, self._clock())
         job.had_spares |= who.role == SPARE_ROLE
+        if who.role == SPARE_ROLE:
+            # A lost node's place that waits for a spare is offered this one (once it is registered).
+            for waiting in job.machine.awaiting_spare():
+                asyncio.get_running_loop().call_soon(
+                    self.node_lost, job.job_id, waiting, "a spare registered"
+                )
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
             fresh.role,
             fresh.node_rank,
@@ -1118,11 +1131,20 @@ class Controller:
             now = self._clock()
             for job in list(self._jobs.values()):
                 state = job.machine.state
-                in_cycle = state in (State.WAIT_STOP, State.WAIT_STRATEGIES, State.WAIT_STATUS)
-                if state in _TERMINAL or not (self._spare_ready(job) or (in_cycle and job.had_spares)):
+                if state in _TERMINAL:
                     continue
-                timeout = job.machine.policy.node_lost_timeout
+                policy = job.machine.policy
+                waiting = job.machine.awaiting_spare()
+                for agent_id, since in waiting.items():
+                    if now - since >= policy.spare_wait:
+                        self.node_lost(job.job_id, agent_id, f"no spare came within {policy.spare_wait:g}s")
+                in_cycle = state in (State.WAIT_STOP, State.WAIT_STRATEGIES, State.WAIT_STATUS)
+                if not (self._spare_ready(job) or (in_cycle and job.had_spares)):
+                    continue
+                timeout = policy.node_lost_timeout
                 for agent in list(job.agents.values()):
+                    if agent.agent_id in waiting:
+                        continue
                     silent = now - agent.last_seen
                     if is_node(agent) and agent.exit_code is None and silent > timeout:
                         self.node_lost(job.job_id, agent.agent_id, f"no HealthCheck for {silent:.1f}s")

@@ -22,11 +22,18 @@ NEVER = 3600.0
 def start() -> Iterator[Callable[..., EmbeddedController]]:
     started: list[EmbeddedController] = []
 
-    def make(node_lost_timeout: float = 5.0) -> EmbeddedController:
+    def make(node_lost_timeout: float = 5.0, spare_wait: float = 0.0) -> EmbeddedController:
         policy = dataclasses.replace(
-            TEST_POLICY, report_timeout=NEVER, expected_agents=2, node_lost_timeout=node_lost_timeout
+            TEST_POLICY,
+            report_timeout=NEVER,
+            expected_agents=2,
+            node_lost_timeout=node_lost_timeout,
+            spare_wait=spare_wait,
         )
-        ctl = EmbeddedController(defaults=policy, keepalive_interval=0.5, stream_grace=NEVER)
+        # Streams closed with no spare ready count as lost after this grace (0.5 s with one).
+        ctl = EmbeddedController(
+            defaults=policy, keepalive_interval=0.5, stream_grace=1.0 if spare_wait else NEVER
+        )
         started.append(ctl)
         return ctl
 
@@ -191,3 +198,34 @@ def test_a_node_lost_while_the_job_waits_for_the_strategy_result_is_replaced_int
     promoted(spare).expect("changeStrategy", changeStrategy="recover")
     assert a.status(Code.OK, "recover").code == Code.OK and spare.status(Code.OK, "recover").code == Code.OK
     wait_until(lambda: a.job().state == "idle", "the cycle to succeed with the spare", WAIT)
+
+
+def test_a_lost_node_waits_for_a_spare_up_to_the_bound_and_one_that_registers_takes_its_place(
+    start, make_agent
+) -> None:
+    ctl = start(spare_wait=30.0)
+    a = make_agent(ctl.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+    b = make_agent(ctl.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
+    assert a.fault({0: 1}).code == Code.OK
+    a.expect("stopTrain")
+    b.cut()  # no spare yet: after the stream grace, the node's place waits for one
+    wait_until(lambda: "node waits for a spare" in kinds(a), "node 1 to wait for a spare", WAIT)
+    spare = make_agent(ctl.address, JOB, agent_id="spare-x", role=SPARE_ROLE)
+    assert spare.stub.Init(spare.info, timeout=WAIT).code == 0
+    assert spare.stub.Register(spare.info, timeout=WAIT).code == 0
+    promoted(spare).expect("stopTrain")
+    assert "node replaced" in kinds(a)
+
+
+def test_past_the_bound_with_no_spare_the_job_ends_naming_the_node(start, make_agent) -> None:
+    ctl = start(spare_wait=1.0)
+    a = make_agent(ctl.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+    b = make_agent(ctl.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
+    assert a.fault({0: 1}).code == Code.OK
+    a.expect("stopTrain")
+    assert a.stopped().code == Code.OK
+    b.cut()
+    kill = next(s for s in iter(lambda: a.next_signal(), None) if s.signalType == "killMaster")
+    assert "node-1" in kill.extraParams
+    given_up = [e.detail for e in a.job(events=200).events if e.kind == "node given up"]
+    assert given_up and "no spare came within 1s" in given_up[0]
