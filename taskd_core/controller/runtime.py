@@ -119,6 +119,10 @@ _TERMINAL = (State.FINISHED, State.GIVEN_UP)
 #: Seconds a node's closed signal stream may take to come back while a spare stands by: a
 #: client re-subscribes within its first backoff step, a machine that died does not at all.
 STREAM_CLOSED_GRACE = 0.5
+#: Seconds a node loaded from the state (a new leader took over) has to subscribe while a spare
+#: stands by: its agent retries a standby at most a second apart (``FOLLOW_CAP``) and follows the
+#: leader it names at once; one lost with the previous leader never comes.
+TAKEOVER_GRACE = 2.0
 #: How often the runtime looks for nodes whose HealthChecks stopped (a hung or cut-off machine).
 NODE_WATCH_INTERVAL = 0.25
 _ANONYMOUS = Caller()
@@ -336,15 +340,18 @@ class Controller:
         self._agent_count += len(job.agents)
         self._index(job)
         # Agents get a full grace period to come back before their job counts as abandoned.
-        loop = asyncio.get_running_loop()
         for agent in job.agents.values():
             agent.last_seen = max(agent.last_seen, self._clock())
+        # Their streams were with the controller before this one (or none): one that does not
+        # subscribe here within the grace is lost as if its stream had ended here, the way a node
+        # lost together with the previous leader would otherwise be waited for forever. With a
+        # spare standing by, a surviving agent follows the new leader within a second or two.
+        grace = min(self._stream_grace, TAKEOVER_GRACE) if self._spare_ready(job) else self._stream_grace
+        loop = asyncio.get_running_loop()
+        for agent in job.agents.values():
             if agent.exit_code is None:
-                # Its stream was with the controller before this one (or none): one that does not
-                # subscribe here within the grace is lost as if its stream had ended here, the way a
-                # node lost together with the previous leader would otherwise be waited for forever.
                 job.lost[agent.agent_id] = loop.call_later(
-                    self._stream_grace, self._on_stream_lost, job, agent.agent_id, self._stream_grace
+                    grace, self._on_stream_lost, job, agent.agent_id, grace
                 )
         self._jobs[row.job_id] = job
         self._arm(job)
