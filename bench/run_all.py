@@ -991,6 +991,7 @@ def slowrank_fields(data: dict[str, Any]) -> Rendered:
         "slow_sleep": f"{slowrank_bench.SLOW_SLEEP:g}",
         "healthy_ms": f"{slowrank_bench.HEALTHY_STEP * 1000:.0f}",
         "slow_from": str(slowrank_bench.SLOW_FROM),
+        "replace_from": str(slowrank_bench.REPLACE_FROM),
         "real_ratio": ", ".join(f"{r:.2f}" for r in ratios) or "none",
         "load_start": _loads(data["load_at_start"]),
         "load_end": _loads(data["load_at_end"]),
