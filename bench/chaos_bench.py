@@ -394,6 +394,7 @@ def run(
         root = Path(tmp)
         (root / "worker.py").write_text(WORKER)
         (root / "admin.token").write_text(secrets.token_urlsafe(32))
+        (root / "admin.token").chmod(0o600)  # the controller refuses a token file others may read
         chaos = Chaos(root, children, steps, step_time)
         chaos.out.mkdir()
         (chaos.out / "hold").touch()

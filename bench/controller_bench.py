@@ -223,6 +223,14 @@ def start_controller(workdir: Path, extra: Sequence[str] = ()) -> tuple[subproce
             "120",
             "--max-cycles",
             "1000000",
+            # Every simulated agent is one tokenless host here (127.0.0.1): the bench measures the
+            # controller, not the per-host quotas that would rightly stop this much from one host.
+            "--max-requests-per-second",
+            "1000000",
+            "--max-jobs-per-peer",
+            "1000000",
+            "--max-journal-bytes-per-second",
+            "1000000000",
             "--strategies",
             "recover,exit",
             *extra,

@@ -168,6 +168,7 @@ class Replica:
 
     def start(self) -> Replica:
         (self.root / "admin").write_text(ADMIN)
+        (self.root / "admin").chmod(0o600)  # the controller refuses a token file others may read
         self.proc = self.children.start(
             [
                 PYTHON,

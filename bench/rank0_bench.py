@@ -75,6 +75,8 @@ LAUNCHERS = {
     "torchrun": ("torchrun", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
     "taskdrun": ("taskdrun", {}),
 }
+#: What a launcher's spare logs once it stands by (torchrun's says nothing: it waits in the rendezvous).
+SPARE_READY = {"taskdrun": "standing by as spare"}
 NNODES, NPROC = 2, 2
 WORLD = NNODES * NPROC
 #: How often the progress log is read.
@@ -89,6 +91,10 @@ class Trial:
     step_time: float
     startup_deadline: float
     recovery_deadline: float
+    #: seconds the spare runs before the kill, whichever launcher (and until taskdrun's stands by).
+    spare_settle: float
+    #: the node lost: rank 0's, or (taskdrun) the one whose replica leads.
+    victim: str
 
 
 def start_etcd(children: Children, root: Path) -> str:
@@ -187,12 +193,27 @@ def run_trial(name: str, etcd: str, trial: Trial, work: Path) -> dict[str, Any]:
             lambda: True if read_events(progress) else None, trial.startup_deadline, "the job to start"
         )
         spare = children.start(command, log=work / "spare.log", env=env)
+        spare_started = time.monotonic()
+        ready = SPARE_READY.get(name)
+
+        def spare_settled() -> bool | None:
+            if time.monotonic() - spare_started < trial.spare_settle:
+                return None
+            return True if ready is None or ready in (work / "spare.log").read_text() else None
+
+        poll_until(spare_settled, trial.startup_deadline, "the spare to stand by", interval=0.1)
         poll_until(at_kill_step, trial.startup_deadline, "every rank to reach the kill step", interval=_POLL)
         events = read_events(progress)
         children.adopt(int(e["pid"]) for e in events)
         rank0 = next(int(e["pid"]) for e in events if e["event"] == "start" and e["rank"] == 0)
-        host = next(n for n in nodes if rank0 in descendants(n.pid))
-        last_step = max(e["step"] for e in events if e["event"] == "step")
+        leads = [n for n in range(NNODES) if "this replica (" in (work / f"node{n}.log").read_text()]
+        if trial.victim == "leader" and leads:
+            host = nodes[leads[-1]]
+        else:
+            host = next(n for n in nodes if rank0 in descendants(n.pid))
+        # taskdrun: whether the node lost ran the leading controller replica, and rank 0.
+        victim_led = nodes.index(host) in leads if name == "taskdrun" else None
+        victim_rank0 = rank0 in descendants(host.pid)
         old = {int(e["pid"]) for e in events}
         t_kill = time.time()
         kill_tree(host.pid)
@@ -208,7 +229,10 @@ def run_trial(name: str, etcd: str, trial: Trial, work: Path) -> dict[str, Any]:
                 if e["event"] == "step" and e["rank"] not in stepped:
                     stepped[e["rank"]] = float(e["time"])
             time.sleep(_POLL)
-        seen = {int(e["pid"]) for e in read_events(progress)}
+        final = read_events(progress)
+        # The last step the lost processes completed: some land in the log after the events read above.
+        last_step = max(e["step"] for e in final if e["event"] == "step" and int(e["pid"]) in old)
+        seen = {int(e["pid"]) for e in final}
         children.adopt(seen)
         recovered = len(stepped) == WORLD
         result = {
@@ -216,6 +240,8 @@ def run_trial(name: str, etcd: str, trial: Trial, work: Path) -> dict[str, Any]:
             "recovered": recovered,
             "all_stepped": max(stepped.values()) - t_kill if recovered else None,
             "steps_lost": last_step - min(resumed) if recovered and resumed else None,
+            "victim_led": victim_led,
+            "victim_rank0": victim_rank0,
         }
     # Children stopped every launcher and adopted worker: nothing of the trial may be left.
     result["leftovers"] = sorted(
@@ -261,12 +287,25 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="trials per launcher (default: %(default)s)")
     p.add_argument("--launchers", default="torchrun,taskdrun", help="comma separated (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=4000, help="more than a trial lasts: it is stopped after")
+    p.add_argument(
+        "--spare-settle",
+        type=float,
+        default=20.0,
+        help="seconds the spare runs before the kill, on both launchers (default: %(default)s)",
+    )
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--kill-step", type=int, default=17)
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--startup-deadline", type=float, default=180.0)
     p.add_argument("--recovery-deadline", type=float, default=90.0)
+    p.add_argument(
+        "--victim",
+        choices=("rank0", "leader"),
+        default="rank0",
+        help="the node lost: rank 0's, or on taskdrun the one whose controller replica leads (torchrun: rank "
+        "0's) (default: %(default)s)",
+    )
     p.add_argument("--keep", type=Path, default=None, help="keep the trials' logs here")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--log-level", default="INFO")
@@ -283,6 +322,8 @@ def main() -> int:
         args.step_time,
         args.startup_deadline,
         args.recovery_deadline,
+        args.spare_settle,
+        args.victim,
     )
     root = args.keep or Path(tempfile.mkdtemp(prefix="rank0-bench-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ timings), each as a child process writing JSON:
 12. ``failover_bench.py``: controller replicas on a real etcd: fail-over, etcd against SQLite, 2048 agents, chaos.
 13. ``slowrank_bench.py``: steps until a slow rank is named, false alarms, the cost of measuring work per step.
 14. ``snapshot_bench.py``: memory snapshots of FSDP2 every step against none and ``dcp.async_save`` to disk.
+15. ``nodeloss_bench.py``: a node (not the store's host) SIGKILLed or SIGSTOPped with a spare waiting, against torchrun.
 
 Then writes the Markdown report: the machine, versions, the exact command,
 the targets and each bench's section. The prose is in ``bench/templates/``
@@ -63,6 +64,7 @@ import hang_bench
 import idle_bench
 import metrics_bench
 import mindspore_bench
+import nodeloss_bench
 import recovery_bench
 import security_bench
 import signal_bench
@@ -197,6 +199,13 @@ STEPS = (
         ("--trials", "50", "--job-trials", "3", "--job-steps", "300"),
         ("--trials", "5", "--job-trials", "1", "--job-steps", "60", "--overhead-steps", "20000"),
         900.0,
+    ),
+    Step(
+        "nodeloss",
+        "nodeloss_bench.py",
+        ("--repeats", "3"),
+        ("--repeats", "1"),
+        1800.0,
     ),
     Step(
         "snapshots",
@@ -982,12 +991,51 @@ def slowrank_fields(data: dict[str, Any]) -> Rendered:
         "slow_sleep": f"{slowrank_bench.SLOW_SLEEP:g}",
         "healthy_ms": f"{slowrank_bench.HEALTHY_STEP * 1000:.0f}",
         "slow_from": str(slowrank_bench.SLOW_FROM),
+        "replace_from": str(slowrank_bench.REPLACE_FROM),
         "real_ratio": ", ".join(f"{r:.2f}" for r in ratios) or "none",
         "load_start": _loads(data["load_at_start"]),
         "load_end": _loads(data["load_at_end"]),
         "table": slowrank_bench.report(data),
     }
     return fields, slowrank_bench.verdicts(data)
+
+
+def nodeloss_fields(data: dict[str, Any]) -> Rendered:
+    trial, results = data["trial"], data["results"]
+    repeats = max(len(ts) for by in data["trials"].values() for ts in by.values())
+    fields: dict[str, Value] = {
+        "nproc": str(nodeloss_bench.NPROC),
+        "kill_step": str(trial["kill_step"]),
+        "step_ms": f"{trial['step_time'] * 1000:.0f}",
+        "ckpt_every": str(trial["ckpt_every"]),
+        "deadline": f"{trial['recovery_deadline']:g}",
+        "repeats": str(repeats),
+        "load_start": _loads(data["load_before"]),
+        "load_end": _loads(data["load_after"]),
+        "table": nodeloss_bench.report(results, trial["recovery_deadline"]),
+    }
+    rows = []
+    kill = results.get("kill", {})
+    taskd, peer = kill.get("taskdrun", {}).get("median"), kill.get("torchrun", {}).get("median")
+    if taskd is not None and peer is not None:
+        rows.append(
+            [
+                "node lost, a spare waiting: kill → every rank stepping ≤ 0.1 × torchrun and ≤ 3 s",
+                f"{fmt(taskd)} s, {fmt(ratio(taskd, peer), 3)} × torchrun",
+                _met(taskd <= 3.0 and ratio(taskd, peer) <= 0.1),
+            ]
+        )
+    hung = results.get("hang", {}).get("taskdrun", {})
+    if hung:
+        ok = hung["median"] is not None and hung["recovered"] == hung["trials"] and hung["median"] <= 8.0
+        rows.append(
+            [
+                "hung node (SIGSTOP of its tree), a spare waiting: every rank stepping ≤ 8 s after the stop",
+                f"{fmt(hung['median'])} s median, {hung['recovered']}/{hung['trials']} recovered",
+                _met(ok),
+            ]
+        )
+    return fields, rows
 
 
 def snapshot_fields(data: dict[str, Any]) -> Rendered:
@@ -1064,6 +1112,7 @@ PARTS = (
     Part("failover", "failover", failover_fields),
     Part("slowrank", "slowrank", slowrank_fields),
     Part("snapshots", "snapshots", snapshot_fields),
+    Part("nodeloss", "nodeloss", nodeloss_fields),
 )
 
 

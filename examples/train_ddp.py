@@ -32,7 +32,10 @@ It logs one JSON line per event (``start``, ``resumed``, ``step``, ``dump``,
 resumed and when every rank stepped. Fault injection for tests:
 ``--fail-at-step S --fail-rank R --fail-mode {raise,exit,kill}`` fails once,
 on the first start only (``TASKD_RESTART_COUNT == 0``); ``--hang-at-step S
---hang-rank R`` makes rank R spin in ``spin_forever`` there without a heartbeat.
+--hang-rank R`` makes rank R spin in ``spin_forever`` there without a heartbeat;
+``--hold-at-step S --hold-file F`` makes every rank wait before step S (with
+heartbeats) until F exists, so that a test can line a fault up with the job's
+other launchers however loaded the machine is.
 ``--step-jitter J`` varies step times by up to J times ``--step-time``;
 ``--slow-from S --slow-step-time T`` changes the step time from step S on
 (with ``--slow-rank R`` on rank R alone, on its first life only: a straggler).
@@ -93,6 +96,8 @@ def build_parser(doc: str | None) -> argparse.ArgumentParser:
         "--hang-at-step", type=int, default=None, help="hang once (spin, silent) when this step begins"
     )
     p.add_argument("--hang-rank", type=int, default=0, help="global rank that hangs")
+    p.add_argument("--hold-at-step", type=int, default=None, help="every rank waits before this step ...")
+    p.add_argument("--hold-file", type=Path, default=None, help="... until this file exists")
     p.add_argument("--no-heartbeat", action="store_true", help="do not report progress to the agent")
     p.add_argument(
         "--timer", type=float, default=None, help="arm torch's file timer for S seconds around each step"
@@ -227,6 +232,13 @@ def step_timer(seconds: float | None) -> Callable[[], contextlib.AbstractContext
     return lambda: timer.expires(after=seconds, scope="step")
 
 
+def hold(path: Path) -> None:
+    """Wait until ``path`` exists, alive (heartbeats) but not stepping."""
+    while not path.exists():
+        worker.heartbeat()
+        time.sleep(0.05)
+
+
 def step_pause(args: argparse.Namespace, step: int, rank: int, first_life: bool) -> float:
     """Seconds this step sleeps: a stand-in for compute, the same on every rank and in every run.
 
@@ -291,6 +303,8 @@ def main() -> int:
     reduce = WaitClock(dist.all_reduce)
     try:
         for step in range(done, args.steps):
+            if step == args.hold_at_step and args.hold_file is not None:
+                hold(args.hold_file)
             began, reduce.waited = time.monotonic(), 0.0
             if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
                 inject_fault(args.fail_mode, step)

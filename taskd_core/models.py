@@ -336,6 +336,9 @@ class JobPolicy:
     #: seconds without a HealthCheck after which a node's agent counts as lost (its machine
     #: hangs or is cut off) and a waiting spare takes its place (docs/node-loss.md).
     node_lost_timeout: float = 5.0
+    #: seconds a lost node's place is kept open for a spare to come when none is ready (0: none:
+    #: the node is given up at once); past it the job ends, naming the node.
+    spare_wait: float = 0.0
     #: what a slow rank gets (``taskd_core.controller.slowrank``).
     slow_rank: SlowRankPolicy = SlowRankPolicy.WARN
     #: a rank whose work per step is at least this many times its peers' median is slow...

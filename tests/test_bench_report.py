@@ -43,6 +43,7 @@ HEADINGS = [
     "## 12. Controller replicas on etcd: fail-over, cost against SQLite, many agents, chaos",
     "## 13. Slow ranks: steps until a straggler is named, false alarms, cost of measuring",
     "## 14. Memory snapshots of sharded training: step-time cost, steps lost, copy bandwidth",
+    "## 15. A whole node lost or hung, a spare waiting (c10d)",
 ]
 #: Words that state an outcome; a template may hold them only inside a block a renderer decides.
 OUTCOME_WORDS = re.compile(r"\b(met|missed|faster|slower|yes|NO|exceeded|within noise)\b")

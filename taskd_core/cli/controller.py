@@ -12,6 +12,7 @@ from typing import Any
 from taskd_core.controller.etcd_client import EtcdTls, is_etcd_url, parse_etcd_url
 from taskd_core.controller.policy import load_policies, parse_strategies
 from taskd_core.controller.quotas import Quotas
+from taskd_core.controller.runtime import Limits
 from taskd_core.controller.server import ControllerConfig, ControllerServer, listen_address, serve
 from taskd_core.errors import ConfigError
 from taskd_core.rpc.security import ServerTls
@@ -138,6 +139,15 @@ def add_parser(subparsers: Any) -> None:
     sec.add_argument(
         "--admin-token-file", metavar="FILE", default="", help="token that may list and change every job"
     )
+    sec.add_argument(
+        "--abandon-after",
+        type=positive,
+        default=Limits().abandon_after,
+        metavar="S",
+        help="seconds a job whose agents are all silent stays its launch's; only then may a new launch "
+        "with the same token take the id over. Keep it above the agents' --connect-timeout "
+        "(default: %(default)s, the agents' default 60 s plus 30 s)",
+    )
     quota = p.add_argument_group("quotas per job token and per host (see docs/security.md)")
     count = argtype(lambda text: parse_count(text, low=1))
     defaults = Quotas()
@@ -145,6 +155,7 @@ def add_parser(subparsers: Any) -> None:
         ("--max-jobs-per-token", "jobs_per_token", "jobs that have not ended one job token may hold"),
         ("--max-jobs-per-peer", "jobs_per_peer", "jobs that have not ended one host may have claimed"),
         ("--max-agents-per-token", "agents_per_token", "agents the jobs of one token may register"),
+        ("--max-agents-per-peer", "agents_per_peer", "agents the jobs one host claimed may register"),
         ("--max-agents", "agents", "agents of all jobs together"),
         (
             "--max-requests-per-second",
@@ -235,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         etcd_tls=etcd_tls(args),
         replace_policy=args.replace_policy,
         state_timeout=args.etcd_timeout,
+        limits=Limits(abandon_after=args.abandon_after),
         quotas=Quotas(**{f.name: getattr(args, f"quota_{f.name}") for f in dataclasses.fields(Quotas)}),
     )
 

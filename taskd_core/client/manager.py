@@ -474,11 +474,20 @@ class DLRecoverManager:
         return kill
 
     def health_check(self) -> None:
-        """One HealthCheck: the controller hears from this client (raises ``grpc.RpcError``)."""
+        """One HealthCheck: the controller hears from this client (raises ``grpc.RpcError``).
+
+        A failed one moves the client on to another replica (or the leader a standby named), so
+        that the next one, and every other call, goes there.
+        """
         info = self.client_info()
         if self._health_note is not None:
             info.progress = self._health_note()
-        self._endpoints.pick()[1].HealthCheck(info, timeout=self._rpc_timeout)
+        address, stub = self._endpoints.pick()
+        try:
+            stub.HealthCheck(info, timeout=self._rpc_timeout)
+        except grpc.RpcError as exc:
+            self._endpoints.failed(exc, address)
+            raise
 
     def _health_loop(self) -> None:
         healthy = True
@@ -493,7 +502,6 @@ class DLRecoverManager:
                 if healthy:
                     logger.warning("controller %s health check failed: %s", address, exc.code())
                 healthy = False
-                self._endpoints.failed(exc, address)
 
     # --- reports ------------------------------------------------------------------
 

@@ -283,6 +283,8 @@ class JobMachine:
         #: members whose stream ended for good during the cycle in flight. Not persisted: after a
         #: controller restart every agent gets the grace again, and one still gone is lost again.
         self._lost: set[str] = set()
+        #: lost nodes whose place waits for a spare, and since when (not persisted either).
+        self._awaiting: dict[str, float] = {}
 
     @property
     def state(self) -> State:
@@ -734,10 +736,19 @@ class JobMachine:
         """
         s = self.snap
         lost = self.agents.get(event.agent)
+        if event.agent in self._lost:
+            return Reply()  # given up in this cycle already
         self._journal(fx, "agent lost", agent=event.agent, why=event.why)
         if lost is None or not is_node(lost) or lost.exit_code is not None:
             return Reply()
-        decision = decide_node_loss(event.agent, self.agents, fx.now, self.policy)
+        since = self._awaiting.get(event.agent, fx.now)
+        decision = decide_node_loss(event.agent, self.agents, fx.now, self.policy, fx.now - since)
+        if decision.kind is NodeLossKind.WAIT:
+            if event.agent not in self._awaiting:
+                self._awaiting[event.agent] = fx.now
+                self._journal(fx, "node waits for a spare", agent=event.agent, reason=decision.reason)
+            return Reply()
+        self._awaiting.pop(event.agent, None)
         if decision.kind is NodeLossKind.REPLACE:
             self._replace(event.agent, decision.spare, fx)
             ranks = [FaultRank(rank, FaultType.NORMAL) for rank in lost.rank_ids]
@@ -754,6 +765,10 @@ class JobMachine:
             self._lost.add(event.agent)
             self._settle_gone(event.agent, fx)
         return Reply()
+
+    def awaiting_spare(self) -> dict[str, float]:
+        """Lost nodes whose place waits for a spare, and since when (the runtime offers them new spares)."""
+        return dict(self._awaiting)
 
     def _replace(self, lost: str, spare: str, fx: _Effects) -> None:
         """``spare`` takes node ``lost``'s node rank, ranks and seat in the cycle in flight."""

@@ -11,8 +11,11 @@ that says what happens to the job:
   its node rank and ranks, its seat in the recovery cycle; the lost agent is
   *fenced* (:attr:`AgentInfo.replaced_by`): the controller refuses what it
   sends from then on, with :attr:`~taskd_core.models.Code.NODE_REPLACED`;
-* ``GIVE_UP``: no spare is ready; the cycle goes on without the node, whose
-  absence leaves only dump or exit (the machine's ``departed`` rule).
+* ``WAIT``: no spare is ready, and the policy's ``spare_wait`` keeps the
+  node's place open that long: a spare that registers meanwhile takes it;
+* ``GIVE_UP``: no spare is ready (nor came in time); the cycle goes on without
+  the node, whose absence leaves only dump or exit (the machine's ``departed``
+  rule): the job ends, naming the node.
 
 Everything that replaces a node goes through this decision and
 :meth:`~taskd_core.controller.machine.JobMachine.handle` of an
@@ -39,6 +42,7 @@ class NodeLossKind(str, enum.Enum):
     """What the controller does about a lost node."""
 
     REPLACE = "replace"
+    WAIT = "wait"
     GIVE_UP = "give-up"
 
 
@@ -70,14 +74,25 @@ def ready_spares(agents: Mapping[str, AgentInfo], now: float, fresh: float) -> l
 
 
 def decide_node_loss(
-    lost: str, agents: Mapping[str, AgentInfo], now: float, policy: JobPolicy
+    lost: str, agents: Mapping[str, AgentInfo], now: float, policy: JobPolicy, waited: float = 0.0
 ) -> NodeLossDecision:
-    """Node ``lost`` is gone: replace it by a ready spare, or give the node up.
+    """Node ``lost`` is gone: replace it by a ready spare, wait for one, or give the node up.
 
     A spare counts as ready when it was heard from within the policy's
     ``node_lost_timeout`` (a spare sends a HealthCheck every second).
+    ``waited``: seconds the node's place has waited for a spare already.
     """
     spares = ready_spares(agents, now, policy.node_lost_timeout)
     if spares:
         return NodeLossDecision(NodeLossKind.REPLACE, lost, spares[0], "a spare stands by")
+    if waited < policy.spare_wait:
+        return NodeLossDecision(
+            NodeLossKind.WAIT,
+            lost,
+            reason=f"no spare stands by: waiting up to {policy.spare_wait:g}s for one",
+        )
+    if policy.spare_wait > 0:
+        return NodeLossDecision(
+            NodeLossKind.GIVE_UP, lost, reason=f"no spare came within {policy.spare_wait:g}s"
+        )
     return NodeLossDecision(NodeLossKind.GIVE_UP, lost, reason="no spare stands by")

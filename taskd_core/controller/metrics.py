@@ -135,8 +135,8 @@ class ControllerMetrics:
         )
         self.slow_ranks = Counter(
             "taskd_slow_ranks_found",
-            "Ranks found slower than their peers (slow-rank events), by the job's policy (warn, replace)",
-            ["policy"],
+            "Ranks found slower than their peers (slow-rank events), by what was done (warn, replace)",
+            ["action"],
             registry=r,
         )
         self.journal_written = Counter(
@@ -258,7 +258,7 @@ class ControllerMetrics:
                 self._cycle_lost[job] = lost
 
     def _on_slow_rank(self, job: str, detail: Any, now: float) -> None:
-        self._child(self.slow_ranks, str(detail.get("policy", ""))).inc(len(detail.get("ranks", ())))
+        self._child(self.slow_ranks, str(detail.get("action", ""))).inc(len(detail.get("ranks", ())))
 
     def _on_finished(self, job: str, detail: Any, now: float) -> None:
         self._forget(job)

@@ -11,7 +11,7 @@ per job that differs::
     max_cycles = 3            # recovery cycles a job may use within cycle_window before it is given up
     cycle_window = 3600       # seconds over which max_cycles counts; 0: the job's whole life
     expected_agents = 0       # 0: whoever registered
-    slow_rank = "warn"        # a rank slower than its peers: "warn" (journal, metric, status) or "replace"
+    slow_rank = "warn"        # "warn" (journal, metric, status) or "replace" (a spare takes its node)
     slow_rank_bound = 1.6     # its work per step over its peers' median that makes it slow...
     slow_rank_window = 20     # ...over this many steps (held for three tenths of them)
 
@@ -50,6 +50,7 @@ _FILE_KEYS = {
     "cycle_window": "cycle_window",
     "expected_agents": "expected_agents",
     "node_lost_timeout": "node_lost_timeout",
+    "spare_wait": "spare_wait",
     "slow_rank": "slow_rank",
     "slow_rank_bound": "slow_rank_bound",
     "slow_rank_window": "slow_rank_window",
@@ -120,7 +121,7 @@ def updated_policy(
             clean[name] = value
         elif name in ("report_timeout", "node_lost_timeout"):
             clean[name] = _number(key, value, minimum=0, integer=False, exclusive=True)
-        elif name in ("flush_seconds", "cycle_window"):
+        elif name in ("flush_seconds", "cycle_window", "spare_wait"):
             clean[name] = _number(key, value, minimum=0, integer=False)
         elif name in ("max_cycles", "expected_agents"):
             clean[name] = int(_number(key, value, minimum=0, integer=True))
@@ -146,12 +147,6 @@ def parse_slow_rank(value: object, key: str = "slow_rank") -> SlowRankPolicy:
     except ValueError:
         known = ", ".join(repr(p.value) for p in SlowRankPolicy)
         raise ConfigError(f"{key}: expected one of {known}, got {value!r}") from None
-    if policy is SlowRankPolicy.REPLACE:
-        # Replacing needs a waiting hot spare and the lost-node path to drain onto it.
-        raise ConfigError(
-            f'{key}: "replace" needs hot spares, which this controller cannot use yet; '
-            'use "warn" (the slow rank is journalled, counted and shown in taskd status)'
-        )
     return policy
 
 
@@ -177,6 +172,7 @@ def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
         "cycle_window": policy.cycle_window,
         "expected_agents": policy.expected_agents,
         "node_lost_timeout": policy.node_lost_timeout,
+        "spare_wait": policy.spare_wait,
         "slow_rank": policy.slow_rank.value,
         "slow_rank_bound": policy.slow_rank_bound,
         "slow_rank_window": policy.slow_rank_window,

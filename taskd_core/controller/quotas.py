@@ -37,17 +37,19 @@ class Quotas:
     jobs_per_peer: int = 1024
     #: agents the jobs of one token may register (``--max-agents-per-token``).
     agents_per_token: int = 16_384
+    #: agents the jobs one host claimed may register (``--max-agents-per-peer``).
+    agents_per_peer: int = 32_768
     #: agents of every job together (``--max-agents``).
     agents: int = 65_536
     #: requests a second one tenant may send on average (``--max-requests-per-second``);
     #: bursts of ten times as many pass.
     requests_per_second: float = 500.0
-    #: journal bytes a second one token's jobs may write on average (``--max-journal-bytes-per-second``);
-    #: bursts of 64 times as many pass.
+    #: journal bytes a second one token's jobs (a host's, for jobs without a token) may write on
+    #: average (``--max-journal-bytes-per-second``); bursts of 64 times as many pass.
     journal_bytes_per_second: float = 1024.0 * 1024.0
 
     def __post_init__(self) -> None:
-        for name in ("jobs_per_token", "jobs_per_peer", "agents_per_token", "agents"):
+        for name in ("jobs_per_token", "jobs_per_peer", "agents_per_token", "agents_per_peer", "agents"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"quota {name} must be at least 1, not {getattr(self, name)}")
         if not (self.requests_per_second > 0 and self.journal_bytes_per_second > 0):
@@ -122,7 +124,7 @@ class RateLimits:
     def admit(self, tenant: str, what: str, now: float, *, journals: bool) -> None:
         """Take one request of ``tenant`` (a token digest or ``peer:HOST``), described as ``what``.
 
-        :raises QuotaExceededError: its requests, or (``journals``: a token's) journal bytes, are used up.
+        :raises QuotaExceededError: its requests, or (``journals``) its journal bytes, are used up.
         """
         if journals and self._journal.get(tenant, now).refill(now) < 0:
             raise QuotaExceededError(
@@ -137,6 +139,6 @@ class RateLimits:
                 limit="--max-requests-per-second",
             )
 
-    def journalled(self, token: str, size: int, now: float) -> None:
-        """A token's job wrote ``size`` journal bytes."""
-        self._journal.get(token, now).charge(now, size)
+    def journalled(self, tenant: str, size: int, now: float) -> None:
+        """A job of ``tenant`` wrote ``size`` journal bytes."""
+        self._journal.get(tenant, now).charge(now, size)

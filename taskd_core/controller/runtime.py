@@ -59,7 +59,8 @@ from taskd_core.controller.machine import (
 from taskd_core.controller.membership import is_node, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
-from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector
+from taskd_core.controller.slowrank import SlowRankAction, SlowRankConfig, SlowRankDetector, SlowRankFound
+from taskd_core.controller.slowrank import decide as decide_slow_rank
 from taskd_core.controller.store import (
     Commit,
     DropAgents,
@@ -83,6 +84,7 @@ from taskd_core.errors import (
 )
 from taskd_core.models import (
     CONNECT_TIMEOUT,
+    SPARE_ROLE,
     AgentStatus,
     Code,
     FaultRank,
@@ -93,6 +95,7 @@ from taskd_core.models import (
     RankWork,
     Signal,
     SignalType,
+    SlowRankPolicy,
     Strategy,
     WorkerEvent,
 )
@@ -116,6 +119,10 @@ _TERMINAL = (State.FINISHED, State.GIVEN_UP)
 #: Seconds a node's closed signal stream may take to come back while a spare stands by: a
 #: client re-subscribes within its first backoff step, a machine that died does not at all.
 STREAM_CLOSED_GRACE = 0.5
+#: Seconds a node loaded from the state (a new leader took over) has to subscribe while a spare
+#: stands by: its agent retries a standby at most a second apart (``FOLLOW_CAP``) and follows the
+#: leader it names at once; one lost with the previous leader never comes.
+TAKEOVER_GRACE = 2.0
 #: How often the runtime looks for nodes whose HealthChecks stopped (a hung or cut-off machine).
 NODE_WATCH_INTERVAL = 0.25
 _ANONYMOUS = Caller()
@@ -225,9 +232,12 @@ class _Job:
         "inited",
         "lost",
         "machine",
+        "had_spares",
         "peer",
         "sent",
         "slow",
+        "slow_replaced",
+        "slow_waiting",
         "subscribers",
         "timer",
         "timer_step",
@@ -235,6 +245,8 @@ class _Job:
 
     def __init__(self, job_id: str, policy: JobPolicy, snapshot: Snapshot | None = None) -> None:
         self.agents: dict[str, AgentInfo] = {}
+        #: a spare registered for this job once: silent nodes are watched during its cycles too.
+        self.had_spares = False
         #: who registered the job; None until its first Init (a job SetJobPolicy created).
         self.claim: Claim | None = None
         #: the host whose Init claimed the job ("" when unknown: restored, or created by SetJobPolicy).
@@ -245,6 +257,10 @@ class _Job:
         self.subscribers: dict[str, Subscriber] = {}
         #: the job's slow-rank detection, from its ranks' work per step (not persisted: it re-learns).
         self.slow = SlowRankDetector(slow_rank_config(policy))
+        #: ranks whose node was replaced for slowness: slow again, they are reported, not bounced.
+        self.slow_replaced: set[int] = set()
+        #: slow ranks the replace policy left for now (no spare ready, a recovery in flight), by rank.
+        self.slow_waiting: dict[int, SlowRankFound] = {}
         self.timer: asyncio.TimerHandle | None = None
         self.timer_step = -1
         #: agents whose stream ended: when each counts as lost for good unless it subscribes again.
@@ -324,15 +340,18 @@ class Controller:
         self._agent_count += len(job.agents)
         self._index(job)
         # Agents get a full grace period to come back before their job counts as abandoned.
-        loop = asyncio.get_running_loop()
         for agent in job.agents.values():
             agent.last_seen = max(agent.last_seen, self._clock())
+        # Their streams were with the controller before this one (or none): one that does not
+        # subscribe here within the grace is lost as if its stream had ended here, the way a node
+        # lost together with the previous leader would otherwise be waited for forever. With a
+        # spare standing by, a surviving agent follows the new leader within a second or two.
+        grace = min(self._stream_grace, TAKEOVER_GRACE) if self._spare_ready(job) else self._stream_grace
+        loop = asyncio.get_running_loop()
+        for agent in job.agents.values():
             if agent.exit_code is None:
-                # Its stream was with the controller before this one (or none): one that does not
-                # subscribe here within the grace is lost as if its stream had ended here, the way a
-                # node lost together with the previous leader would otherwise be waited for forever.
                 job.lost[agent.agent_id] = loop.call_later(
-                    self._stream_grace, self._on_stream_lost, job, agent.agent_id, self._stream_grace
+                    grace, self._on_stream_lost, job, agent.agent_id, grace
                 )
         self._jobs[row.job_id] = job
         self._arm(job)
@@ -422,6 +441,13 @@ class Controller:
         if agent is None:
             self._check_agent_quota(job)
         fresh = AgentInfo(who.key, who.role, who.node_rank, who.rank_ids, None, self._clock())
+        job.had_spares |= who.role == SPARE_ROLE
+        if who.role == SPARE_ROLE:
+            # A lost node's place that waits for a spare is offered this one (once it is registered).
+            for waiting in job.machine.awaiting_spare():
+                asyncio.get_running_loop().call_soon(
+                    self.node_lost, job.job_id, waiting, "a spare registered"
+                )
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
             fresh.role,
             fresh.node_rank,
@@ -576,21 +602,13 @@ class Controller:
         agent = self._attribute(job, agent_id)
         cycle = job.machine.snap.cycle
         entries = [JournalEntry(f"worker {e.kind.value}", cycle, worker_detail(agent, e)) for e in events]
-        for found in job.slow.feed(work, self._clock()):
-            logger.warning(
-                "job %s: rank %s is slow: %.1f ms of work per step, %.2fx its peers' median (%.1f ms) "
-                "since step %s",
-                job.job_id,
-                found.rank,
-                found.work * 1000,
-                found.ratio,
-                found.peer_median * 1000,
-                found.since_step,
-            )
-            detail = {"agent": agent, "policy": job.machine.policy.slow_rank.value, **found.detail()}
-            entries.append(JournalEntry("slow-rank", cycle, detail))
+        found_now = job.slow.feed(work, self._clock())
+        drains = self._slow_ranks(job, agent, found_now, entries)
         if entries:
             await self._save(job, entries)
+        for node, why in drains:
+            # The lost-node path: a spare takes the node's place and the node is fenced for good.
+            self.node_lost(job.job_id, node, why)
         return Reply(Code.OK, f"jobId={job_id}: {len(entries)} worker event(s) journalled")
 
     async def events_after(
@@ -732,7 +750,14 @@ class Controller:
         elif digest and self._access.is_admin(caller):
             self._rates.admit(digest, "the admin token", now, journals=False)
         else:
-            self._rates.admit(f"peer:{caller.peer}", f"host {caller.peer or '?'}", now, journals=False)
+            self._rates.admit(f"peer:{caller.peer}", f"host {caller.peer or '?'}", now, journals=True)
+
+    @staticmethod
+    def _tenant(job: _Job) -> str:
+        """Who pays for a job's journal: its token, else (a legacy job) the host that claimed it."""
+        if job.claim is not None and job.claim.token_digest:
+            return job.claim.token_digest
+        return f"peer:{job.peer}" if job.peer else ""
 
     def _index(self, job: _Job) -> None:
         if job.claim is not None and job.claim.token_digest:
@@ -778,13 +803,15 @@ class Controller:
                 limit="--max-agents",
             )
         digest = job.claim.token_digest if job.claim is not None else ""
-        if digest:
-            held = sum(len(self._jobs[j].agents) for j in self._by_token.get(digest, ()))
-            if held >= quotas.agents_per_token:
+        for index, key, most, whose, flag in (
+            (self._by_token, digest, quotas.agents_per_token, "this token", "--max-agents-per-token"),
+            (self._by_peer, job.peer, quotas.agents_per_peer, f"host {job.peer}", "--max-agents-per-peer"),
+        ):
+            if key and sum(len(self._jobs[j].agents) for j in index.get(key, ())) >= most:
                 raise QuotaExceededError(
-                    f"jobId={job.job_id}: the jobs of this token already have {quotas.agents_per_token} "
-                    "agents, the most one token may register (the controller's --max-agents-per-token)",
-                    limit="--max-agents-per-token",
+                    f"jobId={job.job_id}: the jobs {whose} claimed already have {most} agents, the most "
+                    f"it may register (the controller's {flag})",
+                    limit=flag,
                 )
 
     def _live(self, job: _Job) -> bool:
@@ -924,9 +951,10 @@ class Controller:
         )
         entries = tuple(journal)
         now = self._clock()
-        if charge and job.claim is not None and job.claim.token_digest and entries:
+        tenant = self._tenant(job)
+        if charge and tenant and entries:
             size = sum(len(e.kind) + len(journal_detail(e)) for e in entries)
-            self._rates.journalled(job.claim.token_digest, size, now)
+            self._rates.journalled(tenant, size, now)
         # Agents are live objects: the write keeps copies.
         written = asyncio.ensure_future(
             self._store.write(Commit(row, entries, tuple(replace(a) for a in agents), now))
@@ -1010,6 +1038,70 @@ class Controller:
             sub.close()
         self._spawn(self._apply(job, AgentLost(agent_id, why)))
 
+    def _slow_ranks(
+        self, job: _Job, agent: str, found: Sequence[SlowRankFound], entries: list[JournalEntry]
+    ) -> list[tuple[str, str]]:
+        """Journal the ranks just found slow, with what the policy does; the nodes to drain, and why.
+
+        A rank left slow for want of a spare (or during a recovery) is looked at
+        again with every report, and replaced once a spare is ready.
+        """
+        current = {s.rank: s.pid for s in job.slow.slow()}
+        waiting = [f for r, f in job.slow_waiting.items() if current.get(r) == f.pid]
+        job.slow_waiting = {}
+        drains = []
+        for each in [*waiting, *found]:
+            act = self._slow_rank_action(job, each.rank)
+            if each in waiting and act.action is SlowRankPolicy.WARN:
+                job.slow_waiting[each.rank] = each  # still no spare: nothing new to journal
+                continue
+            logger.warning(
+                "job %s: rank %s is slow: %.1f ms of work per step, %.2fx its peers' median (%.1f ms) "
+                "since step %s; %s: %s",
+                job.job_id,
+                each.rank,
+                each.work * 1000,
+                each.ratio,
+                each.peer_median * 1000,
+                each.since_step,
+                act.action.value,
+                act.reason,
+            )
+            detail = {
+                "agent": agent,
+                "policy": job.machine.policy.slow_rank.value,
+                "action": act.action.value,
+                "reason": act.reason,
+                **each.detail(),
+            }
+            if act.node:
+                detail["node"] = act.node
+                job.slow_replaced.add(each.rank)
+                drains.append((act.node, f"rank {each.rank} is {each.ratio:.2f}x slower than its peers"))
+            elif act.transient:
+                job.slow_waiting[each.rank] = each
+            entries.append(JournalEntry("slow-rank", job.machine.snap.cycle, detail))
+        return drains
+
+    def _slow_rank_action(self, job: _Job, rank: int) -> SlowRankAction:
+        """What the job's policy does about slow ``rank`` (see :func:`~.slowrank.decide`)."""
+        node = next(
+            (
+                a.agent_id
+                for a in job.agents.values()
+                if is_node(a) and a.exit_code is None and rank in a.rank_ids
+            ),
+            None,
+        )
+        return decide_slow_rank(
+            job.machine.policy.slow_rank,
+            rank,
+            node,
+            replaced_before=rank in job.slow_replaced,
+            spare=self._spare_ready(job),
+            idle=job.machine.state is State.IDLE,
+        )
+
     def _spare_ready(self, job: _Job) -> bool:
         return bool(ready_spares(job.agents, self._clock(), job.machine.policy.node_lost_timeout))
 
@@ -1027,18 +1119,32 @@ class Controller:
     async def _watch_nodes(self) -> None:
         """Declare lost the nodes whose HealthChecks stopped for the policy's ``node_lost_timeout``.
 
-        Only while a spare stands by, which is what such a node is replaced by;
-        without one, a node that comes back still rejoins its job. Runs until
-        close() cancels it.
+        While a spare stands by, which is what such a node is replaced by; and
+        during a recovery cycle of a job that had spares (a promoted spare that
+        died while it started, a second node lost with no spare left): the cycle
+        then ends at once with the reason instead of waiting out its report
+        timeout. Otherwise a node that comes back still rejoins its job. Runs
+        until close() cancels it.
         """
         while True:
             await asyncio.sleep(NODE_WATCH_INTERVAL)
             now = self._clock()
             for job in list(self._jobs.values()):
-                if job.machine.state in _TERMINAL or not self._spare_ready(job):
+                state = job.machine.state
+                if state in _TERMINAL:
                     continue
-                timeout = job.machine.policy.node_lost_timeout
+                policy = job.machine.policy
+                waiting = job.machine.awaiting_spare()
+                for agent_id, since in waiting.items():
+                    if now - since >= policy.spare_wait:
+                        self.node_lost(job.job_id, agent_id, f"no spare came within {policy.spare_wait:g}s")
+                in_cycle = state in (State.WAIT_STOP, State.WAIT_STRATEGIES, State.WAIT_STATUS)
+                if not (self._spare_ready(job) or (in_cycle and job.had_spares)):
+                    continue
+                timeout = policy.node_lost_timeout
                 for agent in list(job.agents.values()):
+                    if agent.agent_id in waiting:
+                        continue
                     silent = now - agent.last_seen
                     if is_node(agent) and agent.exit_code is None and silent > timeout:
                         self.node_lost(job.job_id, agent.agent_id, f"no HealthCheck for {silent:.1f}s")

@@ -17,6 +17,11 @@ active rank has completed compares each rank with its peers:
   slow until its ratio has stayed below the bound for a whole window; if it
   gets slow again, it is found again.
 
+What the job then does about a slow rank is :func:`decide`: journal it
+(``warn``), or, with the policy ``replace``, drain its node onto a waiting
+hot spare through the lost-node path (``Controller.node_lost``), once per
+rank: a rank slow again on its replacement is reported, not bounced.
+
 A job-wide slowdown raises every level alike and no ratio; steps whose time
 varies (the same on every rank, or independently per rank) move the medians
 little. A rank's figures start afresh with a new process (its replacement).
@@ -29,7 +34,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from taskd_core.models import RankWork, SlowRankStatus
+from taskd_core.models import RankWork, SlowRankPolicy, SlowRankStatus
 
 #: Work levels below this many seconds count as this much: ratios of microseconds are noise.
 WORK_FLOOR = 0.001
@@ -91,6 +96,41 @@ class SlowRankFound:
             "bound": self.bound,
             "window": self.window,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class SlowRankAction:
+    """What the job does about one slow rank: ``replace`` its node (by a spare) or ``warn`` only, and why."""
+
+    action: SlowRankPolicy
+    reason: str
+    #: the node (agent) to drain onto a spare (``replace`` only).
+    node: str = ""
+    #: ``warn`` for now only: the rank is replaced once a spare is ready and no recovery runs.
+    transient: bool = False
+
+
+def decide(
+    policy: SlowRankPolicy, rank: int, node: str | None, *, replaced_before: bool, spare: bool, idle: bool
+) -> SlowRankAction:
+    """The action for slow ``rank`` running on ``node`` (None: no node of the job says it runs it).
+
+    :param replaced_before: the rank's node was already replaced once for slowness in this job.
+    :param spare: a hot spare stands by, ready.
+    :param idle: no recovery cycle is in flight (a drain now would disturb it).
+    """
+    warn = SlowRankPolicy.WARN
+    if policy is SlowRankPolicy.WARN:
+        return SlowRankAction(warn, "the job's slow_rank policy is warn")
+    if replaced_before:
+        return SlowRankAction(warn, f"rank {rank}'s node was replaced once already: reported, not bounced")
+    if node is None:
+        return SlowRankAction(warn, f"no node of the job says it runs rank {rank}")
+    if not spare:
+        return SlowRankAction(warn, "no hot spare stands by (yet)", transient=True)
+    if not idle:
+        return SlowRankAction(warn, "a recovery is in flight", transient=True)
+    return SlowRankAction(SlowRankPolicy.REPLACE, f"node {node} is drained onto a spare", node)
 
 
 @dataclass(slots=True)

@@ -307,6 +307,13 @@ OPTIONS: tuple[Option, ...] = (
         (JobPolicy, "node_lost_timeout"),
     ),
     Option(
+        "spare-wait",
+        parse_seconds,
+        "seconds a lost node's place waits for a spare when none stands by (0: the node is given up at once)",
+        _POLICY,
+        (JobPolicy, "spare_wait"),
+    ),
+    Option(
         "flush-seconds",
         parse_seconds,
         "window in which the embedded controller collects faults that arrive together",

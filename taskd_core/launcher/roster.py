@@ -33,8 +33,9 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from taskd_core.authstream import sign, stream_key, verify
-from taskd_core.controller.etcd_client import EtcdClient, EtcdTarget, delete, prefix_end, put
-from taskd_core.errors import StateStoreError
+from taskd_core.controller.etcd_client import EtcdClient, EtcdTarget, delete, parse_etcd_url, prefix_end, put
+from taskd_core.errors import ControllerUnavailableError, StateStoreError
+from taskd_core.launcher.settings import NodeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -195,3 +196,24 @@ class Roster:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5.0)
             self._loop.close()
+
+
+def replica_addresses(settings: NodeSettings, timeout: float) -> str:
+    """The job's announced replicas, comma-separated, for a launcher that runs none yet (a spare).
+
+    Waits up to ``timeout`` for at least one.
+
+    :raises ControllerUnavailableError: none announced itself in time.
+    :raises StateStoreError: etcd did not answer.
+    """
+    target = parse_etcd_url(settings.controller_state, settings.etcd_tls)
+    roster = Roster(target, settings.job_id, settings.agent.credentials.token)
+    try:
+        listed = roster.addresses(1, timeout)
+    finally:
+        roster.close()
+    if not listed:
+        raise ControllerUnavailableError(
+            f"{target.url} (no controller replica of the job announced itself)", timeout
+        )
+    return ",".join(listed)

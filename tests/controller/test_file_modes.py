@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from taskd_core.controller.machine import JournalEntry
 from taskd_core.controller.store import Commit, JobRow
@@ -44,3 +50,28 @@ def test_a_state_file_other_users_could_read_is_made_private(tmp_path) -> None:
 
     asyncio.run(open_it())
     assert _mode(state) == 0o600
+
+
+def test_another_user_reads_neither_the_state_nor_its_wal(tmp_path_factory) -> None:
+    """The attack of the campaign: another local user read a job's journal (hang evidence, secrets) from state.db."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv(1) to act as another user")
+    shared = Path(tempfile.mkdtemp(prefix="taskd-modes-", dir="/tmp"))  # a directory every user may enter
+    try:
+        shared.chmod(0o755)
+        state = shared / "state.db"
+
+        async def write() -> None:
+            store = SqliteState(str(state))
+            await store.write(Commit(JobRow("j", True, {}, {}), (JournalEntry("hang", 0, {"stacks": "s3cr3t"}),), now=1.0))
+            for name in ("state.db", "state.db-wal"):
+                other = subprocess.run(
+                    ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "cat", str(shared / name)],
+                    capture_output=True, timeout=30,
+                )
+                assert other.returncode != 0 and b"Permission denied" in other.stderr, (name, other)
+            await store.close()
+
+        asyncio.run(write())
+    finally:
+        shutil.rmtree(shared)

@@ -88,6 +88,15 @@ def test_one_host_may_claim_only_so_many_jobs(controller_factory, make_agent) ->
     assert "--max-jobs-per-peer" in details and "127.0.0.1" in details
 
 
+def test_one_host_may_register_only_so_many_agents(controller_factory, make_agent) -> None:
+    ctl = controller_factory(quotas=Quotas(agents_per_peer=3))
+    for n, agent_id in ((0, "node-0"), (0, "node-1"), (1, "node-0")):
+        make_agent(ctl.address, f"job-{n}", agent_id, credentials=Credentials(token=f"t{n}")).join()
+    late = make_agent(ctl.address, "job-1", "node-1", credentials=Credentials(token="t1"))
+    details = _exhausted(late.stub.Register, late.info)
+    assert "--max-agents-per-peer" in details and "host 127.0.0.1" in details
+
+
 def test_an_embedded_controller_serves_its_own_launch_token_only(controller_factory, make_agent) -> None:
     ctl = controller_factory(job_token="the-launch")
     for creds in (Credentials(), Credentials(token="another")):

@@ -54,7 +54,7 @@ def test_a_rank_slower_than_its_peers_on_another_node_is_journalled_counted_and_
     assert (slow_rank.rank, slow_rank.pid, slow_rank.since_step) == (3, 1003, detail["since_step"])
     assert "slow rank  rank 3 (pid 1003) slow since step" in render(query_status(metered))
     m = scrape(metered.metrics_port)
-    assert m["taskd_slow_ranks_found_total{policy=warn}"] == 1 and m["taskd_slow_ranks{}"] == 1
+    assert m["taskd_slow_ranks_found_total{action=warn}"] == 1 and m["taskd_slow_ranks{}"] == 1
 
 
 def query_status(ctl: EmbeddedController):

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector, SlowRankFound
-from taskd_core.models import RankWork
+from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector, SlowRankFound, decide
+from taskd_core.models import RankWork, SlowRankPolicy
 
 #: Work per step of a healthy rank, seconds.
 BASE = 0.1
@@ -131,3 +131,21 @@ def test_a_rank_that_stopped_reporting_is_not_compared() -> None:
             [RankWork(r, r, s, 1, BASE * (2.0 if r == 2 and s > 100 else 1.0)) for r in ranks], s
         )
     assert [f.rank for f in found] == [2]
+
+
+@pytest.mark.parametrize(
+    ("policy", "node", "before", "spare", "idle", "action", "reason"),
+    [
+        (SlowRankPolicy.WARN, "n1", False, True, True, SlowRankPolicy.WARN, "policy is warn"),
+        (SlowRankPolicy.REPLACE, "n1", False, True, True, SlowRankPolicy.REPLACE, "node n1 is drained"),
+        (SlowRankPolicy.REPLACE, "n1", True, True, True, SlowRankPolicy.WARN, "reported, not bounced"),
+        (SlowRankPolicy.REPLACE, None, False, True, True, SlowRankPolicy.WARN, "no node of the job"),
+        (SlowRankPolicy.REPLACE, "n1", False, False, True, SlowRankPolicy.WARN, "no hot spare"),
+        (SlowRankPolicy.REPLACE, "n1", False, True, False, SlowRankPolicy.WARN, "recovery is in flight"),
+    ],
+)
+def test_what_a_slow_rank_gets(policy, node, before, spare, idle, action, reason) -> None:
+    act = decide(policy, 3, node, replaced_before=before, spare=spare, idle=idle)
+    assert act.action is action and reason in act.reason
+    assert act.node == (node if action is SlowRankPolicy.REPLACE else "")
+    assert act.transient == (reason in ("no hot spare", "recovery is in flight"))

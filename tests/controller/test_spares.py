@@ -22,11 +22,18 @@ NEVER = 3600.0
 def start() -> Iterator[Callable[..., EmbeddedController]]:
     started: list[EmbeddedController] = []
 
-    def make(node_lost_timeout: float = 5.0) -> EmbeddedController:
+    def make(node_lost_timeout: float = 5.0, spare_wait: float = 0.0) -> EmbeddedController:
         policy = dataclasses.replace(
-            TEST_POLICY, report_timeout=NEVER, expected_agents=2, node_lost_timeout=node_lost_timeout
+            TEST_POLICY,
+            report_timeout=NEVER,
+            expected_agents=2,
+            node_lost_timeout=node_lost_timeout,
+            spare_wait=spare_wait,
         )
-        ctl = EmbeddedController(defaults=policy, keepalive_interval=0.5, stream_grace=NEVER)
+        # Streams closed with no spare ready count as lost after this grace (0.5 s with one).
+        ctl = EmbeddedController(
+            defaults=policy, keepalive_interval=0.5, stream_grace=1.0 if spare_wait else NEVER
+        )
         started.append(ctl)
         return ctl
 
@@ -127,3 +134,98 @@ def test_without_a_spare_a_lost_node_still_ends_the_job_as_before(start, make_ag
     a.expect("stopTrain")
     assert "node replaced" not in kinds(a)
     assert b is not None
+
+
+def beat(*agents: RawAgent) -> None:
+    for agent in agents:
+        agent.stub.HealthCheck(agent.info, timeout=WAIT)
+
+
+def test_a_second_node_lost_while_the_first_is_replaced_with_no_spare_left_ends_the_job_with_the_reason(
+    start, make_agent
+) -> None:
+    ctl = start(node_lost_timeout=1.0)
+    a, b, spare = job_of_two_and_a_spare(ctl, make_agent)
+    c = make_agent(ctl.address, JOB, agent_id="node-2", node_rank=2, rank_ids=(4, 5)).join()
+    b.cut()  # node 1: replaced by the only spare
+    a.expect("stopTrain")
+    promoted(spare)
+    c.cut()  # node 2, while node 1's replacement joins: no spare is left; found by its silence
+    deadline = time.monotonic() + WAIT
+    while "node given up" not in kinds(a):
+        assert time.monotonic() < deadline, "node 2 was not given up"
+        beat(a, spare)
+        time.sleep(0.2)
+    assert a.stopped().code == Code.OK and spare.stopped().code == Code.OK
+    kill = next(s for s in iter(lambda: a.next_signal(), None) if s.signalType == "killMaster")
+    assert "node-2" in kill.extraParams  # the job ends at once, saying which node it lost
+    assert kinds(a).count("node replaced") == 1 and "node given up" in kinds(a)
+
+
+def test_a_spare_that_dies_as_it_starts_is_replaced_by_the_next_spare(start, make_agent) -> None:
+    ctl = start(node_lost_timeout=1.0)
+    a, b, first = job_of_two_and_a_spare(ctl, make_agent)
+    second = make_agent(ctl.address, JOB, agent_id="spare-y", role=SPARE_ROLE)
+    assert second.stub.Init(second.info, timeout=WAIT).code == 0
+    assert second.stub.Register(second.info, timeout=WAIT).code == 0
+    b.cut()
+    a.expect("stopTrain")
+    # spare-x (first by name) gets node 1 and dies before it subscribes: it sends nothing more.
+    deadline = time.monotonic() + WAIT
+    while not any(x.agentId == "spare-y" and x.nodeRank == 1 for x in a.job().agents):
+        assert time.monotonic() < deadline, "the second spare did not get node 1"
+        beat(a, second)
+        time.sleep(0.2)
+    replaced = [e.detail for e in a.job(events=200).events if e.kind == "node replaced"]
+    assert len(replaced) == 2 and '"lost": "spare-x"' in replaced[1] and '"spare": "spare-y"' in replaced[1]
+    assert first is not None
+
+
+def test_a_node_lost_while_the_job_waits_for_the_strategy_result_is_replaced_into_that_restart(
+    start, make_agent
+) -> None:
+    """The strategy went out; node 1 dies during its restart: the spare gets the same changeStrategy."""
+    a, b, spare = job_of_two_and_a_spare(start(), make_agent)
+    assert a.fault({0: 1}).code == Code.OK
+    for agent in (a, b):
+        agent.expect("stopTrain")
+        assert agent.stopped().code == Code.OK
+    for agent in (a, b):
+        agent.expect("globalFault")
+        assert agent.strategies(["recover", "exit"]).code == Code.OK
+    a.expect("changeStrategy", changeStrategy="recover")
+    b.cut()
+    promoted(spare).expect("changeStrategy", changeStrategy="recover")
+    assert a.status(Code.OK, "recover").code == Code.OK and spare.status(Code.OK, "recover").code == Code.OK
+    wait_until(lambda: a.job().state == "idle", "the cycle to succeed with the spare", WAIT)
+
+
+def test_a_lost_node_waits_for_a_spare_up_to_the_bound_and_one_that_registers_takes_its_place(
+    start, make_agent
+) -> None:
+    ctl = start(spare_wait=30.0)
+    a = make_agent(ctl.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+    b = make_agent(ctl.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
+    assert a.fault({0: 1}).code == Code.OK
+    a.expect("stopTrain")
+    b.cut()  # no spare yet: after the stream grace, the node's place waits for one
+    wait_until(lambda: "node waits for a spare" in kinds(a), "node 1 to wait for a spare", WAIT)
+    spare = make_agent(ctl.address, JOB, agent_id="spare-x", role=SPARE_ROLE)
+    assert spare.stub.Init(spare.info, timeout=WAIT).code == 0
+    assert spare.stub.Register(spare.info, timeout=WAIT).code == 0
+    promoted(spare).expect("stopTrain")
+    assert "node replaced" in kinds(a)
+
+
+def test_past_the_bound_with_no_spare_the_job_ends_naming_the_node(start, make_agent) -> None:
+    ctl = start(spare_wait=1.0)
+    a = make_agent(ctl.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+    b = make_agent(ctl.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
+    assert a.fault({0: 1}).code == Code.OK
+    a.expect("stopTrain")
+    assert a.stopped().code == Code.OK
+    b.cut()
+    kill = next(s for s in iter(lambda: a.next_signal(), None) if s.signalType == "killMaster")
+    assert "node-1" in kill.extraParams
+    given_up = [e.detail for e in a.job(events=200).events if e.kind == "node given up"]
+    assert given_up and "no spare came within 1s" in given_up[0]

@@ -178,3 +178,28 @@ def test_sweep_ends_what_stopped_workers_left_and_close_ends_the_rest(use_cgroup
             if worker.poll() is None:
                 worker.kill()
             worker.wait()
+
+
+def test_a_new_scope_removes_empty_job_cgroups_whose_launcher_is_gone() -> None:
+    """A launcher killed with its guard (a node's whole tree) leaves its cgroup; the next one removes it
+    if it is empty and its launcher's pid is gone, and keeps a live launcher's."""
+    from taskd_core.forkserver.jobscope import JobScope
+
+    probe = JobScope()
+    if probe.cgroup is None:
+        probe.close()
+        pytest.skip("no writable cgroup v2 hierarchy here")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    abandoned = probe.cgroup.parent / f"taskd-{gone.pid}-0123456789abcdef"
+    (abandoned / "w1").mkdir(parents=True)
+    try:
+        scope = JobScope()
+        scope.close()
+        assert not abandoned.exists()
+        assert probe.cgroup.is_dir()  # this process's own: kept
+    finally:
+        probe.close()
+        for path in (abandoned / "w1", abandoned):
+            if path.exists():
+                path.rmdir()

@@ -23,7 +23,9 @@ from taskd_core.testing import descendants, free_port, process_running, wait_unt
 
 pytestmark = pytest.mark.slow
 
-STEPS = 300
+STEPS = 60
+#: Every rank waits before this step until the test releases it: the node is lost while the job runs.
+HOLD_AT = 30
 WAIT = 120.0
 
 
@@ -54,6 +56,10 @@ class Job:
             "3",
             "--step-time",
             "0.1",
+            "--hold-at-step",
+            str(HOLD_AT),
+            "--hold-file",
+            str(work / "go"),
         ]
         self.logs: list[Path] = []
 
@@ -61,6 +67,10 @@ class Job:
         name = f"{self.work.name}-{len(self.logs)}"
         self.logs.append(self.launch.root / f"{name}.{len(self.launch.started)}.log")
         return self.launch(*(argv or self.argv), log=name)
+
+    def release(self) -> None:
+        """Let the ranks held before step ``HOLD_AT`` go on."""
+        (self.work / "go").touch()
 
     def log(self, n: int) -> str:
         return self.logs[n].read_text()
@@ -121,6 +131,7 @@ def test_a_lost_node_is_replaced_by_the_spare_and_the_job_finishes(launch: Launc
     before = len(events(job.progress))
     assert node1.poll() is None, "the job ended before its node could be lost"
     killed = kill_tree(node1.pid)
+    job.release()
 
     wait_until(lambda: "standing by as spare" in job.log(3), "the second spare to stand by", WAIT)
     assert bad.wait(timeout=WAIT) == 2
@@ -161,6 +172,7 @@ def test_a_hung_node_is_replaced_and_fenced_when_it_comes_back(launch: Launcher,
     tree = {node1.pid, *descendants(node1.pid)}
     stopped_at = len(events(job.progress))
     signal_tree(tree, signal.SIGSTOP)
+    job.release()
     try:
         wait_until(
             lambda: "takes the place of lost node 1" in job.log(2), "the spare to be given node 1", WAIT

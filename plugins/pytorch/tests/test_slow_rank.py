@@ -17,15 +17,18 @@ from pathlib import Path
 
 import pytest
 from pt_support import EXAMPLES, Launcher, events
+from test_node_loss import Job, no_leftovers, start_nodes
 
 from taskd_core.client.query import QueryClient
 from taskd_core.models import Credentials, JournalEvent
-from taskd_core.testing import wait_until
+from taskd_core.testing import descendants, wait_until
 
 pytestmark = pytest.mark.slow
 
 WAIT = 60.0
 STEPS = 70
+#: A job with a spare: launchers take 10-20 s to start on a loaded machine.
+REPLACE_WAIT = 120.0
 TOKEN = "the-slow-rank-tests-job-token"
 
 
@@ -144,3 +147,38 @@ def test_a_healthy_job_whose_steps_vary_5x_has_no_slow_rank(
     )
     assert [e.detail for e in journal if e.kind == "slow-rank"] == []
     assert len([e for e in journal if e.kind == "worker started"]) == 4
+
+
+def test_with_replace_a_slow_ranks_node_is_drained_onto_the_spare_and_not_taken_back(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    """2 nodes x 2 ranks and a spare (c10d): rank 3 slows down on its first life; ``--taskd-slow-rank
+    replace`` drains node 1 through the lost-node path, the spare runs ranks 2 and 3, node 1 is fenced."""
+    job = Job(launch, tmp_path / "slowspare", "--taskd-slow-rank", "replace")
+    job.argv[job.argv.index("--steps") + 1] = "80"
+    job.argv += ["--slow-rank", "3", "--slow-from", "10", "--slow-step-time", "0.4"]
+    node0, node1, spare = start_nodes(job)  # the ranks hold before step 30 until released
+    node1_tree = {node1.pid, *descendants(node1.pid)}
+    first_life = {e["rank"]: int(e["pid"]) for e in events(job.progress) if e["event"] == "start"}
+    job.release()  # the spare stands by now: rank 3, still slow, is replaced with the next reports
+
+    def replaced() -> list[dict[str, object]] | None:
+        slow = [e.detail for e in job.journal() if e.kind == "slow-rank"]
+        return slow if any(d["action"] == "replace" for d in slow) else None
+
+    slow = wait_until(replaced, "rank 3's node to be replaced", REPLACE_WAIT)
+    assert [(d["rank"], d["node"]) for d in slow if d["action"] == "replace"] == [(3, "node-1")], slow
+    # Found before the spare stood by (a loaded machine starts it late), it was reported first; found
+    # after, it was replaced at once.
+    assert [(d["rank"], d["action"]) for d in slow] in ([(3, "warn"), (3, "replace")], [(3, "replace")]), slow
+    assert all(d["reason"] == "no hot spare stands by (yet)" for d in slow[:-1])
+    assert node1.wait(timeout=REPLACE_WAIT) == 1, job.log(1)[-3000:]
+    assert "was declared lost and spare" in job.log(1)
+    assert node0.wait(timeout=REPLACE_WAIT) == 0, job.log(0)[-3000:]
+    assert spare.wait(timeout=REPLACE_WAIT) == 0, job.log(2)[-3000:]
+    assert "takes the place of lost node 1" in job.log(2)
+    assert json.loads(job.result.read_text())["steps"] == 80
+    # Ranks 2 and 3 finished on the spare, in new processes, none of node 1's.
+    last = {e["rank"]: int(e["pid"]) for e in events(job.progress) if e["event"] == "start"}
+    assert not {last[2], last[3]} & (node1_tree | {first_life[2], first_life[3]})
+    no_leftovers(job, node1_tree)

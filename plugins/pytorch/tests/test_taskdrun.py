@@ -44,7 +44,6 @@ def test_help_shows_torchrun_options_and_taskd_options() -> None:
         ),
         (["--taskd-strategies", "retry,bogus"], "unknown strategy 'bogus'"),
         (["--taskd-slow-rank", "evict"], "argument --taskd-slow-rank: slow-rank: expected one of 'warn', 'replace'"),
-        (["--taskd-slow-rank", "replace"], '"replace" needs hot spares'),
         (["--taskd-flush-seconds", "-1"], "'-1' is not a finite number of seconds >= 0"),
         (["--taskd-controller", "nowhere"], "'nowhere' is not HOST:PORT"),
         (["--taskd-controller-port", "70000"], "controller port: 70000 is not a TCP port"),

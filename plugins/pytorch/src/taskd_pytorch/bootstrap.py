@@ -68,5 +68,11 @@ class RoundStores:
         info = RendezvousStoreInfo.build(
             group_rank, PrefixStore(f"taskd/workers/round{round_no}/", store), self._host, server_port=port
         )
-        logger.info("restart round %s: workers meet at %s:%s", round_no, info.master_addr, info.master_port)
+        logger.info(
+            "restart round %s: workers meet at %s:%s%s",
+            round_no,
+            info.master_addr,
+            info.master_port,
+            " (this node, group rank 0, hosts the store)" if port is not None else "",
+        )
         return info

@@ -31,21 +31,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousParameters,
+    c10d_rendezvous_backend,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
 from taskd_core.agent.node_agent import AgentOutcome, Outcome
-from taskd_core.controller.etcd_client import EtcdTls
+from taskd_core.controller.etcd_client import EtcdTls, is_etcd_url
 from taskd_core.errors import ConfigError, LauncherInterrupted
 from taskd_core.forkserver.client import ForkLauncher
 from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.node import run_node_agent
+from taskd_core.launcher.roster import replica_addresses
 from taskd_core.plugins import load_adapter
 from taskd_core.snapshots.keeper import Keeper
 from taskd_core.values import LOCALHOST, is_loopback, join_address
@@ -55,7 +59,7 @@ from taskd_pytorch.listen import job_interface
 from taskd_pytorch.membership import Command, JobStore
 from taskd_pytorch.options import STOP_SIGNALS, TaskdOptions
 from taskd_pytorch.rendezvous import StoreBoard, run_interruptibly
-from taskd_pytorch.rendezvous_reuse import REUSABLE_BACKEND
+from taskd_pytorch.rendezvous_reuse import ETCD_BACKEND, REUSABLE_BACKEND
 from taskd_pytorch.spare import stand_by
 
 logger = logging.getLogger(__name__)
@@ -290,9 +294,16 @@ def connect_rendezvous(job: NodeJob, stop: StopRequest) -> tuple[RendezvousHandl
     )
 
     def connect() -> tuple[RendezvousHandler, JobStore | None]:
-        if config.rdzv_backend != REUSABLE_BACKEND:
+        backend: RendezvousBackend
+        if config.rdzv_backend == REUSABLE_BACKEND:
+            backend, store = c10d_rendezvous_backend.create_backend(params)
+        elif config.rdzv_backend == ETCD_BACKEND:
+            # Imported here: torch's etcd backend needs python-etcd, which only its users install.
+            from torch.distributed.elastic.rendezvous import etcd_rendezvous_backend
+
+            backend, store = etcd_rendezvous_backend.create_backend(params)
+        else:
             return get_rendezvous_handler(params), None
-        backend, store = create_backend(params)
         return create_handler(store, backend, params), JobStore(store, config.run_id)
 
     return run_interruptibly(connect, stop, "connecting to the rendezvous")
@@ -401,9 +412,15 @@ def run_spare(job: NodeJob, members: JobStore, elastic: TaskdElasticAgent, stop:
     """
     members.check_command(job.command())
     settings = job.options.node
-    controller = settings.agent.controller or StoreBoard(members.store, stop).lookup(
-        settings.agent.connect_timeout
-    )
+    replicated = not settings.agent.controller and is_etcd_url(settings.controller_state)
+    if replicated:
+        # The job's controller replicas announce themselves in etcd; this spare runs one of its own
+        # only once it is a node of the job (below: the node agent's start, as on every node).
+        controller = replica_addresses(settings, settings.agent.connect_timeout)
+    else:
+        controller = settings.agent.controller or StoreBoard(members.store, stop).lookup(
+            settings.agent.connect_timeout
+        )
     promotion = stand_by(settings, controller, stop)
     if promotion is None:
         return AgentOutcome(Outcome.SUCCEEDED, 0, "spare not needed")
@@ -414,8 +431,9 @@ def run_spare(job: NodeJob, members: JobStore, elastic: TaskdElasticAgent, stop:
             settings.agent,
             node_rank=promotion.node_rank,
             agent_id=promotion.agent_id,
-            controller=promotion.controller,
+            controller="" if replicated else promotion.controller,
         ),
+        master_addr=controller_host(job.config.rdzv_backend, job.master_host, job.config.local_addr),
     )
     adapter = load_adapter("pytorch", instance=PytorchAdapter(elastic, in_place=job.options.in_place))
     return run_node_agent(adapter, seat, who="taskdrun", stop=stop)
