@@ -991,6 +991,7 @@ def slowrank_fields(data: dict[str, Any]) -> Rendered:
         "slow_sleep": f"{slowrank_bench.SLOW_SLEEP:g}",
         "healthy_ms": f"{slowrank_bench.HEALTHY_STEP * 1000:.0f}",
         "slow_from": str(slowrank_bench.SLOW_FROM),
+        "replace_from": str(slowrank_bench.REPLACE_FROM),
         "real_ratio": ", ".join(f"{r:.2f}" for r in ratios) or "none",
         "load_start": _loads(data["load_at_start"]),
         "load_end": _loads(data["load_at_end"]),
@@ -1039,7 +1040,7 @@ def nodeloss_fields(data: dict[str, Any]) -> Rendered:
 
 def snapshot_fields(data: dict[str, Any]) -> Rendered:
     cfg, steps, lost = data["config"], data["steps"], data["lost"]
-    sizes = list(steps)
+    sizes = sorted(steps, key=lambda size: size != "example")  # the example first, whatever the JSON's order
     example, big = steps[sizes[0]], steps[sizes[-1]]
     target = data["target"]
     rows = []

@@ -15,7 +15,12 @@
    healthy job of ``--job-steps`` steps whose step times vary by 5x: its
    ``slow-rank`` events (must be none). The journal is read from the
    controller's state file.
-3. **Overhead**: the measurement's own cost per step (``LiveSession``'s work
+3. **Replace** (``--replace-trials``): 2 ``taskdrun`` nodes x 2 ranks of
+   ``examples/train_ddp.py`` and a spare (c10d), ``--taskd-slow-rank replace``;
+   the ranks hold before step ``REPLACE_FROM`` until the spare stands by, then
+   rank 3 sleeps 2.5x: steps until its node is drained, seconds from the drain
+   to every rank stepping in new processes, steps lost, step times.
+4. **Overhead**: the measurement's own cost per step (``LiveSession``'s work
    clock: begin, two collectives' spans, commit; ``worker.step(n, busy=...)``
    into a real socket), timed over ``--overhead-steps`` steps, as a share of
    the real job's median step time.
@@ -32,6 +37,7 @@ import json
 import logging
 import os
 import random
+import re
 import socket
 import sqlite3
 import statistics
@@ -41,8 +47,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import PYTHON, REPO, Children, fmt, free_port, markdown_table, setup_logging, write_json
+from _common import (
+    PYTHON,
+    REPO,
+    Children,
+    fmt,
+    free_port,
+    markdown_table,
+    poll_until,
+    setup_logging,
+    write_json,
+)
 
+from taskd_core.client.query import QueryClient
 from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector
 from taskd_core.models import RankWork
 from taskd_core.worker import ProgressReporter
@@ -191,6 +208,84 @@ def bench_jobs(trials: int, steps: int, root: Path) -> dict[str, Any]:
     }
 
 
+#: The replace trial: ranks hold before this step until the spare stands by, and rank 3 slows from it on.
+REPLACE_FROM = 20
+REPLACE_STEPS = 120
+
+
+def progress_events(path: Path) -> list[dict[str, Any]]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def replace_trial(work: Path) -> dict[str, Any]:
+    """2 taskdrun nodes x 2 ranks and a spare (c10d), ``--taskd-slow-rank replace``: rank 3 (node B) sleeps
+    2.5x from step ``REPLACE_FROM`` on; its node is drained onto the spare. Steps to the drain, seconds from
+    it to every rank stepping again in new processes, steps lost, the step time before and after."""
+    work.mkdir()
+    progress, go = work / "progress.jsonl", work / "go"
+    port = free_port()
+    command = [
+        str(Path(PYTHON).parent / "taskdrun"),
+        "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=slowrank-replace-{os.getpid()}", "--taskd-slow-rank", "replace", "--taskd-log-level", "INFO",
+        str(REPO / "examples" / "train_ddp.py"), "--steps", str(REPLACE_STEPS), "--ckpt-dir", str(work / "ckpt"),
+        "--progress", str(progress), "--ckpt-every", "5", "--step-time", "0.1",
+        "--hold-at-step", str(REPLACE_FROM), "--hold-file", str(go),
+        "--slow-rank", "3", "--slow-from", str(REPLACE_FROM), "--slow-step-time", "0.25",
+    ]  # fmt: skip
+    logs = [work / f"{n}.log" for n in ("nodeA", "nodeB", "spare")]
+    with Children(grace=10.0) as children:
+        node_a = children.start(command, log=logs[0])
+        poll_until(lambda: "joining the c10d rendezvous" in logs[0].read_text() or None, 120, "node A")
+        node_b = children.start(command, log=logs[1])
+        poll_until(lambda: len({e["rank"] for e in progress_events(progress)}) == 4 or None, 120, "4 ranks")
+        spare = children.start(command, log=logs[2])
+        poll_until(lambda: "standing by as spare" in logs[2].read_text() or None, 120, "the spare")
+        found = re.search(r"embedded controller listening on (\S+) ", logs[0].read_text())
+        assert found is not None, "node A hosts the controller"
+        before = {int(e["pid"]) for e in progress_events(progress)}
+        go.touch()
+
+        def drained() -> dict[str, Any] | None:
+            with QueryClient(found.group(1)) as query:
+                page = query.events(f"slowrank-replace-{os.getpid()}")
+            return next(
+                (e for e in page.events if e.kind == "slow-rank" and e.detail["action"] == "replace"), None
+            )
+
+        event = poll_until(drained, 120, "the slow rank's node to be drained", interval=0.2)
+        codes = [p.wait(300) for p in (node_a, spare)]
+        events = progress_events(progress)
+        children.adopt(int(e["pid"]) for e in events)
+        node_b.wait(60)
+    old = [e for e in events if int(e["pid"]) in before]
+    new = [e for e in events if int(e["pid"]) not in before]
+    first_steps = {}
+    for e in new:
+        if e["event"] == "step":
+            first_steps.setdefault(e["rank"], float(e["time"]))
+    resumed = [int(e["step"]) for e in new if e["event"] == "resumed"]
+    last_old = max(int(e["step"]) for e in old if e["event"] == "step")
+
+    def pace(rows: list[dict[str, Any]]) -> float | None:
+        stamps = [float(e["time"]) for e in rows if e["event"] == "step" and e["rank"] == 0]
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        return statistics.median(gaps) if gaps else None
+
+    return {
+        "exit_codes": codes,
+        "node_b_exit": node_b.returncode,
+        "steps_to_drain": int(event.detail["step"]) - REPLACE_FROM,
+        "ratio": float(event.detail["ratio"]),
+        "drain_to_all_stepping": max(first_steps.values()) - event.time if len(first_steps) == 4 else None,
+        "steps_lost": last_old - min(resumed) if resumed else None,
+        "step_before": pace([e for e in old if e["step"] < REPLACE_FROM]),
+        "step_slow": pace([e for e in old if e["step"] > REPLACE_FROM]),
+        "step_after": pace(new),
+    }
+
+
 def bench_overhead(steps: int, root: Path) -> dict[str, Any]:
     # The live session's clock lives in the pytorch adapter; imported here only (it imports torch).
     from taskd_pytorch.live._work import WorkClock
@@ -259,7 +354,14 @@ def report(data: dict[str, Any]) -> str:
         [[f"work clock + worker.step(n, busy=...), {over['steps']} steps", fmt(cost * 1e6, 2),
           f"{fmt(100 * cost / step, 4)} % of {fmt(step * 1000, 1)} ms" if step else "N/A"]],
     )  # fmt: skip
-    return "\n\n".join([latency, healthy, overhead])
+    replaced = markdown_table(
+        ["replace trial", "steps to the drain", "ratio", "drain → every rank stepping (s)", "steps lost",
+         "step before / slowed / after (s)"],
+        [[str(n + 1), str(t["steps_to_drain"]), fmt(t["ratio"]), fmt(t["drain_to_all_stepping"]),
+          str(t["steps_lost"]), f"{fmt(t['step_before'], 3)} / {fmt(t['step_slow'], 3)} / {fmt(t['step_after'], 3)}"]
+         for n, t in enumerate(data.get("replace", []))],
+    )  # fmt: skip
+    return "\n\n".join([latency, healthy, overhead, replaced])
 
 
 def verdicts(data: dict[str, Any]) -> list[list[str]]:
@@ -277,6 +379,23 @@ def verdicts(data: dict[str, Any]) -> list[list[str]]:
     met = "met" if every and on_time else "missed"
     beside = sum(d.get("false_beside_straggler", {}).values())
     quiet = fp["own_5x"] == fp["common_5x"] == fp["job_wide_2x"] == real_fp == beside == 0
+    trials = data.get("replace", [])
+    back = [
+        t for t in trials
+        if t["steps_to_drain"] <= LATENCY_TARGET and t["step_after"] is not None
+        and t["step_before"] is not None and t["step_after"] <= 1.1 * t["step_before"]
+    ]  # fmt: skip
+    replace_row = [
+        f"replace + a spare: drained within {LATENCY_TARGET} steps of the slowdown, then the healthy pace "
+        "(step within 10 % of before) after the node-loss recovery",
+        "; ".join(
+            f"{t['steps_to_drain']} steps, {fmt(t['drain_to_all_stepping'])} s to every rank stepping, "
+            f"step {fmt(t['step_after'], 3)} s vs {fmt(t['step_before'], 3)} s, {t['steps_lost']} steps lost"
+            for t in trials
+        )
+        or "not run",
+        "met" if trials and len(back) == len(trials) else "missed",
+    ]
     return [
         [
             f"slow rank (1 of 4 at 2x) named within {LATENCY_TARGET} steps, p50",
@@ -294,6 +413,7 @@ def verdicts(data: dict[str, Any]) -> list[list[str]]:
             f"{fmt(100 * share, 4)} %" if share is not None else "N/A",
             "met" if share is not None and share <= OVERHEAD_TARGET else "missed",
         ],
+        replace_row,
     ]
 
 
@@ -304,6 +424,9 @@ def main() -> int:
     p.add_argument("--job-trials", type=int, default=3, help="real jobs with a straggler")
     p.add_argument("--job-steps", type=int, default=300, help="steps of the real healthy job")
     p.add_argument("--overhead-steps", type=int, default=100_000)
+    p.add_argument(
+        "--replace-trials", type=int, default=1, help="2 x 2 jobs with a spare and the replace policy"
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args()
@@ -315,6 +438,7 @@ def main() -> int:
             "detector": bench_detector(args.trials, args.healthy_steps),
             "jobs": bench_jobs(args.job_trials, args.job_steps, root),
             "overhead": bench_overhead(args.overhead_steps, root),
+            "replace": [replace_trial(root / f"replace{n}") for n in range(args.replace_trials)],
             "load_at_end": list(os.getloadavg()),
         }
     write_json(args.json, data)

@@ -37,6 +37,8 @@ from typing import Any
 
 from _common import PYTHON, REPO, Children, fmt, machine, markdown_table, setup_logging, write_json
 
+from taskd_core.testing import descendants
+
 logger = logging.getLogger(__name__)
 
 TASKDRUN = str(Path(PYTHON).with_name("taskdrun"))
@@ -62,14 +64,30 @@ def width_for(mib: float, ranks: int, layers: int = 2) -> int:
     return int((params / layers) ** 0.5)
 
 
-def _shm_bytes() -> int:
+def _keeper_roots(pid: int) -> list[Path]:
+    """The snapshot directories of the keepers among ``pid``'s descendants (their first argument)."""
+    roots = []
+    for each in descendants(pid):
+        try:
+            argv = Path(f"/proc/{each}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 3 and argv[2] == b"taskd_core.snapshots._serve":
+            roots.append(Path(argv[3].decode()))
+    return roots
+
+
+def _shm_bytes(launcher: int) -> int:
+    """The bytes of this job's snapshots (only its own keepers': other jobs may share the machine)."""
     total = 0
-    for root in Path("/dev/shm").glob("taskd-snapshots-*"):
-        for path in root.rglob("data"):
-            try:
-                total += path.stat().st_size
-            except OSError:
-                pass
+    for root in _keeper_roots(launcher):
+        # Snapshots come and go while this walks: what vanished meanwhile counts for nothing.
+        for folder, _, files in os.walk(root):
+            if "data" in files:
+                try:
+                    total += os.stat(os.path.join(folder, "data")).st_size
+                except OSError:
+                    pass
     return total
 
 
@@ -116,7 +134,7 @@ def run_job(work: Path, ranks: int, extra: tuple[str, ...], timeout: float) -> d
             events = _events(progress)
             pids = {e["pid"] for e in events if e["event"] == "start"}
             children.adopt(pids)
-            shm, rss = max(shm, _shm_bytes()), max(rss, _rss(pids))
+            shm, rss = max(shm, _shm_bytes(proc.pid)), max(rss, _rss(pids))
             time.sleep(0.2)
         code = proc.wait(max(1.0, deadline - time.monotonic()))
     if code != 0:

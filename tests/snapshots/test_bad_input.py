@@ -21,10 +21,15 @@ from taskd_core.errors import SnapshotError
         ([], {"TASKD_SNAPSHOT_COPIES": "x"}, "TASKD_SNAPSHOT_COPIES"),
     ],
 )
-def test_a_bad_snapshot_setting_is_one_line_and_exit_2(argv: list[str], env: dict[str, str], says: str) -> None:
+def test_a_bad_snapshot_setting_is_one_line_and_exit_2(
+    argv: list[str], env: dict[str, str], says: str
+) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "taskd_core", "run", *argv, "--nproc", "1", "--", "true"],
-        capture_output=True, text=True, env={**os.environ, **env}, timeout=60,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr

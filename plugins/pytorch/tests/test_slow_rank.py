@@ -168,9 +168,10 @@ def test_with_replace_a_slow_ranks_node_is_drained_onto_the_spare_and_not_taken_
 
     slow = wait_until(replaced, "rank 3's node to be replaced", REPLACE_WAIT)
     assert [(d["rank"], d["node"]) for d in slow if d["action"] == "replace"] == [(3, "node-1")], slow
-    # Found before the spare stood by (at step 20 or so), it was reported first, then replaced.
-    assert [(d["rank"], d["action"]) for d in slow] == [(3, "warn"), (3, "replace")], slow
-    assert slow[0]["reason"] == "no hot spare stands by (yet)"
+    # Found before the spare stood by (a loaded machine starts it late), it was reported first; found
+    # after, it was replaced at once.
+    assert [(d["rank"], d["action"]) for d in slow] in ([(3, "warn"), (3, "replace")], [(3, "replace")]), slow
+    assert all(d["reason"] == "no hot spare stands by (yet)" for d in slow[:-1])
     assert node1.wait(timeout=REPLACE_WAIT) == 1, job.log(1)[-3000:]
     assert "was declared lost and spare" in job.log(1)
     assert node0.wait(timeout=REPLACE_WAIT) == 0, job.log(0)[-3000:]

@@ -29,12 +29,25 @@ STEPS = 16
 ARGS = ("--steps", str(STEPS), "--ckpt-every", "4", "--width", "1024", "--layers", "2", "--step-time", "0.05")
 
 
-def start(launch: Launcher, work: Path, *extra: str, taskd: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], Path, Path]:
+def start(
+    launch: Launcher, work: Path, *extra: str, taskd: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
     work.mkdir()
     progress, result = work / "progress.jsonl", work / "result.json"
     node = launch(
-        "--standalone", "--nproc-per-node=4", *taskd, str(EXAMPLES / "train_fsdp.py"), "--ckpt-dir", str(work / "ckpt"),
-        "--progress", str(progress), "--result", str(result), *ARGS, *extra, log=work.name,
+        "--standalone",
+        "--nproc-per-node=4",
+        *taskd,
+        str(EXAMPLES / "train_fsdp.py"),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--progress",
+        str(progress),
+        "--result",
+        str(result),
+        *ARGS,
+        *extra,
+        log=work.name,
     )
     return node, progress, result
 
@@ -56,7 +69,11 @@ def restores(progress: Path) -> dict[int, tuple[str, int]]:
 def workers(node: subprocess.Popen[bytes], progress: Path) -> dict[int, int]:
     """rank -> pid of the workers of the first life that still run."""
     alive = set(descendants(node.pid))
-    return {e["rank"]: e["pid"] for e in events(progress) if e["event"] == "start" and e["restart"] == 0 and e["pid"] in alive}
+    return {
+        e["rank"]: e["pid"]
+        for e in events(progress)
+        if e["event"] == "start" and e["restart"] == 0 and e["pid"] in alive
+    }
 
 
 def last_step(progress: Path) -> int:
@@ -82,7 +99,9 @@ def test_a_sigkilled_rank_restores_from_memory_and_loses_at_most_one_step(
     launch: Launcher, tmp_path: Path, reference: dict[str, str], variant: str
 ) -> None:
     extra = ("--zero",) if variant == "zero" else ()
-    node, progress, result = start(launch, tmp_path / variant, "--fail-at-step", "10", "--fail-rank", "2", "--fail-mode", "kill", *extra)
+    node, progress, result = start(
+        launch, tmp_path / variant, "--fail-at-step", "10", "--fail-rank", "2", "--fail-mode", "kill", *extra
+    )
     done = finish(node, result)
     back = restores(progress)
     assert sorted(back) == [0, 1, 2, 3]
@@ -96,7 +115,11 @@ def test_every_worker_killed_at_a_random_moment_of_a_copy_restores_every_shard_f
     launch: Launcher, tmp_path: Path, reference: dict[str, str]
 ) -> None:
     node, progress, result = start(launch, tmp_path / "all")
-    wait_until(lambda: last_step(progress) >= 4 and len(workers(node, progress)) == 4, "every rank to train 4 steps", 120)
+    wait_until(
+        lambda: last_step(progress) >= 4 and len(workers(node, progress)) == 4,
+        "every rank to train 4 steps",
+        120,
+    )
     # The snapshot of a step is copied while the next one computes: any moment is in or near a copy.
     pause = random.Random().uniform(0.0, 0.5)
     print(f"killing every worker {pause:.3f}s later")
@@ -116,7 +139,11 @@ def test_a_damaged_copy_is_refused_by_its_checksum_and_the_disk_checkpoint_is_us
     launch: Launcher, tmp_path: Path, reference: dict[str, str]
 ) -> None:
     node, progress, result = start(launch, tmp_path / "damaged", taskd=("--taskd-no-hang-detection",))
-    wait_until(lambda: last_step(progress) >= 6 and len(workers(node, progress)) == 4, "every rank to train 6 steps", 120)
+    wait_until(
+        lambda: last_step(progress) >= 6 and len(workers(node, progress)) == 4,
+        "every rank to train 6 steps",
+        120,
+    )
     pids = workers(node, progress)
     for pid in pids.values():
         os.kill(pid, signal.SIGSTOP)  # frozen: no copy completes or begins while rank 1's are damaged
@@ -155,7 +182,14 @@ def test_a_snapshot_over_the_memory_limit_warns_once_and_the_job_goes_on_from_di
     launch: Launcher, tmp_path: Path, reference: dict[str, str]
 ) -> None:
     node, progress, result = start(
-        launch, tmp_path / "limit", "--fail-at-step", "10", "--fail-rank", "1", "--fail-mode", "kill",
+        launch,
+        tmp_path / "limit",
+        "--fail-at-step",
+        "10",
+        "--fail-rank",
+        "1",
+        "--fail-mode",
+        "kill",
         taskd=("--taskd-snapshot-memory", "1"),
     )
     done = finish(node, result)
@@ -175,10 +209,24 @@ def test_on_two_nodes_a_damaged_local_copy_is_replaced_by_the_peer_copy_on_the_o
     work = tmp_path / "peer"
     work.mkdir()
     progress, result = work / "progress.jsonl", work / "result.json"
-    rdzv = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            "--rdzv-id=peer", "--taskd-no-hang-detection"]
-    job = [str(EXAMPLES / "train_fsdp.py"), "--ckpt-dir", str(work / "ckpt"), "--progress", str(progress),
-           "--result", str(result), *ARGS]
+    rdzv = [
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=peer",
+        "--taskd-no-hang-detection",
+    ]
+    job = [
+        str(EXAMPLES / "train_fsdp.py"),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--progress",
+        str(progress),
+        "--result",
+        str(result),
+        *ARGS,
+    ]
     nodes = [launch(*rdzv, *job, log=f"peer{n}", env={"TASKD_JOB_TOKEN": "s3cret"}) for n in (0, 1)]
     wait_until(lambda: last_step(progress) >= 4, "every rank to train 4 steps", 120)
     # Frozen at a random moment: copies (own and peer) may be in flight, and stay half-done.
@@ -188,7 +236,9 @@ def test_on_two_nodes_a_damaged_local_copy_is_replaced_by_the_peer_copy_on_the_o
         os.kill(pid, signal.SIGSTOP)
     on_node = {n: {r for r, pid in pids.items() if pid in descendants(nodes[n].pid)} for n in (0, 1)}
     holder = next(n for n in (0, 1) if 2 in on_node[n])
-    (root,) = [r for r in Path("/dev/shm").glob("taskd-snapshots-*") if str(r) in _keeper_roots(nodes[holder])]
+    (root,) = [
+        r for r in Path("/dev/shm").glob("taskd-snapshots-*") if str(r) in _keeper_roots(nodes[holder])
+    ]
     damaged = sorted(d for d in (root / "rank2").iterdir() if (d / "done").exists())
     assert damaged, "rank 2 has complete snapshots on its node"
     for step_dir in damaged:
@@ -213,21 +263,42 @@ def test_a_lost_node_is_replaced_by_a_spare_whose_ranks_restore_from_the_peer_co
     work = tmp_path / "spare"
     work.mkdir()
     progress, result = work / "progress.jsonl", work / "result.json"
-    argv = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-            "--rdzv-id=spare", str(EXAMPLES / "train_fsdp.py"), "--ckpt-dir", str(work / "ckpt"),
-            "--progress", str(progress), "--result", str(result), *ARGS,
-            "--step-time", "1.5"]  # the sleep stands for compute: it changes no parameter
+    argv = [
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--rdzv-id=spare",
+        str(EXAMPLES / "train_fsdp.py"),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--progress",
+        str(progress),
+        "--result",
+        str(result),
+        *ARGS,
+        "--step-time",
+        "1.5",
+    ]  # the sleep stands for compute: it changes no parameter
     token = {"TASKD_JOB_TOKEN": "s3cret"}
     logs = [launch.root / f"spare{n}.{n}.log" for n in range(3)]
     node0 = launch(*argv, log="spare0", env=token)
-    wait_until(lambda: "joining the c10d rendezvous" in logs[0].read_text(), "node 0 to reach the rendezvous", 120)
+    wait_until(
+        lambda: "joining the c10d rendezvous" in logs[0].read_text(), "node 0 to reach the rendezvous", 120
+    )
     node1 = launch(*argv, log="spare1", env=token)
-    wait_until(lambda: "job spare node 0: 2 workers" in logs[0].read_text() + logs[1].read_text(), "the first round", 120)
+    wait_until(
+        lambda: "job spare node 0: 2 workers" in logs[0].read_text() + logs[1].read_text(),
+        "the first round",
+        120,
+    )
     spare = launch(*argv, log="spare2", env=token)
     wait_until(lambda: "standing by as spare" in logs[2].read_text(), "the spare to stand by", 120)
     wait_until(lambda: last_step(progress) >= 2, "every rank to train", 120)
     assert "embedded controller listening" in logs[0].read_text(), "node 0 (the store's host) survives"
-    lost = {e["rank"] for e in events(progress) if e["event"] == "start" and e["pid"] in descendants(node1.pid)}
+    lost = {
+        e["rank"] for e in events(progress) if e["event"] == "start" and e["pid"] in descendants(node1.pid)
+    }
     assert len(lost) == 2
     seen = last_step(progress)
     for pid in {node1.pid, *descendants(node1.pid)}:
@@ -237,7 +308,9 @@ def test_a_lost_node_is_replaced_by_a_spare_whose_ranks_restore_from_the_peer_co
             pass
     assert node0.wait(timeout=240) == 0 and spare.wait(timeout=240) == 0
     back = restores(progress)
-    assert {back[r][0] for r in lost} == {"peer"}, back  # the lost node's memory is gone: its copies at node 0
+    assert {back[r][0] for r in lost} == {"peer"}, (
+        back
+    )  # the lost node's memory is gone: its copies at node 0
     assert {back[r][0] for r in set(range(4)) - lost} == {"memory"}, back
     (step,) = {step for _, step in back.values()}
     assert seen - 1 <= step <= seen + 1, (seen, back)  # a step may end between the look and the kill

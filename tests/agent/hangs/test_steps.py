@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,22 +84,52 @@ def test_a_worker_reports_where_it_resumed_its_first_step_and_its_last(
         watcher.close()
 
 
+def sent_ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drive: Callable[[ProgressReporter], None]) -> list[list[str]]:
+    """What ``drive`` makes a reporter send, every call inside one beat gap: each datagram's op and args."""
+    monkeypatch.setattr(worker_mod.time, "monotonic", lambda: 1000.0)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent:
+        agent.bind(str(tmp_path / "agent.sock"))
+        agent.setblocking(False)
+        reporter = ProgressReporter(str(tmp_path / "agent.sock"))
+        drive(reporter)
+        reporter.close()
+        ops = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                ops.append(agent.recv(512).decode().split()[2:])
+        return ops
+
+
 def test_steps_within_the_beat_gap_ride_on_the_next_datagram(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(worker_mod.time, "monotonic", lambda: 1000.0)  # every step inside one gap
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent:
-        agent.bind(str(tmp_path / "agent.sock"))
-        agent.settimeout(5)
-        reporter = ProgressReporter(str(tmp_path / "agent.sock"))
+    def drive(reporter: ProgressReporter) -> None:
         reporter.resumed(10)
         for n in range(11, 31):
             reporter.step(n)
         reporter.done()
-        ops = [agent.recv(512).decode().split()[2:] for _ in range(4)]
-        # resumed, the first step at once (it dates the stepping phase), the rest held back until done.
-        assert ops == [["resumed", "10"], ["step", "11"], ["step", "30"], ["done"]]
-        reporter.close()
+
+    # resumed, the first step at once (it dates the stepping phase), the rest held back until done.
+    assert sent_ops(tmp_path, monkeypatch, drive) == [["resumed", "10"], ["step", "11"], ["step", "30"], ["done"]]
+
+
+def test_busy_time_of_held_back_steps_rides_on_the_next_datagram(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def drive(reporter: ProgressReporter) -> None:
+        reporter.resumed(0)
+        reporter.step(1, busy=0.5)
+        for n in range(2, 5):
+            reporter.step(n, busy=0.25)
+        reporter.step(5)  # not measured: adds no figure
+        reporter.done()
+
+    assert sent_ops(tmp_path, monkeypatch, drive) == [
+        ["resumed", "0"],
+        ["step", "1", "0.500000", "1"],
+        ["step", "5", "0.750000", "3"],
+        ["done"],
+    ]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "7", True, None, MAX_STEP + 1])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from taskd_core import worker as worker_mod
 from taskd_core.agent.hangs import ProgressConfig, ProgressWatcher
 from taskd_core.agent.hangs.work import WorkSamples, parse_work
 from taskd_core.errors import ConfigError
@@ -59,30 +57,6 @@ def test_a_workers_busy_seconds_reach_the_agent_as_work_per_step(tmp_path: Path)
         proc.kill()
         proc.wait(timeout=WAIT)
         watcher.close()
-
-
-def test_busy_time_of_held_back_steps_rides_on_the_next_datagram(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(worker_mod.time, "monotonic", lambda: 1000.0)  # every step inside one gap
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as agent:
-        agent.bind(str(tmp_path / "agent.sock"))
-        agent.settimeout(5)
-        reporter = ProgressReporter(str(tmp_path / "agent.sock"))
-        reporter.resumed(0)
-        reporter.step(1, busy=0.5)
-        for n in range(2, 5):
-            reporter.step(n, busy=0.25)
-        reporter.step(5)  # not measured: adds no figure
-        reporter.done()
-        ops = [agent.recv(512).decode().split()[2:] for _ in range(4)]
-        assert ops == [
-            ["resumed", "0"],
-            ["step", "1", "0.500000", "1"],
-            ["step", "5", "0.750000", "3"],
-            ["done"],
-        ]
-        reporter.close()
 
 
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), 1e9])
