@@ -72,13 +72,16 @@ def token_matches(digest: str, token: str) -> bool:
 def read_token_file(path: str, what: str = "token file") -> str:
     """A token from the first line of a file; :class:`ConfigError` for an unusable one.
 
-    A file other users may read is refused: whoever reads the admin token is admin.
+    A file other users may read is refused: whoever reads the admin token is admin. Group read
+    is allowed only on a file root owns (the rule PostgreSQL applies to its key file): that is how
+    Kubernetes mounts a secret for a pod's ``fsGroup``, and only root could have chosen the group.
     """
     try:
-        mode = os.stat(path).st_mode
+        st = os.stat(path)
+        mode, owner = st.st_mode, st.st_uid
     except OSError:
-        mode = 0  # _read says what is wrong with the path
-    if mode & 0o077:
+        mode, owner = 0, 0  # _read says what is wrong with the path
+    if mode & 0o027 or (owner != 0 and mode & 0o070):
         raise ConfigError(
             f"{what} {path}: readable by other users (mode {stat.S_IMODE(mode):04o}); "
             f"whoever reads it holds the token: run chmod 600 {path}"

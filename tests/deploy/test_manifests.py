@@ -174,6 +174,12 @@ def test_controller_statefulset_runs_a_real_replica_on_a_real_etcd_with_its_argu
     admin = tmp_path / "admin"
     admin.mkdir()
     shutil.copy(secrets_tree / "controller/secrets/admin.token", admin / "token")
+    # As the kubelet mounts it: the volume's mode, owned by root with the pod's fsGroup.
+    pod = statefulset["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mounts["/etc/taskd/admin"]]
+    (admin / "token").chmod(volume["secret"]["defaultMode"])
+    if os.geteuid() == 0:
+        os.chown(admin / "token", 0, pod["securityContext"]["fsGroup"])
     local = {"/etc/taskd/policy": K8S / "controller", "/etc/taskd/tls": secrets_tree / "controller/secrets",
              "/etc/taskd/etcd": secrets_tree / "controller/secrets/etcd", "/etc/taskd/admin": admin}
     assert set(local) == set(mounts)

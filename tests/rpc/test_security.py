@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 
@@ -119,11 +121,26 @@ def test_tokens_are_kept_as_digests_and_compared_whole(tmp_path) -> None:
     path.write_text("has space\n")
     with pytest.raises(ConfigError, match="printable ASCII without spaces"):
         read_token_file(str(path))
-    for mode in (0o644, 0o640, 0o604):  # another user, or a group member, could read it and be admin
+    for mode in (0o644, 0o640, 0o604, 0o620):  # another user, or a group member, could read it and be admin
         path.write_text("admin-token\n")
         path.chmod(mode)
+        if os.geteuid() == 0:
+            os.chown(path, 65534, -1)  # a group-readable file root does not own
         with pytest.raises(ConfigError, match=f"readable by other users .mode 0{mode:o}.*run chmod 600 {path}"):
             read_token_file(str(path))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file root owns")
+def test_a_secret_root_mounts_for_the_pods_group_is_accepted(tmp_path) -> None:
+    """Kubernetes mounts a secret owned by root, group fsGroup, mode 0440: only root chose that group."""
+    path = tmp_path / "admin"
+    path.write_text("admin-token\n")
+    os.chown(path, 0, 65532)
+    path.chmod(0o440)
+    assert read_token_file(str(path)) == "admin-token"
+    path.chmod(0o460)  # group may write: refused even from root
+    with pytest.raises(ConfigError, match="run chmod 600"):
+        read_token_file(str(path))
     assert "abc" not in repr(Credentials(token="abc")) and "abc" not in repr(Caller("abc"))
 
 

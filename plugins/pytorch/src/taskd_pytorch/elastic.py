@@ -15,7 +15,7 @@ says, and launching through ``start_processes``. What it changes:
 * a whole-group restart keeps the last rendezvous round when every node of
   it restarts (:mod:`taskd_pytorch.rendezvous_reuse`), instead of paying
   torch's polling of a new round;
-* with the c10d backend, the agents of a round share a store of TaskD's
+* with the c10d and etcd-v2 backends, the agents of a round share a store of TaskD's
   (:mod:`taskd_pytorch.membership`), so that a spare can take a lost node's
   seat in the round (:meth:`TaskdElasticAgent.stand_in`) without a new one;
 * the rendezvous runs where a stop signal can end the wait

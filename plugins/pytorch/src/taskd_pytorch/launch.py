@@ -9,7 +9,7 @@ rendezvous is closed as torchrun closes it when its agent ends without a
 signal. The stop signals are routed to every step, from before the
 rendezvous to after the cleanup.
 
-A launcher that finds its job already has all its nodes (c10d backend:
+A launcher that finds its job already has all its nodes (c10d and etcd-v2:
 :mod:`taskd_pytorch.membership`) joins no round: it stands by as a spare
 (:mod:`taskd_pytorch.spare`) and, once the controller gives it a lost node's
 place, runs that node's workers from the job's next restart on.

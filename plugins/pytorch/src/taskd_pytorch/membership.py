@@ -1,4 +1,4 @@
-"""The job's own keys in the c10d rendezvous store: what a spare needs to take a lost node's place.
+"""The job's own keys in the rendezvous store (c10d, etcd-v2): what a spare needs to take a lost node's place.
 
 torch's dynamic rendezvous numbers its rounds privately and forms a new one
 only once every participant of the last one left it (a dead one after its
@@ -21,8 +21,11 @@ They live in the rendezvous store under ``taskd.<run id>/`` (:class:`JobStore`):
   reads it when it joins the survivors' restart, which cannot complete
   without it (they wait for its arrival in the round's agreement).
 
-Only the c10d backend has such a store (etcd's has no ``compare_set``, the
-static one no rounds): with the others a launcher never stands by.
+The c10d and etcd-v2 backends have such a store (torch's etcd store has no
+``compare_set``: the agreements on it use ``add``, see
+:mod:`taskd_pytorch.rendezvous_reuse`); the static one has no rounds and
+torch's older ``etcd`` rendezvous is no dynamic one: with those a launcher
+never stands by.
 """
 
 from __future__ import annotations
