@@ -70,6 +70,7 @@ from _common import (  # noqa: E402
     summarize,
     write_json,
 )
+from _nodes import start_etcd  # noqa: E402
 from chaos_bench import JOB as CHAOS_JOB  # noqa: E402
 from chaos_bench import NPROC, WORKER, fault_free, job_processes  # noqa: E402
 from controller_bench import Bench, single_agent  # noqa: E402
@@ -98,41 +99,6 @@ FOLLOW_TARGET = 10.0
 
 
 # --- etcd and replicas ---------------------------------------------------------------------------
-
-
-def start_etcd(children: Children, root: Path) -> str:
-    """A one-member etcd on free loopback ports; its ``HOST:PORT``."""
-    port, peer = free_port(), free_port()
-    client, peer_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{peer}"
-    children.start(
-        [
-            "/usr/bin/etcd",
-            "--name",
-            "bench",
-            "--data-dir",
-            str(root / "etcd"),
-            "--listen-client-urls",
-            client,
-            "--advertise-client-urls",
-            client,
-            "--listen-peer-urls",
-            peer_url,
-            "--initial-advertise-peer-urls",
-            peer_url,
-            "--initial-cluster",
-            f"bench={peer_url}",
-            "--log-level",
-            "warn",
-            "--auto-compaction-mode",
-            "revision",
-            "--auto-compaction-retention",
-            "1000",
-        ],
-        log=root / "etcd.log",
-    )
-    endpoint = f"127.0.0.1:{port}"
-    poll_until(lambda: etcd_db_size(endpoint) or None, 60, "etcd to serve", interval=0.1)
-    return endpoint
 
 
 def etcd_db_size(endpoint: str) -> int:
@@ -799,7 +765,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         root.mkdir(parents=True, exist_ok=True)
         children = stack.enter_context(Children(grace=15.0))
-        etcd = start_etcd(children, root)
+        etcd = start_etcd(
+            children, root, "--auto-compaction-mode", "revision", "--auto-compaction-retention", "1000"
+        )
         runs: dict[str, Callable[[], dict[str, Any]]] = {
             "failover": lambda: failover(root, children, etcd, args.failovers, args.lease_ttl),
             "latency": lambda: latency(root, children, etcd, args.cycles),

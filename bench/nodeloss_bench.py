@@ -35,31 +35,25 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import _nodes
 from _common import (
     Children,
-    exit_on_sigterm,
     fmt,
     free_port,
     load_average,
-    machine,
     markdown_table,
     poll_until,
     ratio,
-    setup_logging,
-    write_json,
 )
-from rank0_bench import BIN, EXAMPLE, LAUNCHERS, NNODES, NPROC, WORLD, read_events, summary
 
 from taskd_core.testing import descendants, process_running
 
@@ -67,18 +61,6 @@ logger = logging.getLogger(__name__)
 
 #: What happens to node B: the signal sent to its whole process tree.
 FAULTS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
-#: How often the progress log is read.
-_POLL = 0.01
-
-
-@dataclass(frozen=True, slots=True)
-class Trial:
-    steps: int
-    ckpt_every: int
-    kill_step: int
-    step_time: float
-    startup_deadline: float
-    recovery_deadline: float
 
 
 def listening(port: int) -> bool | None:
@@ -89,59 +71,23 @@ def listening(port: int) -> bool | None:
         return None
 
 
-def signal_tree(pid: int, sig: signal.Signals) -> set[int]:
-    """``sig`` to ``pid`` and every process under it, at once; the pids signalled."""
-    tree = {pid, *descendants(pid)}
-    for p in tree:
-        try:
-            os.kill(p, sig)
-        except ProcessLookupError:
-            pass
-    return tree
-
-
-def run_trial(name: str, fault: str, trial: Trial, work: Path) -> dict[str, Any]:
-    binary, env = LAUNCHERS[name]
+def run_trial(name: str, fault: str, trial: _nodes.Trial, work: Path) -> dict[str, Any]:
+    env = _nodes.LAUNCHERS[name][1]
     work.mkdir(parents=True)
     progress = work / "progress.jsonl"
     port = free_port()
-    command = [
-        str(BIN / binary),
-        f"--nnodes={NNODES}",
-        f"--nproc-per-node={NPROC}",
+    rendezvous = (
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id={name}-{uuid.uuid4().hex[:8]}",
-        "--max-restarts=3",
-        str(EXAMPLE),
-        "--steps",
-        str(trial.steps),
-        "--ckpt-dir",
-        str(work / "ckpt"),
-        "--progress",
-        str(progress),
-        "--ckpt-every",
-        str(trial.ckpt_every),
-        "--step-time",
-        str(trial.step_time),
-    ]
+    )
+    command = _nodes.launcher_command(name, rendezvous, trial, work)
     victim_tree: set[int] = set()
     with Children(grace=5.0) as children:
         first = children.start(command, log=work / "nodeA.log", env=env)
         poll_until(lambda: listening(port), trial.startup_deadline, "node A to host the store", interval=0.05)
         second = children.start(command, log=work / "nodeB.log", env=env)
-
-        def at_kill_step() -> bool | None:
-            steps = {
-                e["rank"]
-                for e in read_events(progress)
-                if e["event"] == "step" and e["step"] >= trial.kill_step
-            }
-            return True if steps >= set(range(WORLD)) else None
-
-        poll_until(
-            lambda: True if read_events(progress) else None, trial.startup_deadline, "the job to start"
-        )
+        poll_until(_nodes.started(progress), trial.startup_deadline, "the job to start")
         spare = children.start(command, log=work / "spare.log", env=env)
         if name == "taskdrun":
             # taskdrun's spare says when it stands by; torchrun's is waiting once it has started.
@@ -150,45 +96,20 @@ def run_trial(name: str, fault: str, trial: Trial, work: Path) -> dict[str, Any]
                 trial.startup_deadline,
                 "the spare to stand by",
             )
-        poll_until(at_kill_step, trial.startup_deadline, "every rank to reach the kill step", interval=_POLL)
-        events = read_events(progress)
-        children.adopt(int(e["pid"]) for e in events)
-        rank0 = next(int(e["pid"]) for e in events if e["event"] == "start" and e["rank"] == 0)
+        events, rank0 = _nodes.reach_kill_step(children, trial, progress)
         if rank0 in descendants(second.pid):
             # taskdrun's controller is with group rank 0, which must survive here (the rank-0 case is
             # bench/rank0_bench.py's): the trial does not count.
             return {"launcher": name, "fault": fault, "recovered": False, "all_stepped": None, "valid": False}
         old = {int(e["pid"]) for e in events}
         t_fault = time.time()
-        victim_tree = signal_tree(second.pid, FAULTS[fault])
-        deadline = time.monotonic() + trial.recovery_deadline
-        stepped: dict[int, float] = {}
-        resumed: set[int] = set()
-        while time.monotonic() < deadline and len(stepped) < WORLD:
-            for e in read_events(progress):
-                if int(e["pid"]) in old:
-                    continue
-                if e["event"] == "resumed":
-                    resumed.add(int(e["step"]))
-                if e["event"] == "step" and e["rank"] not in stepped:
-                    stepped[e["rank"]] = float(e["time"])
-            time.sleep(_POLL)
-        final = read_events(progress)
-        seen = {int(e["pid"]) for e in final}
-        # Steps the old workers completed, whenever they noticed the fault, count as done.
-        last_step = max(e["step"] for e in final if e["event"] == "step" and int(e["pid"]) in old)
+        victim_tree = _nodes.signal_tree(second.pid, FAULTS[fault])
+        recovery = _nodes.wait_recovery(progress, old, trial.recovery_deadline)
+        seen = recovery.seen
         children.adopt(seen | victim_tree)
-        recovered = len(stepped) == WORLD
-        result = {
-            "launcher": name,
-            "fault": fault,
-            "valid": True,
-            "recovered": recovered,
-            "all_stepped": max(stepped.values()) - t_fault if recovered else None,
-            "steps_lost": last_step - min(resumed) if recovered and resumed else None,
-        }
+        result = {"launcher": name, "fault": fault, "valid": True, **_nodes.figures(recovery, t_fault)}
         if fault == "hang":
-            signal_tree(second.pid, signal.SIGCONT)  # so that Children's SIGTERM can end it
+            _nodes.signal_tree(second.pid, signal.SIGCONT)  # so that Children's SIGTERM can end it
     result["leftovers"] = sorted(
         pid for pid in seen | victim_tree | {p.pid for p in (first, second, spare)} if process_running(pid)
     )
@@ -233,34 +154,13 @@ def main() -> int:
     p.add_argument(
         "--repeats", type=int, default=3, help="trials per launcher and fault (default: %(default)s)"
     )
-    p.add_argument("--launchers", default="torchrun,taskdrun", help="comma separated (default: %(default)s)")
     p.add_argument("--faults", default="kill,hang", help="comma separated (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--ckpt-every", type=int, default=5)
-    p.add_argument("--kill-step", type=int, default=17)
-    p.add_argument("--step-time", type=float, default=0.05)
-    p.add_argument("--startup-deadline", type=float, default=180.0)
-    p.add_argument("--recovery-deadline", type=float, default=60.0)
-    p.add_argument("--keep", type=Path, default=None, help="keep the trials' logs here")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--log-level", default="INFO")
-    args = p.parse_args()
-    setup_logging(args.log_level)
-    exit_on_sigterm()
-    names = [n.strip() for n in args.launchers.split(",") if n.strip()]
+    _nodes.add_arguments(p, steps=600, recovery_deadline=60.0)
+    args, names = _nodes.parse(p)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
-    if any(n not in LAUNCHERS for n in names):
-        p.error(f"--launchers: choose from {', '.join(LAUNCHERS)}")
     if any(f not in FAULTS for f in faults):
         p.error(f"--faults: choose from {', '.join(FAULTS)}")
-    trial = Trial(
-        args.steps,
-        args.ckpt_every,
-        args.kill_step,
-        args.step_time,
-        args.startup_deadline,
-        args.recovery_deadline,
-    )
+    trial = _nodes.Trial(*_nodes.trial_values(args))
     root = args.keep or Path(tempfile.mkdtemp(prefix="nodeloss-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     load_before = load_average()
@@ -270,26 +170,12 @@ def main() -> int:
             for name in names:  # interleaved: both launchers see the same load
                 trials[fault][name].append(run_trial(name, fault, trial, root / f"{fault}-{name}-{i}"))
     results = {
-        fault: {name: summary([t for t in ts if t["valid"]]) for name, ts in by.items()}
+        fault: {name: _nodes.summary([t for t in ts if t["valid"]]) for name, ts in by.items()}
         for fault, by in trials.items()
     }
-    out = {
-        "machine": machine(),
-        "load_before": load_before,
-        "load_after": load_average(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "trial": asdict(trial),
-        "trials": trials,
-        "results": results,
-    }
-    write_json(args.json, out)
+    _nodes.write_results(args.json, trial, trials, results, load_before)
     print(report(results, args.recovery_deadline))
-    leftovers = [
-        pid for by in trials.values() for ts in by.values() for r in ts for pid in r.get("leftovers", [])
-    ]
-    if leftovers:
-        logger.error("processes left behind: %s", leftovers)
-    return 1 if leftovers else 0
+    return _nodes.exit_code(r for by in trials.values() for ts in by.values() for r in ts)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ timings), each as a child process writing JSON:
 13. ``slowrank_bench.py``: steps until a slow rank is named, false alarms, the cost of measuring work per step.
 14. ``snapshot_bench.py``: memory snapshots of FSDP2 every step against none and ``dcp.async_save`` to disk.
 15. ``nodeloss_bench.py``: a node (not the store's host) SIGKILLed or SIGSTOPped with a spare waiting, against torchrun.
+16. ``rank0_bench.py``: rank 0's node SIGKILLed with a spare waiting, on etcd, against torchrun.
 
 Then writes the Markdown report: the machine, versions, the exact command,
 the targets and each bench's section. The prose is in ``bench/templates/``
@@ -56,6 +57,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import _nodes
 import chaos_bench
 import detect_bench
 import failover_bench
@@ -65,6 +67,7 @@ import idle_bench
 import metrics_bench
 import mindspore_bench
 import nodeloss_bench
+import rank0_bench
 import recovery_bench
 import security_bench
 import signal_bench
@@ -206,6 +209,13 @@ STEPS = (
         ("--repeats", "3"),
         ("--repeats", "1"),
         1800.0,
+    ),
+    Step(
+        "rank0",
+        "rank0_bench.py",
+        ("--repeats", "3"),
+        ("--repeats", "1", "--spare-settle", "5"),
+        1200.0,
     ),
     Step(
         "snapshots",
@@ -1004,7 +1014,7 @@ def nodeloss_fields(data: dict[str, Any]) -> Rendered:
     trial, results = data["trial"], data["results"]
     repeats = max(len(ts) for by in data["trials"].values() for ts in by.values())
     fields: dict[str, Value] = {
-        "nproc": str(nodeloss_bench.NPROC),
+        "nproc": str(_nodes.NPROC),
         "kill_step": str(trial["kill_step"]),
         "step_ms": f"{trial['step_time'] * 1000:.0f}",
         "ckpt_every": str(trial["ckpt_every"]),
@@ -1033,6 +1043,47 @@ def nodeloss_fields(data: dict[str, Any]) -> Rendered:
                 "hung node (SIGSTOP of its tree), a spare waiting: every rank stepping ≤ 8 s after the stop",
                 f"{fmt(hung['median'])} s median, {hung['recovered']}/{hung['trials']} recovered",
                 _met(ok),
+            ]
+        )
+    return fields, rows
+
+
+def rank0_fields(data: dict[str, Any]) -> Rendered:
+    trial, results = data["trial"], data["results"]
+    taskd_trials = data["trials"].get("taskdrun", [])
+    led = [t["all_stepped"] for t in taskd_trials if t["recovered"] and t["victim_led"]]
+    other = [t["all_stepped"] for t in taskd_trials if t["recovered"] and not t["victim_led"]]
+    leader = trial["victim"] == "leader"
+    fields: dict[str, Value] = {
+        "nproc": str(_nodes.NPROC),
+        "spare_settle": f"{trial['spare_settle']:g}",
+        "kill_step": str(trial["kill_step"]),
+        "step_ms": f"{trial['step_time'] * 1000:.0f}",
+        "ckpt_every": str(trial["ckpt_every"]),
+        "victim": "the node whose controller replica leads (torchrun: rank 0's node)"
+        if leader
+        else "rank 0's node",
+        "deadline": f"{trial['recovery_deadline']:g}",
+        "repeats": str(max((len(ts) for ts in data["trials"].values()), default=0)),
+        "load_start": _loads(data["load_before"]),
+        "load_end": _loads(data["load_after"]),
+        "table": rank0_bench.report(results),
+        # Only a run with both cases says what the leading replica's loss costs.
+        "split": bool(led and other),
+        "led": str(len(led)),
+        "taskd_trials": str(len(taskd_trials)),
+        "led_times": ", ".join(fmt(t) for t in led),
+        "other_times": ", ".join(fmt(t) for t in other),
+    }
+    rows = []
+    taskd, peer = results.get("taskdrun", {}).get("median"), results.get("torchrun", {}).get("median")
+    if taskd is not None and peer is not None:
+        lost = "the leading replica's node" if leader else "rank 0's node"
+        rows.append(
+            [
+                f"{lost} lost (etcd), a spare waiting: kill → every rank stepping ≤ 0.1 × torchrun and ≤ 3 s",
+                f"{fmt(taskd)} s, {fmt(ratio(taskd, peer), 3)} × torchrun",
+                _met(taskd <= 3.0 and ratio(taskd, peer) <= 0.1),
             ]
         )
     return fields, rows
@@ -1113,6 +1164,7 @@ PARTS = (
     Part("slowrank", "slowrank", slowrank_fields),
     Part("snapshots", "snapshots", snapshot_fields),
     Part("nodeloss", "nodeloss", nodeloss_fields),
+    Part("rank0", "rank0", rank0_fields),
 )
 
 

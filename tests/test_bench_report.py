@@ -44,6 +44,7 @@ HEADINGS = [
     "## 13. Slow ranks: steps until a straggler is named, false alarms, cost of measuring",
     "## 14. Memory snapshots of sharded training: step-time cost, steps lost, copy bandwidth",
     "## 15. A whole node lost or hung, a spare waiting (c10d)",
+    "## 16. Rank 0's node lost, a spare waiting (etcd)",
 ]
 #: Words that state an outcome; a template may hold them only inside a block a renderer decides.
 OUTCOME_WORDS = re.compile(r"\b(met|missed|faster|slower|yes|NO|exceeded|within noise)\b")
@@ -203,6 +204,36 @@ def test_first_start_mindspore_and_failover_verdicts_follow_their_results(run_al
     assert "| failover_bench's scale part finishes | TimeoutError: the cycle over all agents" in text
     assert "Parts that did not finish (their targets have no figure in this run): scale: TimeoutError" in text
     assert "*Scale*" not in text
+
+
+def test_rank0_verdict_and_leader_note_follow_its_results(run_all: ModuleType) -> None:
+    data = samples(run_all)
+    rank0 = data["rank0"]
+    results, trials = rank0["results"], rank0["trials"]
+    taskd, peer = results["taskdrun"]["median"], results["torchrun"]["median"]
+    verdict = "met" if taskd <= 3.0 and taskd / peer <= 0.1 else "missed"
+    row = "| rank 0's node lost (etcd), a spare waiting: kill → every rank stepping ≤ 0.1 × torchrun and ≤ 3 s |"
+    assert f"{row} {taskd:.2f} s, {taskd / peer:.3f} × torchrun | {verdict} |" in render_all(run_all, data)
+
+    # Three taskdrun trials, the lost node leading the controller in two: 4.29 s and 4.74 s, else 1.38 s.
+    slow = copy.deepcopy(data)
+    template = trials["taskdrun"][0]
+    slow["rank0"]["trials"]["taskdrun"] = [
+        {**template, "recovered": True, "all_stepped": t, "victim_led": led}
+        for t, led in ((4.29, True), (1.38, False), (4.74, True))
+    ]
+    slow["rank0"]["results"]["taskdrun"] = {**results["taskdrun"], "median": 4.29}
+    slow["rank0"]["results"]["torchrun"] = {**results["torchrun"], "median": 22.80}
+    text = render_all(run_all, slow)
+    assert f"{row} 4.29 s, 0.188 × torchrun | missed |" in text
+    assert "leading controller replica in 2 of 3 trial(s) (4.29, 4.74 s)" in text
+    assert "In the other trial(s) (1.38 s)" in text
+    slow["rank0"]["results"]["taskdrun"]["median"] = 1.38
+    assert f"{row} 1.38 s, 0.061 × torchrun | met |" in render_all(run_all, slow)
+    # A run whose lost node never led says nothing about the leader's case.
+    for t in slow["rank0"]["trials"]["taskdrun"]:
+        t["victim_led"] = False
+    assert "leading controller replica in" not in render_all(run_all, slow)
 
 
 def test_templates_state_no_outcome_outside_the_blocks_renderers_decide(report: ModuleType) -> None:
