@@ -9,7 +9,7 @@ same command line on three launchers::
 
 The first two form the job; the third, started once the job trains, waits as
 a spare (torchrun: a node waiting for the next rendezvous round; taskdrun: a
-spare registered with the job's controller). When rank 0 logs step
+spare registered with the job's controller). When every rank has logged step
 ``--kill-step``, the whole process tree of the launcher whose workers include
 rank 0 is SIGKILLed at once (launcher, its fork server, its workers, and on
 taskdrun the controller replica it runs, the leader when it leads), as a
