@@ -232,9 +232,12 @@ def step_timer(seconds: float | None) -> Callable[[], contextlib.AbstractContext
     return lambda: timer.expires(after=seconds, scope="step")
 
 
-def hold(path: Path) -> None:
-    """Wait until ``path`` exists, alive (heartbeats) but not stepping."""
+def hold(path: Path, timeout: float = 600.0) -> None:
+    """Wait until ``path`` exists, alive (heartbeats) but not stepping; a test that died never makes it."""
+    deadline = time.monotonic() + timeout
     while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"--hold-file {path} did not appear within {timeout:.0f} s")
         worker.heartbeat()
         time.sleep(0.05)
 
