@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -113,12 +112,7 @@ def test_a_node_that_stops_sending_health_checks_is_declared_lost_when_a_spare_w
     ctl = start(node_lost_timeout=1.0)
     a, b, spare = job_of_two_and_a_spare(ctl, make_agent)
     # a and the spare stay heard from; b holds its stream open but says nothing (a stopped machine).
-    deadline = time.monotonic() + WAIT
-    while "node replaced" not in kinds(a):
-        assert time.monotonic() < deadline, "b was not declared lost"
-        a.stub.HealthCheck(a.info, timeout=WAIT)
-        spare.stub.HealthCheck(spare.info, timeout=WAIT)
-        time.sleep(0.2)
+    beating_until(lambda: "node replaced" in kinds(a), "b to be declared lost", a, spare)
     assert b.stream_end() is None  # the controller closed the stream it still held
     a.expect("stopTrain")
     events = a.job(events=200).events
@@ -141,6 +135,11 @@ def beat(*agents: RawAgent) -> None:
         agent.stub.HealthCheck(agent.info, timeout=WAIT)
 
 
+def beating_until(check: Callable[[], bool], what: str, *agents: RawAgent) -> None:
+    """Wait for ``check`` while ``agents`` keep sending health checks (the others stay silent)."""
+    wait_until(lambda: beat(*agents) or check(), what, WAIT, interval=0.2)
+
+
 def test_a_second_node_lost_while_the_first_is_replaced_with_no_spare_left_ends_the_job_with_the_reason(
     start, make_agent
 ) -> None:
@@ -151,11 +150,7 @@ def test_a_second_node_lost_while_the_first_is_replaced_with_no_spare_left_ends_
     a.expect("stopTrain")
     promoted(spare)
     c.cut()  # node 2, while node 1's replacement joins: no spare is left; found by its silence
-    deadline = time.monotonic() + WAIT
-    while "node given up" not in kinds(a):
-        assert time.monotonic() < deadline, "node 2 was not given up"
-        beat(a, spare)
-        time.sleep(0.2)
+    beating_until(lambda: "node given up" in kinds(a), "node 2 to be given up", a, spare)
     assert a.stopped().code == Code.OK and spare.stopped().code == Code.OK
     kill = next(s for s in iter(lambda: a.next_signal(), None) if s.signalType == "killMaster")
     assert "node-2" in kill.extraParams  # the job ends at once, saying which node it lost
@@ -171,11 +166,12 @@ def test_a_spare_that_dies_as_it_starts_is_replaced_by_the_next_spare(start, mak
     b.cut()
     a.expect("stopTrain")
     # spare-x (first by name) gets node 1 and dies before it subscribes: it sends nothing more.
-    deadline = time.monotonic() + WAIT
-    while not any(x.agentId == "spare-y" and x.nodeRank == 1 for x in a.job().agents):
-        assert time.monotonic() < deadline, "the second spare did not get node 1"
-        beat(a, second)
-        time.sleep(0.2)
+    beating_until(
+        lambda: any(x.agentId == "spare-y" and x.nodeRank == 1 for x in a.job().agents),
+        "the second spare to get node 1",
+        a,
+        second,
+    )
     replaced = [e.detail for e in a.job(events=200).events if e.kind == "node replaced"]
     assert len(replaced) == 2 and '"lost": "spare-x"' in replaced[1] and '"spare": "spare-y"' in replaced[1]
     assert first is not None
