@@ -233,6 +233,8 @@ class Snapshot:
     outcome: str = ""
     #: wall-clock starts of the cycles that still count against the budget.
     cycle_starts: list[float] = field(default_factory=list)
+    #: ranks whose node was replaced for slowness (once per rank: slow again, they are only reported).
+    slow_replaced: list[int] = field(default_factory=list)
 
 
 def brief(names: Iterable[str], most: int = 5) -> str:

@@ -236,7 +236,6 @@ class _Job:
         "peer",
         "sent",
         "slow",
-        "slow_replaced",
         "slow_waiting",
         "subscribers",
         "timer",
@@ -255,10 +254,9 @@ class _Job:
         self.inited = False
         self.machine = JobMachine(job_id, policy, self.agents, snapshot)
         self.subscribers: dict[str, Subscriber] = {}
-        #: the job's slow-rank detection, from its ranks' work per step (not persisted: it re-learns).
+        #: the job's slow-rank detection, from its ranks' work per step (not persisted: a window of
+        #: fresh reports rebuilds it; the ranks replaced for slowness are: ``snap.slow_replaced``).
         self.slow = SlowRankDetector(slow_rank_config(policy))
-        #: ranks whose node was replaced for slowness: slow again, they are reported, not bounced.
-        self.slow_replaced: set[int] = set()
         #: slow ranks the replace policy left for now (no spare ready, a recovery in flight), by rank.
         self.slow_waiting: dict[int, SlowRankFound] = {}
         self.timer: asyncio.TimerHandle | None = None
@@ -1089,7 +1087,7 @@ class Controller:
             }
             if act.node:
                 detail["node"] = act.node
-                job.slow_replaced.add(each.rank)
+                job.machine.snap.slow_replaced.append(each.rank)
                 drains.append((act.node, f"rank {each.rank} is {each.ratio:.2f}x slower than its peers"))
             elif act.transient:
                 job.slow_waiting[each.rank] = each
@@ -1110,7 +1108,7 @@ class Controller:
             job.machine.policy.slow_rank,
             rank,
             node,
-            replaced_before=rank in job.slow_replaced,
+            replaced_before=rank in job.machine.snap.slow_replaced,
             spare=self._spare_ready(job),
             idle=job.machine.state is State.IDLE,
         )
