@@ -113,7 +113,8 @@ class AgentInfo:
     last_seen: float = 0.0
     #: hang-detection timeouts the agent last reported (not persisted: the next HealthCheck resends it).
     progress: str = ""
-    #: the spare that took this lost node's place; the agent is fenced from then on (not persisted).
+    #: the spare that took this lost node's place; the agent is fenced from then on (persisted, so
+    #: a restarted controller or a new leader fences it too).
     replaced_by: str = ""
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -277,6 +277,19 @@ class _Job:
     @property
     def job_id(self) -> str:
         return self.machine.job_id
+
+
+def _changed_by_loss(job: _Job, lost: AgentInfo) -> Iterator[AgentInfo]:
+    """The agents a node loss changes, written with it: the fenced node and the spare in its place.
+
+    A generator on purpose: :meth:`Controller._apply` reads it only once the machine decided.
+    Persisting the fence is what keeps a replaced node refused by a restarted controller or a new
+    leader.
+    """
+    yield lost
+    spare = job.agents.get(lost.replaced_by) if lost.replaced_by else None
+    if spare is not None:
+        yield spare
 
 
 class Controller:
@@ -1042,7 +1055,7 @@ class Controller:
         sub = job.subscribers.pop(agent_id, None)
         if sub is not None:
             sub.close()
-        self._spawn(self._apply(job, AgentLost(agent_id, why)))
+        self._spawn(self._apply(job, AgentLost(agent_id, why), _changed_by_loss(job, agent)))
 
     def _slow_ranks(
         self, job: _Job, agent: str, found: Sequence[SlowRankFound], entries: list[JournalEntry]
