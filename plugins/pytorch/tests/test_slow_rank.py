@@ -125,13 +125,13 @@ def test_a_rank_that_works_longer_than_its_peers_is_named_with_its_evidence(
     )
     found = [e.detail for e in journal if e.kind == "slow-rank"]
     assert [d["ranks"] for d in found] == [[2]], found
-    (detail,) = found
+    ((detail, evidence),) = [(d, e) for d in found for e in d["evidence"]]
     pids = {e["rank"]: e["pid"] for e in progress if e["event"] == "start"}
-    assert detail["pid"] == pids[2]
-    assert sorted(detail["peers"]) == ["0", "1", "3"] and detail["ratio"] >= 1.6
-    assert detail["work_per_step"] >= 1.6 * detail["peer_median"]
+    assert evidence["pid"] == pids[2]
+    assert sorted(evidence["peers"]) == ["0", "1", "3"] and evidence["ratio"] >= 1.6
+    assert evidence["work_per_step"] >= 1.6 * evidence["peer_median"]
     # Found from the steps after the slowdown began, within the window and its hold.
-    assert 15 < detail["since_step"] <= detail["step"] <= 15 + 20 + 10
+    assert 15 < evidence["since_step"] <= detail["step"] <= 15 + 20 + 10
     # Nothing else happened to the job: no fault, no restart.
     assert not [e for e in journal if e.kind == "fault"]
     assert {e["restart"] for e in progress} == {0}
@@ -167,10 +167,10 @@ def test_with_replace_a_slow_ranks_node_is_drained_onto_the_spare_and_not_taken_
         return slow if any(d["action"] == "replace" for d in slow) else None
 
     slow = wait_until(replaced, "rank 3's node to be replaced", REPLACE_WAIT)
-    assert [(d["rank"], d["node"]) for d in slow if d["action"] == "replace"] == [(3, "node-1")], slow
+    assert [(d["ranks"], d["node"]) for d in slow if d["action"] == "replace"] == [([3], "node-1")], slow
     # Found before the spare stood by (a loaded machine starts it late), it was reported first; found
     # after, it was replaced at once.
-    assert [(d["rank"], d["action"]) for d in slow] in ([(3, "warn"), (3, "replace")], [(3, "replace")]), slow
+    assert [(d["ranks"], d["action"]) for d in slow] in ([([3], "warn"), ([3], "replace")], [([3], "replace")]), slow
     assert all(d["reason"] == "no hot spare stands by (yet)" for d in slow[:-1])
     assert node1.wait(timeout=REPLACE_WAIT) == 1, job.log(1)[-3000:]
     assert "was declared lost and spare" in job.log(1)
