@@ -111,11 +111,17 @@ def test_a_lost_node_is_replaced_live_by_the_spare_and_no_committed_step_is_lost
         script="train_live.py",
         env=TOKEN,
         steps=STEPS,  # the fault-free run's job
-        hold_at=STEPS // 2,
+        hold_at=STEPS // 2,  # the ranks wait there until the node is lost
     )
     node0, node1, spare = start_nodes(job)
     before = starts(job)
-    held = max(int(e["step"]) for e in events(job.progress) if e["event"] == "step")
+    held = STEPS // 2
+    wait_until(
+        lambda: {e["rank"] for e in events(job.progress) if e["event"] == "step" and e["step"] == held}
+        == {0, 1, 2, 3},
+        f"every rank to hold after step {held}",
+        WAIT,
+    )
     tree = {node1.pid, *descendants(node1.pid)}
     if loss == "killed":
         kill_tree(node1.pid)
