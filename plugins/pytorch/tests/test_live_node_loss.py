@@ -157,3 +157,31 @@ def test_a_lost_node_is_replaced_live_by_the_spare_and_no_committed_step_is_lost
     if loss == "hung":
         assert "was declared lost and spare" in job.log(1)
     no_leftovers(job, tree)
+
+
+def test_a_slow_ranks_node_replaced_by_the_spare_loses_no_committed_step(launch: Launcher, tmp_path: Path) -> None:
+    """``--taskd-slow-rank replace``: rank 3 slows down on its first life, node 1 is drained onto the
+    spare through the lost-node path, live: the survivors never restart nor run a committed step again."""
+    job = Job(launch, tmp_path / "slow", "--taskd-slow-rank", "replace", script="train_live.py", env=TOKEN)
+    job.argv[job.argv.index("--steps") + 1] = "80"
+    job.argv += ["--slow-rank", "3", "--slow-from", "10", "--slow-step-time", "0.4"]
+    node0, node1, spare = start_nodes(job)  # the ranks hold before step 30 until released
+    before = starts(job)
+    job.release()  # the spare stands by now: rank 3, still slow, is replaced with the next reports
+    assert node0.wait(timeout=WAIT) == 0, job.log(0)[-3000:]
+    assert spare.wait(timeout=WAIT) == 0, job.log(2)[-3000:]
+    assert node1.wait(timeout=WAIT) == 1, job.log(1)[-3000:]
+    assert "was declared lost and spare" in job.log(1)
+    assert json.loads(job.result.read_text())["steps"] == 80
+    after = starts(job)
+    assert {r: after[r] for r in (0, 1)} == {r: before[r] for r in (0, 1)}
+    progress = events(job.progress)
+    for rank in (0, 1):
+        done = [e["step"] for e in progress if e["rank"] == rank and e["event"] == "step"]
+        assert done == list(range(1, 81)), f"rank {rank} ran a committed step again: {done}"
+    old = {before[2], before[3]}
+    reached = max(e["step"] for e in progress if e["event"] == "step" and int(e["pid"]) in old)
+    resumed = sorted((e["rank"], e["step"]) for e in progress if e["event"] == "resumed")
+    # The spare's ranks go on from the survivors' committed step, which the old ranks reached too.
+    assert [rank for rank, _ in resumed] == [2, 3] and resumed[0][1] == resumed[1][1] >= reached, resumed
+    no_leftovers(job, {node1.pid})
