@@ -65,6 +65,14 @@ class SnapshotWriter(StorageWriter, AsyncStager):
         # Not kept: nothing will read the tensors, DCP's planning only looks at their shapes.
         return state_dict if self._slot is None else stage(self._slot, state_dict)
 
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` returns once the copy is complete."""
+        return None  # a body: AsyncStager's empty ones count as abstract
+
+    def close(self) -> None:
+        """Nothing to release: the snapshot's mapping goes with the last of its tensors."""
+        return None
+
     def _reserve(self, size: int) -> Slot | None:
         """This snapshot's slot, or None (and one warning) when it does not fit."""
         place = self._place
