@@ -234,15 +234,12 @@ class Snapshot:
     outcome: str = ""
     #: wall-clock starts of the cycles that still count against the budget.
     cycle_starts: list[float] = field(default_factory=list)
-<<<<<<< HEAD
+    #: ranks whose node was replaced for slowness (once per rank: slow again, they are only reported).
+    slow_replaced: list[int] = field(default_factory=list)
     #: the job's nodes since it last shrank (0: it never did; the policy's ``expected_agents`` count).
     nodes: int = 0
     #: the :class:`~taskd_core.models.Resize` the cycle's ``recover`` carries (encoded), until it succeeds.
     resize: str = ""
-=======
-    #: ranks whose node was replaced for slowness (once per rank: slow again, they are only reported).
-    slow_replaced: list[int] = field(default_factory=list)
->>>>>>> main
 
 
 def brief(names: Iterable[str], most: int = 5) -> str:
