@@ -56,7 +56,7 @@ from taskd_core.controller.machine import (
     State,
     brief,
 )
-from taskd_core.controller.membership import is_node, ready_spares
+from taskd_core.controller.membership import SHRUNK, is_node, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
 from taskd_core.controller.slowrank import (
@@ -1128,10 +1128,15 @@ class Controller:
     def _check_fence(job: _Job, agent: AgentInfo) -> None:
         """Refuse a node a spare replaced: it must neither train nor steer the job any more."""
         if agent.replaced_by:
+            taken = (
+                "the job shrank without it"
+                if agent.replaced_by == SHRUNK
+                else f"spare {agent.replaced_by!r} took its place"
+            )
             raise RequestRejected(
                 Code.NODE_REPLACED,
                 f"jobId={job.job_id}: agent {agent.agent_id!r} (node rank {agent.node_rank}) was declared "
-                f"lost and spare {agent.replaced_by!r} took its place; this node must stop its workers "
+                f"lost and {taken}; this node must stop its workers "
                 "and end (start it again with the job's command line to stand by as a spare)",
             )
 

@@ -89,7 +89,8 @@ class PeerClient:
             send_header(stream, {"seal": asdict(seal), "sizes": [len(v) for v in views]})
             stream.send(meta)
             stream.send_buffers(views)
-            _answer(stream, f"the keeper at {address} refused rank {seal.rank}'s step {seal.step}")
+            # No step in the words: a refusal repeated every step reads the same (and is said once).
+            _answer(stream, f"the keeper at {address} refused a copy of rank {seal.rank}")
 
     def get(self, address: str, rank: int, step: int) -> Snapshot:
         """``rank``'s snapshot of ``step`` from the keeper at ``address``, verified.
