@@ -56,7 +56,7 @@ from taskd_core.controller.machine import (
     State,
     brief,
 )
-from taskd_core.controller.membership import SHRUNK, is_node, ready_spares
+from taskd_core.controller.membership import SHRUNK, is_node, is_spare, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
 from taskd_core.controller.slowrank import (
@@ -374,7 +374,9 @@ class Controller:
         grace = min(self._stream_grace, TAKEOVER_GRACE) if spare else self._stream_grace
         loop = asyncio.get_running_loop()
         for agent in job.agents.values():
-            if agent.exit_code is not None:
+            # A spare standing by holds no stream (its HealthChecks say it is there); a timer of its
+            # own would fire on it once promoted, before it could subscribe as the node.
+            if agent.exit_code is not None or is_spare(agent):
                 continue
             if spare and agent.agent_id in departed:
                 why = "it ran in the previous leader's process, which a standby found gone"
