@@ -113,7 +113,8 @@ class AgentInfo:
     last_seen: float = 0.0
     #: hang-detection timeouts the agent last reported (not persisted: the next HealthCheck resends it).
     progress: str = ""
-    #: the spare that took this lost node's place; the agent is fenced from then on (not persisted).
+    #: the spare that took this lost node's place; the agent is fenced from then on (persisted, so
+    #: a restarted controller or a new leader fences it too).
     replaced_by: str = ""
 
 
@@ -232,6 +233,8 @@ class Snapshot:
     outcome: str = ""
     #: wall-clock starts of the cycles that still count against the budget.
     cycle_starts: list[float] = field(default_factory=list)
+    #: ranks whose node was replaced for slowness (once per rank: slow again, they are only reported).
+    slow_replaced: list[int] = field(default_factory=list)
 
 
 def brief(names: Iterable[str], most: int = 5) -> str:

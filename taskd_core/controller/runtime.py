@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -236,7 +236,6 @@ class _Job:
         "peer",
         "sent",
         "slow",
-        "slow_replaced",
         "slow_waiting",
         "subscribers",
         "timer",
@@ -255,10 +254,9 @@ class _Job:
         self.inited = False
         self.machine = JobMachine(job_id, policy, self.agents, snapshot)
         self.subscribers: dict[str, Subscriber] = {}
-        #: the job's slow-rank detection, from its ranks' work per step (not persisted: it re-learns).
+        #: the job's slow-rank detection, from its ranks' work per step (not persisted: a window of
+        #: fresh reports rebuilds it; the ranks replaced for slowness are: ``snap.slow_replaced``).
         self.slow = SlowRankDetector(slow_rank_config(policy))
-        #: ranks whose node was replaced for slowness: slow again, they are reported, not bounced.
-        self.slow_replaced: set[int] = set()
         #: slow ranks the replace policy left for now (no spare ready, a recovery in flight), by rank.
         self.slow_waiting: dict[int, SlowRankFound] = {}
         self.timer: asyncio.TimerHandle | None = None
@@ -271,6 +269,19 @@ class _Job:
     @property
     def job_id(self) -> str:
         return self.machine.job_id
+
+
+def _changed_by_loss(job: _Job, lost: AgentInfo) -> Iterator[AgentInfo]:
+    """The agents a node loss changes, written with it: the fenced node and the spare in its place.
+
+    A generator on purpose: :meth:`Controller._apply` reads it only once the machine decided.
+    Persisting the fence is what keeps a replaced node refused by a restarted controller or a new
+    leader.
+    """
+    yield lost
+    spare = job.agents.get(lost.replaced_by) if lost.replaced_by else None
+    if spare is not None:
+        yield spare
 
 
 class Controller:
@@ -1036,7 +1047,7 @@ class Controller:
         sub = job.subscribers.pop(agent_id, None)
         if sub is not None:
             sub.close()
-        self._spawn(self._apply(job, AgentLost(agent_id, why)))
+        self._spawn(self._apply(job, AgentLost(agent_id, why), _changed_by_loss(job, agent)))
 
     def _slow_ranks(
         self, job: _Job, agent: str, found: Sequence[SlowRankFound], entries: list[JournalEntry]
@@ -1076,7 +1087,7 @@ class Controller:
             }
             if act.node:
                 detail["node"] = act.node
-                job.slow_replaced.add(each.rank)
+                job.machine.snap.slow_replaced.append(each.rank)
                 drains.append((act.node, f"rank {each.rank} is {each.ratio:.2f}x slower than its peers"))
             elif act.transient:
                 job.slow_waiting[each.rank] = each
@@ -1097,7 +1108,7 @@ class Controller:
             job.machine.policy.slow_rank,
             rank,
             node,
-            replaced_before=rank in job.slow_replaced,
+            replaced_before=rank in job.machine.snap.slow_replaced,
             spare=self._spare_ready(job),
             idle=job.machine.state is State.IDLE,
         )

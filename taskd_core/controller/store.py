@@ -102,6 +102,7 @@ def snapshot_to_dict(snap: Snapshot) -> dict[str, Any]:
         "last_signal": _signal_to_dict(snap.last_signal) if snap.last_signal else None,
         "outcome": snap.outcome,
         "cycle_starts": list(snap.cycle_starts),
+        "slow_replaced": list(snap.slow_replaced),
     }
 
 
@@ -127,6 +128,7 @@ def snapshot_from_dict(data: Mapping[str, Any]) -> Snapshot:
         outcome=data["outcome"],
         # Absent from state written before the budget window existed.
         cycle_starts=[float(t) for t in data.get("cycle_starts", ())],
+        slow_replaced=[int(r) for r in data.get("slow_replaced", ())],
     )
 
 

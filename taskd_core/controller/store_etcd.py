@@ -336,6 +336,8 @@ class EtcdStore:
                         ranks,
                         a["exit_code"],
                         float(a["last_seen"]),
+                        # Absent from agents written before replaced nodes were kept.
+                        replaced_by=str(a.get("replaced_by", "")),
                     )
                 )
             except (ValueError, TypeError, KeyError) as exc:
@@ -439,6 +441,7 @@ class EtcdStore:
                 "rank_ids": list(a.rank_ids),
                 "exit_code": a.exit_code,
                 "last_seen": a.last_seen,
+                "replaced_by": a.replaced_by,
             }
         )
 

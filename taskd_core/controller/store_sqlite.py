@@ -67,6 +67,7 @@ CREATE TABLE IF NOT EXISTS agents (
     rank_ids  TEXT NOT NULL,
     exit_code INTEGER,
     last_seen REAL NOT NULL,
+    replaced_by TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (job_id, agent_id)
 );
 CREATE TABLE IF NOT EXISTS events (
@@ -119,6 +120,9 @@ class SqliteStore:
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(claims)")}
             if "since" not in columns:  # a state file written before claims had a start
                 self._db.execute("ALTER TABLE claims ADD COLUMN since REAL NOT NULL DEFAULT 0")
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(agents)")}
+            if "replaced_by" not in columns:  # a state file written before replaced nodes were kept
+                self._db.execute("ALTER TABLE agents ADD COLUMN replaced_by TEXT NOT NULL DEFAULT ''")
             # Counted once; commits keep it up to date (a count(*) per scrape would grow with the journal).
             self._entries: int = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
         except sqlite3.Error as exc:
@@ -144,13 +148,31 @@ class SqliteStore:
     def _load(self) -> list[StoredJob]:
         agents: dict[str, list[AgentInfo]] = {}
         damaged: dict[str, str] = {}
-        for job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen in self._db.execute(
-            "SELECT job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen FROM agents"
+        for (
+            job_id,
+            agent_id,
+            role,
+            node_rank,
+            rank_ids,
+            exit_code,
+            last_seen,
+            replaced_by,
+        ) in self._db.execute(
+            "SELECT job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen, replaced_by"
+            " FROM agents"
         ):
             try:
                 ranks = tuple(int(r) for r in json.loads(rank_ids))
                 agents.setdefault(job_id, []).append(
-                    AgentInfo(str(agent_id), str(role), node_rank, ranks, exit_code, float(last_seen))
+                    AgentInfo(
+                        str(agent_id),
+                        str(role),
+                        node_rank,
+                        ranks,
+                        exit_code,
+                        float(last_seen),
+                        replaced_by=str(replaced_by),
+                    )
                 )
             except (ValueError, TypeError) as exc:
                 damaged[job_id] = f"agent {agent_id!r}: {exc}"
@@ -226,8 +248,8 @@ class SqliteStore:
             )
             self._db.executemany(
                 "INSERT OR REPLACE INTO agents"
-                " (job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                " (job_id, agent_id, role, node_rank, rank_ids, exit_code, last_seen, replaced_by)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [
                     (
                         row.job_id,
@@ -237,6 +259,7 @@ class SqliteStore:
                         json.dumps(list(a.rank_ids)),
                         a.exit_code,
                         a.last_seen,
+                        a.replaced_by,
                     )
                     for a in agents
                 ],

@@ -27,6 +27,22 @@ def test_a_state_file_that_is_not_sqlite_is_a_config_error(tmp_path):
         Store(str(bad)).load()
 
 
+def test_a_state_file_from_before_fences_were_stored_loads_with_no_node_fenced(tmp_path):
+    path = str(tmp_path / "old.db")
+    old = sqlite3.connect(path)
+    old.execute(
+        "CREATE TABLE agents (job_id TEXT NOT NULL, agent_id TEXT NOT NULL, role TEXT NOT NULL, node_rank INTEGER,"
+        " rank_ids TEXT NOT NULL, exit_code INTEGER, last_seen REAL NOT NULL, PRIMARY KEY (job_id, agent_id))"
+    )
+    old.execute("INSERT INTO agents VALUES (?, 'n0', 'taskd', 0, '[0, 1]', NULL, 3.0)", (JOB,))
+    old.commit()
+    old.close()
+    store = Store(path)
+    store.commit(JobRow(JOB, True, {}, snapshot_to_dict(Snapshot())), now=4.0)
+    (job,) = store.load()
+    assert [(a.agent_id, a.rank_ids, a.replaced_by) for a in job.agents] == [("n0", (0, 1), "")]
+
+
 def test_a_restarted_controller_resumes_the_cycle_and_re_arms_its_deadline(
     controller_factory, make_agent, state_url
 ):

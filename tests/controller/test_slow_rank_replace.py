@@ -102,3 +102,38 @@ def test_without_a_spare_the_slow_rank_is_reported_and_replaced_once_a_spare_sta
     later = slow_events(a)[1:]
     assert [(d["rank"], d["action"], d["node"]) for d in later] == [(3, "replace", "node-1")]
     assert "node replaced" in [e.kind for e in a.job(events=500).events]
+
+
+def test_a_restarted_controller_remembers_the_rank_it_replaced_and_only_reports_it_when_slow_again(
+    controller_factory: Callable[..., EmbeddedController],
+    make_agent: Callable[..., RawAgent],
+    state_url: str,
+) -> None:
+    """The detector's windows are rebuilt from fresh reports; "replaced once" is stored with the job."""
+    policy = {"report_timeout": NEVER, "expected_agents": 2, "slow_rank": SlowRankPolicy.REPLACE}
+    ctl = controller_factory(state=state_url, **policy)
+    a = make_agent(ctl.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+    b = make_agent(ctl.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
+    spare = make_agent(ctl.address, JOB, agent_id="spare-x", role=SPARE_ROLE)
+    assert spare.stub.Init(spare.info, timeout=WAIT).code == 0
+    assert spare.stub.Register(spare.info, timeout=WAIT).code == 0
+    for end in range(5, 101, 5):
+        report_work(a, {0: (10, 0.1), 1: (11, 0.1)}, range(end, end + 1))
+        if report_work(b, {2: (12, 0.1), 3: (13, 0.3)}, range(end, end + 1)) != [Code.OK]:
+            break  # replaced and fenced
+    assert [(d["ranks"], d["action"]) for d in slow_events(a)] == [([3], "replace")]
+    promoted(spare)
+    ctl.stop()  # on etcd: a leader change, the next replica loads what the last one wrote
+    ctl = controller_factory(state=state_url, **policy)
+    a = make_agent(ctl.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+    again = make_agent(ctl.address, JOB, agent_id="spare-x", node_rank=1, rank_ids=(2, 3)).join()
+    # A second spare stands by: only the memory of the first replacement keeps rank 3 where it is.
+    other = make_agent(ctl.address, JOB, agent_id="spare-y", role=SPARE_ROLE)
+    assert other.stub.Init(other.info, timeout=WAIT).code == 0
+    assert other.stub.Register(other.info, timeout=WAIT).code == 0
+    for end in range(105, 201, 5):
+        assert report_work(a, {0: (20, 0.1), 1: (21, 0.1)}, range(end, end + 1)) == [Code.OK]
+        assert report_work(again, {2: (22, 0.1), 3: (23, 0.3)}, range(end, end + 1)) == [Code.OK]
+    second = slow_events(a)[1:]
+    assert [(d["ranks"], d["action"]) for d in second] == [([3], "warn")], second
+    assert "replaced once already: reported, not bounced" in str(second[0]["reason"])

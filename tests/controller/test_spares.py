@@ -21,7 +21,9 @@ NEVER = 3600.0
 def start() -> Iterator[Callable[..., EmbeddedController]]:
     started: list[EmbeddedController] = []
 
-    def make(node_lost_timeout: float = 5.0, spare_wait: float = 0.0) -> EmbeddedController:
+    def make(
+        node_lost_timeout: float = 5.0, spare_wait: float = 0.0, state: str = ":memory:"
+    ) -> EmbeddedController:
         policy = dataclasses.replace(
             TEST_POLICY,
             report_timeout=NEVER,
@@ -31,7 +33,7 @@ def start() -> Iterator[Callable[..., EmbeddedController]]:
         )
         # Streams closed with no spare ready count as lost after this grace (0.5 s with one).
         ctl = EmbeddedController(
-            defaults=policy, keepalive_interval=0.5, stream_grace=1.0 if spare_wait else NEVER
+            state=state, defaults=policy, keepalive_interval=0.5, stream_grace=1.0 if spare_wait else NEVER
         )
         started.append(ctl)
         return ctl
@@ -104,6 +106,34 @@ def test_the_replaced_agent_is_fenced_with_a_clear_reason(start, make_agent) -> 
     refused = b.stream_end()
     assert refused is not None and refused.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "was declared lost" in (refused.details() or "")
+
+
+def test_the_fence_outlives_the_controller_a_restart_from_its_state_or_a_new_leader_still_refuses(
+    start, make_agent, state_url
+) -> None:
+    ctl = start(state=state_url)
+    a, b, spare = job_of_two_and_a_spare(ctl, make_agent)
+    b.cut()
+    wait_until(
+        lambda: any(x.agentId == "spare-x" and x.nodeRank == 1 for x in a.job().agents),
+        "the spare to get node rank 1",
+        WAIT,
+    )
+    # SQLite: the same state file, a new controller; etcd: the leader gives up its lease, a new one leads.
+    ctl.stop()
+    ctl = start(state=state_url)
+    agents = {x.agentId: x for x in make_agent(ctl.address, JOB).job().agents}
+    assert agents["spare-x"].nodeRank == 1  # the replacement was stored, not only the fence
+    stale = make_agent(ctl.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3))
+    refused = stale.stub.Register(stale.info, timeout=WAIT)
+    assert refused.code == Code.NODE_REPLACED and "spare 'spare-x' took its place" in refused.info
+    stale.subscribe()
+    end = stale.stream_end()
+    assert end is not None and end.code() == grpc.StatusCode.PERMISSION_DENIED
+    # The job's other node and the promoted spare go on with the new controller.
+    node0 = make_agent(ctl.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1))
+    assert node0.stub.Register(node0.info, timeout=WAIT).code == Code.OK
+    promoted(make_agent(ctl.address, JOB, agent_id="spare-x", role=SPARE_ROLE))
 
 
 def test_a_node_that_stops_sending_health_checks_is_declared_lost_when_a_spare_waits(

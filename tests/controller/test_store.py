@@ -66,15 +66,17 @@ async def raw_put(state: str, key: bytes, value: bytes) -> None:
 def test_jobs_agents_and_the_journal_round_trip(state_url: str) -> None:
     row = JobRow(JOB, True, {"max_cycles": 2}, snapshot_to_dict(Snapshot(cycle=3)), Claim("d1g3st", "launch-1"))
     agent = AgentInfo("n0", "taskd", 0, (0, 1), None, 4.0)
+    fenced = AgentInfo("n1", "taskd", 1, (2, 3), None, 4.0, replaced_by="spare-x")
 
     async def body() -> None:
         async with opened(state_url) as store:
-            await store.write(Commit(row, (JournalEntry("a", 0, {"x": 1}), JournalEntry("b", 1, {})), (agent,), 5.0))
+            entries = (JournalEntry("a", 0, {"x": 1}), JournalEntry("b", 1, {}))
+            await store.write(Commit(row, entries, (agent, fenced), 5.0))
             await store.write(Commit(row, (JournalEntry("c", 1, {}),), (), 6.0))
             await store.write(Commit(JobRow("other", False, {}, {}), (JournalEntry("o", 0, {}),), (), 7.0))
         async with opened(state_url) as again:
             jobs = {j.row.job_id: j for j in await again.load()}
-            assert jobs[JOB].row == row and jobs[JOB].agents == (agent,)
+            assert jobs[JOB].row == row and sorted(jobs[JOB].agents, key=lambda a: a.agent_id) == [agent, fenced]
             assert jobs["other"].agents == ()
             assert [e.kind for e in await again.events(JOB, 2)] == ["b", "c"]
             everything = await again.events(JOB, 100)

@@ -9,6 +9,8 @@ from datetime import timedelta
 import pytest
 import torch
 
+from taskd_core.errors import ConfigError
+from taskd_pytorch.live import LiveSession
 from taskd_pytorch.live._session import PeerLost, _peer_failure, _RoundWatch
 
 DEADLINE = 10.0
@@ -75,7 +77,9 @@ def test_a_finished_collective_completes_ddps_future_with_the_bucket(watch: _Rou
     assert watch.abandon("leaving") == []
 
 
-def test_a_collective_that_completes_as_a_slice_runs_out_is_not_taken_for_a_timeout(watch: _RoundWatch) -> None:
+def test_a_collective_that_completes_as_a_slice_runs_out_is_not_taken_for_a_timeout(
+    watch: _RoundWatch,
+) -> None:
     work, bucket = FakeWork(completes_as_the_slice_ends=True), torch.ones(2)
 
     future = watch.watch(work, bucket, rank=0)  # type: ignore[arg-type]
@@ -129,3 +133,18 @@ def test_a_collective_past_its_deadline_fails_as_a_lost_peer(rounds: Rounds) -> 
         assert _peer_failure(RuntimeError(f"Unable to cast {caught.value} to Tensor"))
     finally:
         watch.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"sharded": True, "model": torch.nn.Linear(2, 2)}, "sharded=True and replicated state (model)"),
+        ({"sharded": True, "snapshot_every": -1}, "snapshot_every must be a whole number of steps"),
+        ({"sharded": True, "snapshot_every": 1.5}, "snapshot_every must be a whole number of steps"),
+        ({"snapshot_every": 2}, "snapshot_every is for sharded state (sharded=True)"),
+    ],
+)
+def test_a_session_is_either_replicated_or_sharded_and_says_so(kwargs: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        LiveSession(**kwargs)  # type: ignore[arg-type]
+    assert says in str(caught.value)

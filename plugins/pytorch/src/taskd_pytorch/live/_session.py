@@ -14,6 +14,7 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,12 @@ from taskd_pytorch.live._state import (
     state_key,
 )
 from taskd_pytorch.live._work import WorkClock
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.storage import StorageReader
+
+    from taskd_pytorch.live._snapshots import SnapshotLoop, State
+    from taskd_pytorch.snapshot import Source
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,12 @@ class LiveSession:
         agent to announce the next round before it gives up and exits.
     :param heartbeat: every committed step is a heartbeat for the node agent's
         hang detection (:mod:`taskd_core.worker`); turn it off to report progress yourself.
+    :param sharded: the state is sharded (FSDP2, ZeRO), so no replica holds
+        a lost rank's part: it is snapshotted to the node keeper's memory
+        instead (:meth:`restore`), and a lost rank is recovered by a restart of
+        every rank from the newest snapshot every rank can get.
+    :param snapshot_every: with ``sharded``: a snapshot every this many
+        committed steps (0: none, the script's disk checkpoints only).
     :param state: the job's replicated state by name: modules, optimizers,
         schedulers, tensors and lists of tensors. A replacement rank receives
         all of it, plus the step counter, from a live replica.
@@ -79,10 +92,13 @@ class LiveSession:
         collective_timeout: float = 300.0,
         rejoin_timeout: float = 300.0,
         heartbeat: bool = True,
+        sharded: bool = False,
+        snapshot_every: int = 1,
         **state: object,
     ) -> None:
         for name, obj in state.items():
             check_registrable(name, obj)
+        _check_sharding(sharded, snapshot_every, state)
         self._state = state
         self._backend = backend
         self._collective_timeout = timedelta(seconds=collective_timeout)
@@ -114,6 +130,13 @@ class LiveSession:
         self._ddp_waits = _RoundWatch(self._new_round, self._collective_timeout, self._work)
         #: groups left with collectives pending: freeing one waits for them, so it is kept until they end.
         self._abandoned: list[tuple[object, list[dist.Work]]] = []
+        #: sharded state's snapshots (None: replicated state, handed over live).
+        self._snapshots: SnapshotLoop | None = None
+        if sharded:
+            # Here, not at the top: DCP's import (about a second) only for the scripts that snapshot.
+            from taskd_pytorch.live._snapshots import SnapshotLoop
+
+            self._snapshots = SnapshotLoop(self.rank, snapshot_every)
 
     # --- the loop ------------------------------------------------------------------
 
@@ -127,9 +150,49 @@ class LiveSession:
         first = self._first_round()
         if first is not None:
             self._join(first, fresh=True)
-            # Where this process resumed; the agent journals it, and the steps a fault cost follow from it.
-            worker.resumed(self.step)
+            if self._snapshots is None:
+                # Where this process resumed (the agent journals it; the steps a fault cost follow from it).
+                worker.resumed(self.step)
         return self.step
+
+    def restore(
+        self,
+        state: Callable[[int], State],
+        load: Callable[[State], int],
+        fallback: Callable[[], StorageReader | None] | None = None,
+    ) -> int:
+        """Sharded state: every rank loads the newest step all of them can get; returns it.
+
+        Call it once after :meth:`start`, with the model sharded on the
+        session's group. ``state(step)`` gives what DCP saves (the
+        ``get_state_dict`` dictionaries and the step), ``load(state)`` puts a
+        loaded one in place and returns its step, ``fallback()`` the disk
+        checkpoint's reader (None: none). The restore is collective: the ranks
+        agree on one step, found in their own node's memory, else in a peer's
+        copy, else on disk (:attr:`restored_from` says which); from then on
+        every ``snapshot_every``-th committed step is snapshotted. Without a
+        node keeper (plain ``torchrun``, ``--taskd-no-snapshots``) it says so
+        once and restores from ``fallback()`` only.
+        """
+        if self._snapshots is None:
+            raise ConfigError(
+                "LiveSession.restore() is for sharded state: make the session with sharded=True"
+            )
+        if self.round < 0:
+            raise ConfigError("call LiveSession.start() before LiveSession.restore()")
+        self.step = self._snapshots.restore(state, load, fallback, self.step)
+        worker.resumed(self.step)
+        return self.step
+
+    @property
+    def restored_from(self) -> Source | None:
+        """Where :meth:`restore` took the state from (``Source.NONE``: nothing; None: replicated state)."""
+        return self._snapshots.source if self._snapshots is not None else None
+
+    @property
+    def snapshot_wait(self) -> float:
+        """Seconds the steps waited for their snapshots to complete."""
+        return self._snapshots.waited if self._snapshots is not None else 0.0
 
     def steps(self, stop: int) -> Iterator[LiveStep]:
         """One :class:`LiveStep` per step until ``stop`` steps are committed; a failed step comes again."""
@@ -137,6 +200,8 @@ class LiveSession:
             return
         if self.round < 0:
             raise ConfigError("call LiveSession.start() before iterating its steps")
+        if self._snapshots is not None and not self._snapshots.ready:
+            raise ConfigError("call LiveSession.restore() before iterating the steps of sharded state")
         while self.step < stop and not self._stop_requested:
             if self._failure is not None or self._new_round() is not None:
                 self._recover()
@@ -188,7 +253,9 @@ class LiveSession:
         return self._ddp_waits.watch(dist.all_reduce(tensor, async_op=True), tensor, self.rank)
 
     def close(self) -> None:
-        """Leave the process group (at the end of training)."""
+        """Leave the process group (at the end of training), once the last snapshot is complete."""
+        if self._snapshots is not None:
+            self._snapshots.settle()
         worker.done()
         self._leave()
         self._ddp_waits.close()
@@ -209,6 +276,8 @@ class LiveSession:
 
     def _commit(self, number: int) -> None:
         self.step = number + 1
+        if self._snapshots is not None:
+            self._snapshots.committed(self.step)
         busy = self._work.commit()
         if self._heartbeat:
             # Every committed step tells the node agent this rank makes progress (hang detection),
@@ -224,6 +293,11 @@ class LiveSession:
         # and this rank's own teardown of the group waits for them.
         self._failure = f"{type(exc).__name__}: {exc}"
         self._work.reset()
+
+    @property
+    def _live(self) -> bool:
+        """A lost peer is recovered in place (else its error ends this worker, and the job restarts)."""
+        return self._channel is not None and self._snapshots is None
 
     # --- rounds --------------------------------------------------------------------
 
@@ -294,7 +368,9 @@ class LiveSession:
         )
         self.round = round_no
         self._sync(fresh, store)
-        if self._channel is not None:
+        if self._channel is not None and self._snapshots is None:
+            # Opts the node into live recovery. Sharded state never is: a survivor's modules are
+            # bound to the group they were sharded on, and no replica holds a lost rank's shard.
             self._channel.mark_joined(self._local_rank, round_no)
         logger.info(
             "rank %s joined round %s at step %s in %.3fs",
@@ -414,7 +490,7 @@ class LiveStep:
         if exc is None:
             self._session._commit(self.number)
             return False
-        if _peer_failure(exc) and self._session._channel is not None:
+        if _peer_failure(exc) and self._session._live:
             self._session._fail(exc)
             return True
         return False
@@ -553,6 +629,21 @@ def _waited(work: dist.Work) -> bool:
 
 def _ended(works: list[dist.Work]) -> bool:
     return all(w.is_completed() for w in works)
+
+
+def _check_sharding(sharded: bool, every: int, state: dict[str, object]) -> None:
+    """``ConfigError`` unless the session's state is either replicated (registered) or sharded."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ConfigError(f"snapshot_every must be a whole number of steps, 0 or more, not {every!r}")
+    if sharded and state:
+        raise ConfigError(
+            f"LiveSession got sharded=True and replicated state ({', '.join(state)}): register the state "
+            "a replica can hand over, or snapshot sharded state with restore(), not both"
+        )
+    if every != 1 and not sharded:
+        raise ConfigError(
+            "snapshot_every is for sharded state (sharded=True); replicated state is handed over"
+        )
 
 
 def _peer_failure(exc: BaseException) -> bool:
