@@ -11,8 +11,8 @@ same command line started once the job trains (they stand by as spares)::
 
 (``--rdzv c10d`` instead: the store's host, the first launcher, is never lost.)
 Then ``--losses`` times in a row: a node that hosts ranks is drawn at random
-(rank 0's and the leading controller replica's included), and at once every
-process of its tree is
+(rank 0's and the leading controller replica's included), and a fault of
+``--faults`` (each alike): at once every process of its tree is
 
 * ``kill``: SIGKILLed, as a machine dies;
 * ``hang-kill``: SIGSTOPped (sockets open), as a machine freezes; once the job
@@ -96,8 +96,7 @@ class Settings:
     steps: int
     step_time: float
     ckpt_every: int
-    hang_share: float
-    cont_share: float
+    faults: tuple[str, ...]
     seed: int
     recovery_deadline: float
     startup_deadline: float
@@ -286,8 +285,8 @@ def lose_node(job: Job, rng: random.Random, index: int) -> dict[str, Any]:
     if s.rdzv == "c10d":  # the store lives in the first launcher's process: its loss ends the job
         candidates = [n for n in candidates if n is not job.nodes[0]]
     victim = rng.choice(candidates)
-    hang = rng.random() < s.hang_share
-    kind = ("hang-cont" if rng.random() < s.cont_share else "hang-kill") if hang else "kill"
+    kind = rng.choice(s.faults)
+    hang = kind != "kill"
     leader = job.leader()
     ranks = sorted(r for r, n in hosts.items() if n is victim)
     old = {int(e["pid"]) for e in job.progress.events}
@@ -464,8 +463,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="the job's steps (default: 500 per loss)")
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--ckpt-every", type=int, default=5)
-    p.add_argument("--hang-share", type=float, default=0.5, help="share of losses that are hangs (SIGSTOP)")
-    p.add_argument("--cont-share", type=float, default=0.5, help="share of hangs SIGCONTed instead of killed")
+    p.add_argument(
+        "--faults", default=",".join(FAULTS), help="comma separated, each drawn alike (default: %(default)s)"
+    )
     p.add_argument("--seed", type=int, default=22)
     p.add_argument("--recovery-deadline", type=float, default=120.0)
     p.add_argument("--startup-deadline", type=float, default=300.0)
@@ -475,6 +475,9 @@ def main() -> int:
     args = p.parse_args()
     if args.losses < 1 or args.nnodes < 2 or args.nproc < 1 or args.spares < 1:
         p.error("--losses, --nproc and --spares must be at least 1, --nnodes at least 2")
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    if not faults or any(f not in FAULTS for f in faults):
+        p.error(f"--faults: choose from {', '.join(FAULTS)}")
     setup_logging(args.log_level)
     exit_on_sigterm()
     s = Settings(
@@ -486,8 +489,7 @@ def main() -> int:
         args.steps or 500 * args.losses,
         args.step_time,
         args.ckpt_every,
-        args.hang_share,
-        args.cont_share,
+        faults,
         args.seed,
         args.recovery_deadline,
         args.startup_deadline,
