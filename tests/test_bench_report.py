@@ -45,6 +45,7 @@ HEADINGS = [
     "## 14. Memory snapshots of sharded training: step-time cost, steps lost, copy bandwidth",
     "## 15. A whole node lost or hung, a spare waiting (c10d)",
     "## 16. Rank 0's node lost, a spare waiting (etcd)",
+    "## 17. Chaos of whole nodes: one job, many node losses in a row, spares restarted",
 ]
 #: Words that state an outcome; a template may hold them only inside a block a renderer decides.
 OUTCOME_WORDS = re.compile(r"\b(met|missed|faster|slower|yes|NO|exceeded|within noise)\b")
