@@ -195,7 +195,7 @@ def bench_jobs(trials: int, steps: int, root: Path) -> dict[str, Any]:
             "exit": code,
             "named": [d["ranks"] for d in found],
             "steps_to_name": None if first is None else first["step"] - SLOW_FROM,
-            "ratio": None if first is None else first["ratio"],
+            "ratio": None if first is None else first["evidence"][0]["ratio"],
         })  # fmt: skip
         times += step_wall[: SLOW_FROM - 1]
     code, found, _ = run_job(
@@ -277,7 +277,7 @@ def replace_trial(work: Path) -> dict[str, Any]:
         "exit_codes": codes,
         "node_b_exit": node_b.returncode,
         "steps_to_drain": int(event.detail["step"]) - REPLACE_FROM,
-        "ratio": float(event.detail["ratio"]),
+        "ratio": float(event.detail["evidence"][0]["ratio"]),
         "drain_to_all_stepping": max(first_steps.values()) - event.time if len(first_steps) == 4 else None,
         "steps_lost": last_old - min(resumed) if resumed else None,
         "step_before": pace([e for e in old if e["step"] < REPLACE_FROM]),

@@ -37,9 +37,13 @@ on the first start only (``TASKD_RESTART_COUNT == 0``); ``--hang-at-step S
 heartbeats) until F exists, so that a test can line a fault up with the job's
 other launchers however loaded the machine is; ``--rush-file F`` drops the
 ``--step-time`` pause once F exists (a bench ends a long job sooner, with the same math).
-``--step-jitter J`` varies step times by up to J times ``--step-time``;
+``--step-jitter J`` varies step times by up to J times ``--step-time`` (the
+same on every rank; ``--jitter-per-rank``: each rank's on its own);
 ``--slow-from S --slow-step-time T`` changes the step time from step S on
-(with ``--slow-rank R`` on rank R alone, on its first life only: a straggler).
+(with ``--slow-rank R`` on rank R alone, on its first life only: a straggler;
+``--slow-rank 2,3``: those ranks, a slow node); ``--job-slow-from S
+--job-slow-factor F`` makes every rank's steps F times longer from step S on,
+on every life (a job-wide slowdown, no straggler).
 Each step tells the agent how long it worked (``worker.step(n, busy=...)``: its
 time less its wait in the all_reduce), from which the controller finds a rank
 slower than its peers.
@@ -110,15 +114,23 @@ def build_parser(doc: str | None) -> argparse.ArgumentParser:
         "--step-jitter", type=float, default=1.0, help="step time varies between 1x and Jx --step-time"
     )
     p.add_argument(
+        "--jitter-per-rank", action="store_true", help="each rank's steps vary on their own (default: alike)"
+    )
+    p.add_argument(
         "--slow-from", type=int, default=None, help="from this step on, steps take --slow-step-time"
     )
     p.add_argument("--slow-step-time", type=float, default=0.0)
     p.add_argument(
         "--slow-rank",
-        type=int,
+        type=rank_list,
         default=None,
-        help="only this global rank takes --slow-step-time, on its first life only (default: every rank)",
+        help="only these global ranks (R or R,R...) take --slow-step-time, on their first life only "
+        "(default: every rank)",
     )
+    p.add_argument(
+        "--job-slow-from", type=int, default=None, help="from this step on, every rank's steps take ..."
+    )
+    p.add_argument("--job-slow-factor", type=float, default=1.0, help="... this many times longer")
     p.add_argument(
         "--optimizer",
         choices=("manual", "sgd"),
@@ -132,6 +144,17 @@ def build_parser(doc: str | None) -> argparse.ArgumentParser:
         help="train_live.py: MiB of extra live state per rank (a slow state hand-over, for tests)",
     )
     return p
+
+
+def rank_list(text: str) -> frozenset[int]:
+    """``--slow-rank``'s ranks: ``R`` or ``R,R...``."""
+    try:
+        ranks = frozenset(int(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ranks like 3 or 2,3, got {text!r}") from None
+    if min(ranks) < 0:
+        raise argparse.ArgumentTypeError(f"ranks are 0 or more, got {text!r}")
+    return ranks
 
 
 class Progress:
@@ -247,17 +270,20 @@ def hold(path: Path, timeout: float = 600.0) -> None:
 
 
 def step_pause(args: argparse.Namespace, step: int, rank: int, first_life: bool) -> float:
-    """Seconds this step sleeps: a stand-in for compute, the same on every rank and in every run.
+    """Seconds this step sleeps: a stand-in for compute, the same in every run.
 
-    With ``--slow-rank`` only that rank's first life slows down; the jitter is the step's, job-wide.
-    No pause once ``--rush-file`` exists.
+    With ``--slow-rank`` only those ranks' first lives slow down; the jitter is the step's, job-wide,
+    or with ``--jitter-per-rank`` the step's on each rank. No pause once ``--rush-file`` exists.
     """
     if args.rush_file is not None and args.rush_file.exists():
         return 0.0
-    slowed = args.slow_rank is None or (rank == args.slow_rank and first_life)
-    if args.slow_from is not None and step >= args.slow_from and slowed:
-        return args.slow_step_time
-    return args.step_time * random.Random(step).uniform(1.0, args.step_jitter)
+    slowed = args.slow_rank is None or (rank in args.slow_rank and first_life)
+    late = args.slow_from is not None and step >= args.slow_from and slowed
+    pause = args.slow_step_time if late else args.step_time
+    if args.job_slow_from is not None and step >= args.job_slow_from:
+        pause *= args.job_slow_factor
+    seed = f"{step}:{rank}" if args.jitter_per_rank else step
+    return pause * random.Random(seed).uniform(1.0, args.step_jitter)
 
 
 class WaitClock:

@@ -185,7 +185,9 @@ def build(job_id: str, events: Sequence[JournalEvent]) -> JobTimeline:
         elif e.kind == "signal":
             signals.append(SignalMark(t, str(d.get("type", "")), str(d.get("strategy", ""))))
         elif e.kind == "slow-rank":
-            slow.append(SlowMark(int(d["rank"]), t, float(d.get("ratio", 0.0)), int(d.get("step", 0))))
+            step = int(d.get("step", 0))
+            evidence = d.get("evidence", ())
+            slow.extend(SlowMark(int(f["rank"]), t, float(f.get("ratio", 0.0)), step) for f in evidence)
     end = max([e.time - origin for e in events] + [s for _, s in open_runs.values()] + [0.0])
     runs.extend(Incarnation(rank, pid, start) for rank, (pid, start) in open_runs.items())
     faults = tuple(

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -56,10 +56,18 @@ from taskd_core.controller.machine import (
     State,
     brief,
 )
-from taskd_core.controller.membership import is_node, ready_spares
+from taskd_core.controller.membership import SHRUNK, is_node, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
-from taskd_core.controller.slowrank import SlowRankAction, SlowRankConfig, SlowRankDetector, SlowRankFound
+from taskd_core.controller.slowrank import (
+    Finding,
+    SlowRankAction,
+    SlowRankConfig,
+    SlowRankDetector,
+    SlowRankFound,
+    finding_detail,
+    findings,
+)
 from taskd_core.controller.slowrank import decide as decide_slow_rank
 from taskd_core.controller.store import (
     Commit,
@@ -120,9 +128,10 @@ _TERMINAL = (State.FINISHED, State.GIVEN_UP)
 #: client re-subscribes within its first backoff step, a machine that died does not at all.
 STREAM_CLOSED_GRACE = 0.5
 #: Seconds a node loaded from the state (a new leader took over) has to subscribe while a spare
-#: stands by: its agent retries a standby at most a second apart (``FOLLOW_CAP``) and follows the
-#: leader it names at once; one lost with the previous leader never comes.
-TAKEOVER_GRACE = 2.0
+#: stands by: its agent retries a standby at most 0.25 s apart (``client.manager.FOLLOW_CAP``) and
+#: follows the leader it names at once (three RPCs: Init, Register, Subscribe), so four of those
+#: gaps leave room for a loaded machine; one lost with the previous leader never comes.
+TAKEOVER_GRACE = 1.0
 #: How often the runtime looks for nodes whose HealthChecks stopped (a hung or cut-off machine).
 NODE_WATCH_INTERVAL = 0.25
 _ANONYMOUS = Caller()
@@ -257,8 +266,8 @@ class _Job:
         #: the job's slow-rank detection, from its ranks' work per step (not persisted: a window of
         #: fresh reports rebuilds it; the ranks replaced for slowness are: ``snap.slow_replaced``).
         self.slow = SlowRankDetector(slow_rank_config(policy))
-        #: slow ranks the replace policy left for now (no spare ready, a recovery in flight), by rank.
-        self.slow_waiting: dict[int, SlowRankFound] = {}
+        #: findings the replace policy left for now (no spare ready, a recovery in flight).
+        self.slow_waiting: list[Finding] = []
         self.timer: asyncio.TimerHandle | None = None
         self.timer_step = -1
         #: agents whose stream ended: when each counts as lost for good unless it subscribes again.
@@ -323,11 +332,15 @@ class Controller:
 
     # --- life cycle -------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Load stored jobs, re-arm their deadlines and start keep-alives."""
+    async def start(self, departed: Collection[str] = ()) -> None:
+        """Load stored jobs, re-arm their deadlines and start keep-alives.
+
+        ``departed``: agents known to have ended with the previous leader's process (they ran in
+        it); with a spare ready they are declared lost at once instead of after the takeover grace.
+        """
         for stored in await self._store.load():
             try:
-                job = self._restore(stored)
+                job = self._restore(stored, departed)
             except (TaskdError, KeyError, ValueError, TypeError, AttributeError) as exc:
                 self._jobs.pop(stored.row.job_id, None)
                 await self._store.set_aside(stored.row.job_id, f"{type(exc).__name__}: {exc}")
@@ -342,7 +355,7 @@ class Controller:
         self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
         self._node_watch_task = asyncio.get_running_loop().create_task(self._watch_nodes())
 
-    def _restore(self, stored: StoredJob) -> _Job:
+    def _restore(self, stored: StoredJob, departed: Collection[str] = ()) -> _Job:
         row = stored.row
         job = _Job(row.job_id, policy_from_dict(row.policy), snapshot_from_dict(row.snapshot))
         job.inited = row.inited
@@ -357,13 +370,19 @@ class Controller:
         # subscribe here within the grace is lost as if its stream had ended here, the way a node
         # lost together with the previous leader would otherwise be waited for forever. With a
         # spare standing by, a surviving agent follows the new leader within a second or two.
-        grace = min(self._stream_grace, TAKEOVER_GRACE) if self._spare_ready(job) else self._stream_grace
+        spare = self._spare_ready(job)
+        grace = min(self._stream_grace, TAKEOVER_GRACE) if spare else self._stream_grace
         loop = asyncio.get_running_loop()
         for agent in job.agents.values():
-            if agent.exit_code is None:
-                job.lost[agent.agent_id] = loop.call_later(
-                    grace, self._on_stream_lost, job, agent.agent_id, grace
-                )
+            if agent.exit_code is not None:
+                continue
+            if spare and agent.agent_id in departed:
+                why = "it ran in the previous leader's process, which a standby found gone"
+                loop.call_soon(self.node_lost, job.job_id, agent.agent_id, why)
+                continue
+            job.lost[agent.agent_id] = loop.call_later(
+                grace, self._on_stream_lost, job, agent.agent_id, grace
+            )
         self._jobs[row.job_id] = job
         self._arm(job)
         return job
@@ -613,7 +632,7 @@ class Controller:
         agent = self._attribute(job, agent_id)
         cycle = job.machine.snap.cycle
         entries = [JournalEntry(f"worker {e.kind.value}", cycle, worker_detail(agent, e)) for e in events]
-        found_now = job.slow.feed(work, self._clock())
+        found_now = job.slow.feed(work, self._clock(), agent)
         drains = self._slow_ranks(job, agent, found_now, entries)
         if entries:
             await self._save(job, entries)
@@ -1054,27 +1073,29 @@ class Controller:
     ) -> list[tuple[str, str]]:
         """Journal the ranks just found slow, with what the policy does; the nodes to drain, and why.
 
-        A rank left slow for want of a spare (or during a recovery) is looked at
-        again with every report, and replaced once a spare is ready.
+        Ranks of one node found together are one event. A finding left slow for want of a spare
+        (or during a recovery) is looked at again with every report, and replaced once a spare is
+        ready; its ranks no longer slow (or in new processes) drop out of it.
         """
-        current = {s.rank: s.pid for s in job.slow.slow()}
-        waiting = [f for r, f in job.slow_waiting.items() if current.get(r) == f.pid]
-        job.slow_waiting = {}
+        current = {(s.rank, s.pid) for s in job.slow.slow()}
+        still = (tuple(r for r in f if (r.rank, r.pid) in current) for f in job.slow_waiting)
+        waiting = [f for f in still if f]
+        job.slow_waiting = []
         drains = []
-        for each in [*waiting, *found]:
-            act = self._slow_rank_action(job, each.rank)
+        for each in [*waiting, *findings(found)]:
+            ranks = [f.rank for f in each]
+            act = self._slow_rank_action(job, ranks)
             if each in waiting and act.action is SlowRankPolicy.WARN:
-                job.slow_waiting[each.rank] = each  # still no spare: nothing new to journal
+                job.slow_waiting.append(each)  # still no spare: nothing new to journal
                 continue
             logger.warning(
-                "job %s: rank %s is slow: %.1f ms of work per step, %.2fx its peers' median (%.1f ms) "
-                "since step %s; %s: %s",
+                "job %s: rank(s) %s slow since step %s: %s ms of work per step, %sx their peers' median; "
+                "%s: %s",
                 job.job_id,
-                each.rank,
-                each.work * 1000,
-                each.ratio,
-                each.peer_median * 1000,
-                each.since_step,
+                ranks,
+                min(f.since_step for f in each),
+                [round(f.work * 1000, 1) for f in each],
+                [round(f.ratio, 2) for f in each],
                 act.action.value,
                 act.reason,
             )
@@ -1083,32 +1104,30 @@ class Controller:
                 "policy": job.machine.policy.slow_rank.value,
                 "action": act.action.value,
                 "reason": act.reason,
-                **each.detail(),
+                **finding_detail(each),
             }
             if act.node:
                 detail["node"] = act.node
-                job.machine.snap.slow_replaced.append(each.rank)
-                drains.append((act.node, f"rank {each.rank} is {each.ratio:.2f}x slower than its peers"))
+                job.machine.snap.slow_replaced.extend(ranks)
+                worst = max(f.ratio for f in each)
+                drains.append((act.node, f"rank(s) {ranks} are {worst:.2f}x slower than their peers"))
             elif act.transient:
-                job.slow_waiting[each.rank] = each
+                job.slow_waiting.append(each)
             entries.append(JournalEntry("slow-rank", job.machine.snap.cycle, detail))
         return drains
 
-    def _slow_rank_action(self, job: _Job, rank: int) -> SlowRankAction:
-        """What the job's policy does about slow ``rank`` (see :func:`~.slowrank.decide`)."""
-        node = next(
-            (
-                a.agent_id
-                for a in job.agents.values()
-                if is_node(a) and a.exit_code is None and rank in a.rank_ids
-            ),
-            None,
-        )
+    def _slow_rank_action(self, job: _Job, ranks: Sequence[int]) -> SlowRankAction:
+        """What the job's policy does about slow ``ranks`` (see :func:`~.slowrank.decide`)."""
+        nodes = {
+            a.agent_id
+            for a in job.agents.values()
+            if is_node(a) and a.exit_code is None and set(ranks) & set(a.rank_ids)
+        }
         return decide_slow_rank(
             job.machine.policy.slow_rank,
-            rank,
-            node,
-            replaced_before=rank in job.machine.snap.slow_replaced,
+            ranks,
+            next(iter(nodes)) if len(nodes) == 1 else None,
+            replaced_before=bool(set(ranks) & set(job.machine.snap.slow_replaced)),
             spare=self._spare_ready(job),
             idle=job.machine.state is State.IDLE,
         )
@@ -1120,10 +1139,15 @@ class Controller:
     def _check_fence(job: _Job, agent: AgentInfo) -> None:
         """Refuse a node a spare replaced: it must neither train nor steer the job any more."""
         if agent.replaced_by:
+            taken = (
+                "the job shrank without it"
+                if agent.replaced_by == SHRUNK
+                else f"spare {agent.replaced_by!r} took its place"
+            )
             raise RequestRejected(
                 Code.NODE_REPLACED,
                 f"jobId={job.job_id}: agent {agent.agent_id!r} (node rank {agent.node_rank}) was declared "
-                f"lost and spare {agent.replaced_by!r} took its place; this node must stop its workers "
+                f"lost and {taken}; this node must stop its workers "
                 "and end (start it again with the job's command line to stand by as a spare)",
             )
 

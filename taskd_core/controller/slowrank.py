@@ -15,7 +15,12 @@ active rank has completed compares each rank with its peers:
 * a rank whose ratio stays at or above ``bound`` for ``hold`` steps in a row
   is slow: one :class:`SlowRankFound`, with its figures and its peers'. It is
   slow until its ratio has stayed below the bound for a whole window; if it
-  gets slow again, it is found again.
+  gets slow again, it is found again;
+* the ranks of one node (the agent that reports them) are found together: when
+  one of them is found, those of its node-mates whose ratio is at or above the
+  bound at that step are found with it (a slow node is one finding, not a rank
+  now and its peer a step later; the peer median leaves each out, so with half
+  the ranks on one slow node the others still set the reference).
 
 What the job then does about a slow rank is :func:`decide`: journal it
 (``warn``), or, with the policy ``replace``, drain its node onto a waiting
@@ -31,7 +36,7 @@ Time is passed in, as the recovery machine's is.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from taskd_core.models import RankWork, SlowRankPolicy, SlowRankStatus
@@ -64,6 +69,8 @@ class SlowRankFound:
 
     rank: int
     pid: int
+    #: the agent that reports the rank ("" when not known: then it is found on its own).
+    node: str
     #: the step at which it was found, and the first step of the streak that made it slow.
     step: int
     since_step: int
@@ -80,27 +87,49 @@ class SlowRankFound:
     #: wall-clock seconds (the controller's) when it was found.
     at: float
 
-    def detail(self) -> dict[str, object]:
-        """The journal detail of its ``slow-rank`` event."""
+    def evidence(self) -> dict[str, object]:
+        """Its figures in the ``evidence`` of its ``slow-rank`` event."""
         return {
-            "ranks": [self.rank],
             "rank": self.rank,
             "pid": self.pid,
-            "step": self.step,
             "since_step": self.since_step,
             "ratio": round(self.ratio, 3),
             "work_per_step": round(self.work, 6),
             "figures": [round(f, 6) for f in self.figures],
             "peers": {str(r): round(w, 6) for r, w in sorted(self.peers.items())},
             "peer_median": round(self.peer_median, 6),
-            "bound": self.bound,
-            "window": self.window,
         }
+
+
+#: Ranks found slow together (a node's, at one step), by rank: one ``slow-rank`` event.
+Finding = tuple[SlowRankFound, ...]
+
+
+def finding_detail(found: Finding) -> dict[str, object]:
+    """The journal detail of the ``slow-rank`` event of ranks found together (one node's, one step)."""
+    first = found[0]
+    return {
+        "ranks": [f.rank for f in found],
+        "step": first.step,
+        "bound": first.bound,
+        "window": first.window,
+        "evidence": [f.evidence() for f in found],
+    }
+
+
+def findings(found: Iterable[SlowRankFound]) -> list[Finding]:
+    """``found`` as the findings they make: a node's ranks found at one step together, by rank."""
+    groups: dict[tuple[str, int, int], list[SlowRankFound]] = {}
+    for each in found:
+        # A rank of no known node is a finding of its own.
+        key = (each.node, each.step, -1 if each.node else each.rank)
+        groups.setdefault(key, []).append(each)
+    return [tuple(sorted(g, key=lambda f: f.rank)) for g in groups.values()]
 
 
 @dataclass(frozen=True, slots=True)
 class SlowRankAction:
-    """What the job does about one slow rank: ``replace`` its node (by a spare) or ``warn`` only, and why."""
+    """What the job does about ranks found slow: ``replace`` their node (by a spare) or ``warn``, and why."""
 
     action: SlowRankPolicy
     reason: str
@@ -111,21 +140,29 @@ class SlowRankAction:
 
 
 def decide(
-    policy: SlowRankPolicy, rank: int, node: str | None, *, replaced_before: bool, spare: bool, idle: bool
+    policy: SlowRankPolicy,
+    ranks: Sequence[int],
+    node: str | None,
+    *,
+    replaced_before: bool,
+    spare: bool,
+    idle: bool,
 ) -> SlowRankAction:
-    """The action for slow ``rank`` running on ``node`` (None: no node of the job says it runs it).
+    """The action for slow ``ranks`` (found together) running on ``node`` (None: no one node of
+    the job says it runs them).
 
-    :param replaced_before: the rank's node was already replaced once for slowness in this job.
+    :param replaced_before: a node of one of them was already replaced once for slowness in this job.
     :param spare: a hot spare stands by, ready.
     :param idle: no recovery cycle is in flight (a drain now would disturb it).
     """
     warn = SlowRankPolicy.WARN
     if policy is SlowRankPolicy.WARN:
         return SlowRankAction(warn, "the job's slow_rank policy is warn")
+    named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
     if replaced_before:
-        return SlowRankAction(warn, f"rank {rank}'s node was replaced once already: reported, not bounced")
+        return SlowRankAction(warn, f"{named}'s node was replaced once already: reported, not bounced")
     if node is None:
-        return SlowRankAction(warn, f"no node of the job says it runs rank {rank}")
+        return SlowRankAction(warn, f"no one node of the job says it runs {named}")
     if not spare:
         return SlowRankAction(warn, "no hot spare stands by (yet)", transient=True)
     if not idle:
@@ -138,6 +175,7 @@ class _Series:
     """One rank's life (one pid): its work per step, by step."""
 
     pid: int
+    node: str = ""
     work: dict[int, float] = field(default_factory=dict)
     last: int = 0
     #: the first step of the current streak at or above the bound (None: no streak).
@@ -156,10 +194,10 @@ class SlowRankDetector:
         self._ranks: dict[int, _Series] = {}
         self._evaluated = 0
 
-    def feed(self, samples: Iterable[RankWork], now: float) -> list[SlowRankFound]:
-        """Take reported figures; the ranks found slow by them (at most once per streak)."""
+    def feed(self, samples: Iterable[RankWork], now: float, node: str = "") -> list[SlowRankFound]:
+        """Take figures ``node`` reported; the ranks found slow by them (at most once per streak)."""
         for sample in samples:
-            self._record(sample)
+            self._record(sample, node)
         return self._evaluate(now)
 
     def slow(self) -> tuple[SlowRankStatus, ...]:
@@ -176,10 +214,10 @@ class SlowRankDetector:
         """Drop a rank's figures (its process ended; its replacement starts afresh)."""
         self._ranks.pop(rank, None)
 
-    def _record(self, sample: RankWork) -> None:
+    def _record(self, sample: RankWork, node: str) -> None:
         series = self._ranks.get(sample.rank)
         if series is None or series.pid != sample.pid:
-            series = self._ranks[sample.rank] = _Series(sample.pid)
+            series = self._ranks[sample.rank] = _Series(sample.pid, node)
         per_step = sample.busy / sample.steps
         first = max(sample.step - sample.steps + 1, sample.step - self._keep() + 1, 1)
         for step in range(first, sample.step + 1):
@@ -217,29 +255,32 @@ class SlowRankDetector:
         if len(figures) < 2:
             return []
         levels = {rank: _level(values) for rank, values in figures.items()}
-        found = []
+        peers = {rank: {r: v for r, v in levels.items() if r != rank} for rank in levels}
+        references = {rank: max(statistics.median(p.values()), WORK_FLOOR) for rank, p in peers.items()}
         for rank, level in levels.items():
-            peers = {r: v for r, v in levels.items() if r != rank}
-            reference = max(statistics.median(peers.values()), WORK_FLOOR)
-            ratio = max(level, WORK_FLOOR) / reference
             series = active[rank]
-            series.ratio = ratio
-            if ratio >= config.bound:
+            series.ratio = max(level, WORK_FLOOR) / references[rank]
+            if series.ratio >= config.bound:
                 series.calm = 0
                 if series.streak_from is None:
                     series.streak_from = step
-                held = step - series.streak_from + 1
-                if series.found is None and held >= config.steps_held:
-                    series.found = SlowRankFound(
-                        rank, series.pid, step, series.streak_from, ratio, level, tuple(figures[rank]),
-                        peers, reference, config.bound, window, now,
-                    )  # fmt: skip
-                    found.append(series.found)
             else:
                 series.streak_from = None
                 series.calm += 1
                 if series.found is not None and series.calm >= window:
                     series.found = None
+        streaking = {r: s for r in levels if (s := active[r]).found is None and s.streak_from is not None}
+        held = {r for r, s in streaking.items() if step - (s.streak_from or step) + 1 >= config.steps_held}
+        slow_nodes = {streaking[r].node for r in held} - {""}
+        found = []
+        for rank, series in sorted(streaking.items()):
+            if rank in held or series.node in slow_nodes:
+                series.found = SlowRankFound(
+                    rank, series.pid, series.node, step, series.streak_from or step, series.ratio,
+                    levels[rank], tuple(figures[rank]), peers[rank], references[rank], config.bound,
+                    window, now,
+                )  # fmt: skip
+                found.append(series.found)
         return found
 
 

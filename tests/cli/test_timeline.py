@@ -111,11 +111,13 @@ def test_a_picture_of_the_recorded_recovery(tmp_path: Path):
 def test_a_slow_rank_is_marked_on_its_lane(tmp_path: Path):
     from taskd_core.cli.timeline import draw
 
-    found = {"rank": 1, "pid": 21, "ratio": 2.04, "step": 57, "ranks": [1], "peers": {"0": 0.1}}
+    # A slow node: both its ranks in one event, each marked on its own lane.
+    evidence = [{"rank": 0, "pid": 20, "ratio": 1.9}, {"rank": 1, "pid": 21, "ratio": 2.04}]
+    found = {"ranks": [0, 1], "step": 57, "evidence": evidence}
     events = [*journal()[:-1], JournalEvent(99, T0 + 6.0, "j", 1, "slow-rank", found), journal()[-1]]
     view = build("j", events)
-    (mark,) = view.slow
-    assert (mark.rank, mark.step, mark.ratio) == (1, 57, 2.04) and mark.time == pytest.approx(6.0)
+    assert [(m.rank, m.step, m.ratio) for m in view.slow] == [(0, 57, 1.9), (1, 57, 2.04)]
+    assert view.slow[1].time == pytest.approx(6.0)
     out = tmp_path / "t.svg"
     draw(view, out)
     assert "slow (2.0x its peers' work, step 57)" in out.read_text()

@@ -60,8 +60,8 @@ def test_a_slow_ranks_node_is_replaced_by_the_spare_once_and_reported_when_slow_
         if codes != [Code.OK]:
             break  # node-1 was replaced and fenced: its reports are refused from then on
     (first,) = slow_events(a)
-    assert (first["rank"], first["action"], first["node"], first["policy"]) == (
-        3,
+    assert (first["ranks"], first["action"], first["node"], first["policy"]) == (
+        [3],
         "replace",
         "node-1",
         "replace",
@@ -78,7 +78,7 @@ def test_a_slow_ranks_node_is_replaced_by_the_spare_once_and_reported_when_slow_
         assert report_work(a, {0: (20, 0.1), 1: (21, 0.1)}, range(end, end + 1)) == [Code.OK]
         assert report_work(spare, {2: (22, 0.1), 3: (23, 0.2)}, range(end, end + 1)) == [Code.OK]
     second = slow_events(a)[1:]
-    assert [(d["rank"], d["pid"], d["action"]) for d in second] == [(3, 23, "warn")]
+    assert [(d["ranks"], d["evidence"][0]["pid"], d["action"]) for d in second] == [([3], 23, "warn")]
     assert "replaced once already: reported, not bounced" in str(second[0]["reason"])
     assert "node" not in second[0]
 
@@ -92,7 +92,7 @@ def test_without_a_spare_the_slow_rank_is_reported_and_replaced_once_a_spare_sta
         report_work(a, {0: (10, 0.1), 1: (11, 0.1)}, range(end, end + 1))
         report_work(b, {2: (12, 0.1), 3: (13, 0.3)}, range(end, end + 1))
     (found,) = slow_events(a)
-    assert (found["rank"], found["action"], found["reason"]) == (3, "warn", "no hot spare stands by (yet)")
+    assert (found["ranks"], found["action"], found["reason"]) == ([3], "warn", "no hot spare stands by (yet)")
     assert "node replaced" not in [e.kind for e in a.job(events=500).events]
     # A spare comes: the next report finds rank 3 still slow and drains its node.
     spare = make_agent(controller.address, JOB, agent_id="spare-x", role=SPARE_ROLE)
@@ -100,7 +100,7 @@ def test_without_a_spare_the_slow_rank_is_reported_and_replaced_once_a_spare_sta
     assert spare.stub.Register(spare.info, timeout=WAIT).code == 0
     report_work(a, {0: (10, 0.1), 1: (11, 0.1)}, range(105, 106))
     later = slow_events(a)[1:]
-    assert [(d["rank"], d["action"], d["node"]) for d in later] == [(3, "replace", "node-1")]
+    assert [(d["ranks"], d["action"], d["node"]) for d in later] == [([3], "replace", "node-1")]
     assert "node replaced" in [e.kind for e in a.job(events=500).events]
 
 

@@ -33,28 +33,48 @@ def work(agent, ranks: dict[int, float], step: int, steps: int = 5) -> pb.Status
     return agent.stub.ReportWorkerEvents(request, timeout=WAIT)
 
 
-def test_a_rank_slower_than_its_peers_on_another_node_is_journalled_counted_and_shown(metered, make_agent):
-    node0 = make_agent(metered.address, "job-s", "node-0", node_rank=0, rank_ids=(0, 1)).join()
-    node1 = make_agent(metered.address, "job-s", "node-1", node_rank=1, rank_ids=(2, 3)).join()
+def two_nodes(ctl, make_agent, job_id: str, slowed: dict[int, float]):
+    """Nodes 0 (ranks 0, 1) and 1 (ranks 2, 3) report 100 steps of 0.1 s of work, ``slowed`` ranks that
+    many times more from step 40 on; the job's view after them."""
+    node0 = make_agent(ctl.address, job_id, "node-0", node_rank=0, rank_ids=(0, 1)).join()
+    node1 = make_agent(ctl.address, job_id, "node-1", node_rank=1, rank_ids=(2, 3)).join()
     for step in range(5, 101, 5):
-        slow = 0.2 if step > 40 else 0.1
-        assert work(node0, {0: 0.1, 1: 0.1}, step).code == 0
-        assert work(node1, {2: 0.1, 3: slow}, step).code == 0
-    with QueryClient(metered.address) as query:
-        job = query.job("job-s", events=50)
+        paces = {r: 0.1 * (slowed.get(r, 1.0) if step > 40 else 1.0) for r in range(4)}
+        assert work(node0, {0: paces[0], 1: paces[1]}, step).code == 0
+        assert work(node1, {2: paces[2], 3: paces[3]}, step).code == 0
+    with QueryClient(ctl.address) as query:
+        return query.job(job_id, events=50)
+
+
+def test_a_rank_slower_than_its_peers_on_another_node_is_journalled_counted_and_shown(metered, make_agent):
+    job = two_nodes(metered, make_agent, "job-s", {3: 2.0})
     (event,) = [e for e in job.events if e.kind == "slow-rank"]
     detail = event.detail
-    assert detail["ranks"] == [3] and detail["pid"] == 1003 and detail["agent"] == "node-1"
-    assert detail["policy"] == "warn" and 40 < detail["since_step"] <= detail["step"] <= 60
+    assert detail["ranks"] == [3] and detail["agent"] == "node-1" and detail["policy"] == "warn"
+    (evidence,) = detail["evidence"]
+    assert evidence["rank"] == 3 and evidence["pid"] == 1003
+    assert 40 < evidence["since_step"] <= detail["step"] <= 60
     # Found as its level crossed the bound, from figures of both paces: its evidence says so.
-    assert detail["peers"] == {"0": 0.1, "1": 0.1, "2": 0.1} and detail["peer_median"] == 0.1
-    assert detail["ratio"] >= 1.6 and detail["work_per_step"] >= 0.16 and detail["bound"] == 1.6
-    assert len(detail["figures"]) == 20 and set(detail["figures"]) == {0.1, 0.2}
+    assert evidence["peers"] == {"0": 0.1, "1": 0.1, "2": 0.1} and evidence["peer_median"] == 0.1
+    assert evidence["ratio"] >= 1.6 and evidence["work_per_step"] >= 0.16 and detail["bound"] == 1.6
+    assert len(evidence["figures"]) == 20 and set(evidence["figures"]) == {0.1, 0.2}
     (slow_rank,) = job.slow_ranks
-    assert (slow_rank.rank, slow_rank.pid, slow_rank.since_step) == (3, 1003, detail["since_step"])
+    assert (slow_rank.rank, slow_rank.pid, slow_rank.since_step) == (3, 1003, evidence["since_step"])
     assert "slow rank  rank 3 (pid 1003) slow since step" in render(query_status(metered))
     m = scrape(metered.metrics_port)
     assert m["taskd_slow_ranks_found_total{action=warn}"] == 1 and m["taskd_slow_ranks{}"] == 1
+
+
+def test_a_slow_node_is_one_event_naming_both_its_ranks(metered, make_agent):
+    # Rank 3 a little less slow than rank 2: on its own it would cross the bound steps later.
+    job = two_nodes(metered, make_agent, "job-n", {2: 2.5, 3: 2.0})
+    (event,) = [e for e in job.events if e.kind == "slow-rank"]
+    assert event.detail["ranks"] == [2, 3] and event.detail["agent"] == "node-1"
+    assert [(f["rank"], f["pid"]) for f in event.detail["evidence"]] == [(2, 1002), (3, 1003)]
+    assert all(f["ratio"] >= 1.6 and f["peer_median"] == 0.1 for f in event.detail["evidence"])
+    assert [s.rank for s in job.slow_ranks] == [2, 3]
+    m = scrape(metered.metrics_port)
+    assert m["taskd_slow_ranks_found_total{action=warn}"] == 2 and m["taskd_slow_ranks{}"] == 2
 
 
 def query_status(ctl: EmbeddedController):

@@ -7,7 +7,14 @@ from collections.abc import Callable
 
 import pytest
 
-from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector, SlowRankFound, decide
+from taskd_core.controller.slowrank import (
+    SlowRankConfig,
+    SlowRankDetector,
+    SlowRankFound,
+    decide,
+    finding_detail,
+    findings,
+)
 from taskd_core.models import RankWork, SlowRankPolicy
 
 #: Work per step of a healthy rank, seconds.
@@ -23,8 +30,10 @@ def run(
     per_report: int = 1,
     pids: Callable[[int, int], int] = lambda r, s: 100 + r,
     detector: SlowRankDetector | None = None,
+    per_node: int = 0,
 ) -> list[SlowRankFound]:  # noqa: E501
-    """Feed ``steps`` steps of ``pace(rank, step)`` seconds of work, ``per_report`` steps per sample."""
+    """Feed ``steps`` steps of ``pace(rank, step)`` seconds of work, ``per_report`` steps per sample;
+    with ``per_node``, each node of that many ranks reports its own (node 0 first), as agents do."""
     detector = detector or SlowRankDetector()
     found = []
     for end in range(per_report, steps + 1, per_report):
@@ -38,7 +47,11 @@ def run(
             )
             for r in range(ranks)
         ]
-        found += detector.feed(samples, float(end))
+        if not per_node:
+            found += detector.feed(samples, float(end))
+            continue
+        for first in range(0, ranks, per_node):
+            found += detector.feed(samples[first : first + per_node], float(end), f"node-{first // per_node}")
     return found
 
 
@@ -79,8 +92,27 @@ def test_one_rank_at_2x_work_is_named_within_20_steps_with_its_evidence(seed: in
     assert found.step - 100 <= 20 and found.since_step > 100
     assert found.ratio >= 1.6 and found.work >= 1.6 * found.peer_median
     assert sorted(found.peers) == [0, 1, 3] and len(found.figures) == 20
-    detail = found.detail()
-    assert detail["ranks"] == [2] and set(detail["peers"]) == {"0", "1", "3"}  # type: ignore[arg-type]
+    detail = finding_detail((found,))
+    assert detail["ranks"] == [2] and detail["step"] == found.step
+    (evidence,) = detail["evidence"]  # type: ignore[misc]
+    assert evidence["pid"] == 102 and set(evidence["peers"]) == {"0", "1", "3"}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_slow_node_is_one_finding_of_both_its_ranks(seed: int) -> None:
+    # Node 1 holds ranks 2 and 3; both work 2x from step 100 on, each with its own jitter.
+    noise = jittery(seed, 1.5)
+    found = run(lambda r, s: noise(r, s) * (2.0 if r >= 2 and s > 100 else 1.0), steps=200, per_node=2)
+    (finding,) = findings(found)
+    assert [(f.rank, f.node) for f in finding] == [(2, "node-1"), (3, "node-1")]
+    assert all(f.since_step > 100 and f.step - 100 <= 20 and f.ratio >= 1.6 for f in finding)
+    # Each is compared with the other ranks, its node-mate among them (the median is the healthy ones').
+    assert [sorted(f.peers) for f in finding] == [[0, 1, 3], [0, 1, 2]]
+
+
+def test_a_slow_ranks_healthy_node_mate_is_not_named_with_it() -> None:
+    found = run(lambda r, s: BASE * (2.0 if r == 3 and s > 100 else 1.0), steps=200, per_node=2)
+    assert [[f.rank for f in g] for g in findings(found)] == [[3]]
 
 
 def test_a_straggler_among_5x_jitter_is_still_named() -> None:
@@ -139,13 +171,13 @@ def test_a_rank_that_stopped_reporting_is_not_compared() -> None:
         (SlowRankPolicy.WARN, "n1", False, True, True, SlowRankPolicy.WARN, "policy is warn"),
         (SlowRankPolicy.REPLACE, "n1", False, True, True, SlowRankPolicy.REPLACE, "node n1 is drained"),
         (SlowRankPolicy.REPLACE, "n1", True, True, True, SlowRankPolicy.WARN, "reported, not bounced"),
-        (SlowRankPolicy.REPLACE, None, False, True, True, SlowRankPolicy.WARN, "no node of the job"),
+        (SlowRankPolicy.REPLACE, None, False, True, True, SlowRankPolicy.WARN, "no one node of the job"),
         (SlowRankPolicy.REPLACE, "n1", False, False, True, SlowRankPolicy.WARN, "no hot spare"),
         (SlowRankPolicy.REPLACE, "n1", False, True, False, SlowRankPolicy.WARN, "recovery is in flight"),
     ],
 )
 def test_what_a_slow_rank_gets(policy, node, before, spare, idle, action, reason) -> None:
-    act = decide(policy, 3, node, replaced_before=before, spare=spare, idle=idle)
+    act = decide(policy, [3], node, replaced_before=before, spare=spare, idle=idle)
     assert act.action is action and reason in act.reason
     assert act.node == (node if action is SlowRankPolicy.REPLACE else "")
     assert act.transient == (reason in ("no hot spare", "recovery is in flight"))

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from taskd_core.testing import free_port, process_running
+from taskd_core.testing import descendants, free_port, process_running
 
 WORKERS = Path(__file__).parent / "workers"
 #: The token the agents of the ``make_agent`` fixture hand their workers (as a one-node taskdrun makes one).
@@ -80,6 +80,58 @@ def events(progress: Path) -> list[dict[str, Any]]:
     lines = progress.read_text().splitlines() if progress.exists() else []
     # The last line may still be being written by a worker.
     return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def restores(progress: Path) -> dict[int, tuple[str, int]]:
+    """Each rank's restore after its first life: (source, step)."""
+    out = {}
+    for e in events(progress):
+        if e["event"].startswith("restored-from-") and e["restart"] > 0:
+            out[e["rank"]] = (e["event"].removeprefix("restored-from-"), e["step"])
+    return out
+
+
+def workers(node: subprocess.Popen[bytes], progress: Path) -> dict[int, int]:
+    """rank -> pid of the workers of the first life that still run."""
+    alive = set(descendants(node.pid))
+    return {
+        e["rank"]: e["pid"]
+        for e in events(progress)
+        if e["event"] == "start" and e["restart"] == 0 and e["pid"] in alive
+    }
+
+
+def last_step(progress: Path) -> int:
+    return max((e["step"] for e in events(progress) if e["event"] == "step" and e["restart"] == 0), default=0)
+
+
+def one_node_job(
+    launch: Launcher, work: Path, script: str, *args: str, taskd: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Start ``examples/<script>`` on one ``taskdrun`` node of 4 workers in ``work``: launcher, progress, result."""
+    work.mkdir()
+    progress, result = work / "progress.jsonl", work / "result.json"
+    node = launch(
+        "--standalone",
+        "--nproc-per-node=4",
+        *taskd,
+        str(EXAMPLES / script),
+        "--ckpt-dir",
+        str(work / "ckpt"),
+        "--progress",
+        str(progress),
+        "--result",
+        str(result),
+        *args,
+        log=work.name,
+    )
+    return node, progress, result
+
+
+def finish_one(node: subprocess.Popen[bytes], result: Path) -> dict[str, Any]:
+    """The launcher's exit code must be 0; returns the job's result file."""
+    assert node.wait(timeout=240) == 0
+    return dict(json.loads(result.read_text()))
 
 
 #: torchrun's two multi-node forms; ``run_job`` gives taskdrun exactly torchrun's arguments in either.

@@ -15,10 +15,10 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from pt_support import EXAMPLES, Launcher, events
+from pt_support import EXAMPLES, Launcher, events, last_step, one_node_job, restores, workers
+from pt_support import finish_one as finish
 
 from taskd_core.testing import descendants, free_port, wait_until
 
@@ -32,52 +32,7 @@ ARGS = ("--steps", str(STEPS), "--ckpt-every", "4", "--width", "1024", "--layers
 def start(
     launch: Launcher, work: Path, *extra: str, taskd: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    work.mkdir()
-    progress, result = work / "progress.jsonl", work / "result.json"
-    node = launch(
-        "--standalone",
-        "--nproc-per-node=4",
-        *taskd,
-        str(EXAMPLES / "train_fsdp.py"),
-        "--ckpt-dir",
-        str(work / "ckpt"),
-        "--progress",
-        str(progress),
-        "--result",
-        str(result),
-        *ARGS,
-        *extra,
-        log=work.name,
-    )
-    return node, progress, result
-
-
-def finish(node: subprocess.Popen[bytes], result: Path) -> dict[str, Any]:
-    assert node.wait(timeout=240) == 0
-    return dict(json.loads(result.read_text()))
-
-
-def restores(progress: Path) -> dict[int, tuple[str, int]]:
-    """Each rank's restore after its first life: (source, step)."""
-    out = {}
-    for e in events(progress):
-        if e["event"].startswith("restored-from-") and e["restart"] > 0:
-            out[e["rank"]] = (e["event"].removeprefix("restored-from-"), e["step"])
-    return out
-
-
-def workers(node: subprocess.Popen[bytes], progress: Path) -> dict[int, int]:
-    """rank -> pid of the workers of the first life that still run."""
-    alive = set(descendants(node.pid))
-    return {
-        e["rank"]: e["pid"]
-        for e in events(progress)
-        if e["event"] == "start" and e["restart"] == 0 and e["pid"] in alive
-    }
-
-
-def last_step(progress: Path) -> int:
-    return max((e["step"] for e in events(progress) if e["event"] == "step" and e["restart"] == 0), default=0)
+    return one_node_job(launch, work, "train_fsdp.py", *ARGS, *extra, taskd=taskd)
 
 
 @pytest.fixture(scope="module")

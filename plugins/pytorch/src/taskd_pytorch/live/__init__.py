@@ -75,6 +75,23 @@ Rules for the training step, so that a replica's state is always a committed one
   agent announces the next round; without the hook it waits for the group's
   timeout and the round falls back to a full restart.
 
+Sharded state (FSDP2's ``fully_shard``, ``ZeroRedundancyOptimizer``) has no
+replica to hand over: ``LiveSession(sharded=True, snapshot_every=K)`` instead
+snapshots it to the node keeper's memory after every K-th committed step
+(``dcp.async_save`` through :mod:`taskd_pytorch.snapshot`), and
+:meth:`LiveSession.restore` loads, on every rank, the newest step all ranks
+can get (own memory, a peer's copy, the disk checkpoint). Such a session does
+not opt into recovery in place: a lost rank restarts every rank (warm), each
+restoring that step (``docs/snapshots.md``, ``examples/train_fsdp_live.py``)::
+
+    session = LiveSession(sharded=True)
+    session.start()
+    model, optimizer = build()                       # fully_shard on the session's group
+    done = session.restore(state, load, fallback)    # state(step) -> DCP dict; load(dict) -> step
+    for step in session.steps(total_steps):
+        with step:
+            train(step.number)                       # each commit starts the step's snapshot
+
 Without ``TASKD_LIVE_DIR`` (plain ``torchrun``, ``taskd run``) the session
 still trains; a lost peer then fails the step as usual and the launcher's
 own recovery takes over.
