@@ -29,6 +29,7 @@ from train_ddp import (
     MOMENTUM,
     Progress,
     batch,
+    hold,
     inject_fault,
     load_checkpoint,
     make_model,
@@ -82,6 +83,8 @@ def main() -> int:
     ddp, ddp_round = None, -1
     first_life = restart == 0 and session.round == 0
     for live_step in session.steps(args.steps):
+        if live_step.number == args.hold_at_step and args.hold_file is not None and first_life:
+            hold(args.hold_file)  # outside the step: a lost peer fails the step's collectives, not this wait
         with live_step:
             step = live_step.number
             if step == args.fail_at_step and rank == args.fail_rank and first_life:

@@ -1,20 +1,26 @@
-"""A whole node lost during a live round's state hand-over, on 2 real ``taskdrun`` nodes x 2 workers.
+"""A whole node lost from a ``LiveSession`` job, on 2 real ``taskdrun`` nodes x 2 workers (and a spare).
 
-Every rank carries 256 MiB of extra live state (``--ballast-mb``), so the
-hand-over lasts long enough to lose the receiving node in the middle of it.
+With a spare, the survivors keep running and the spare's new ranks receive
+the committed state from a surviving replica: no step is lost, the final
+parameters are a fault-free run's. The hand-over cases give every rank
+256 MiB of extra live state (``--ballast-mb``), so that it lasts long enough
+to lose the receiving node in the middle of it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
-from pt_support import Launcher, events, run_job
+from pt_support import STEPS, Launcher, events, run_job
+from test_node_loss import WAIT, Job, kill_tree, no_leftovers, signal_tree, start_nodes
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from taskd_core.testing import descendants, process_running, wait_until
@@ -84,3 +90,98 @@ def test_a_node_lost_during_the_hand_over_ends_the_job_on_the_other_node_with_a_
     wait_until(
         lambda: not [pid for pid in everyone if process_running(pid)], "no process of the job to be left", 60
     )
+
+
+def starts(job: Job) -> dict[int, int]:
+    """Each rank's latest incarnation (the pid of its last ``start`` event)."""
+    return {int(e["rank"]): int(e["pid"]) for e in events(job.progress) if e["event"] == "start"}
+
+
+@pytest.mark.parametrize("loss", ["killed", "hung"])
+def test_a_lost_node_is_replaced_live_by_the_spare_and_no_committed_step_is_lost(
+    launch: Launcher, tmp_path: Path, fault_free: dict[str, Any], loss: str
+) -> None:
+    """Every process of node 1 SIGKILLed (or SIGSTOPped: declared lost after 3 s without a HealthCheck,
+    and fenced when it comes back): node 0's workers keep running, the spare's receive the state."""
+    job = Job(
+        launch,
+        tmp_path / loss,
+        "--taskd-node-lost-timeout",
+        "3",
+        script="train_live.py",
+        env=TOKEN,
+        steps=STEPS,  # the fault-free run's job
+        hold_at=STEPS // 2,  # the ranks wait there until the node is lost
+    )
+    node0, node1, spare = start_nodes(job)
+    before = starts(job)
+    held = STEPS // 2
+    wait_until(
+        lambda: {e["rank"] for e in events(job.progress) if e["event"] == "step" and e["step"] == held}
+        == {0, 1, 2, 3},
+        f"every rank to hold after step {held}",
+        WAIT,
+    )
+    tree = {node1.pid, *descendants(node1.pid)}
+    if loss == "killed":
+        kill_tree(node1.pid)
+    else:
+        signal_tree(tree, signal.SIGSTOP)
+    job.release()
+
+
+    def recovered() -> list[Any] | None:
+        # Read while the job runs: the journal is node 0's embedded controller's.
+        journal = job.journal()
+        return journal if any(e.kind == "cycle succeeded" for e in journal) else None
+
+    try:
+        journal = wait_until(recovered, "the recovery cycle to succeed", WAIT)
+    finally:
+        signal_tree(tree, signal.SIGCONT)
+    assert node0.wait(timeout=WAIT) == 0, job.log(0)[-3000:]
+    assert spare.wait(timeout=WAIT) == 0, job.log(2)[-3000:]
+    assert node1.wait(timeout=WAIT) in (-signal.SIGKILL, 1)
+    final = json.loads(job.result.read_text())
+    assert final["steps"] == STEPS and final["sha256"] == fault_free["sha256"]
+    after = starts(job)
+    # The survivors never restarted; the lost ranks started once more, on the spare.
+    assert {r: after[r] for r in (0, 1)} == {r: before[r] for r in (0, 1)}
+    assert not {after[2], after[3]} & ({before[2], before[3]} | tree)
+    resumed = [e for e in events(job.progress) if e["event"] == "resumed"]
+    assert [(e["rank"], e["step"]) for e in sorted(resumed, key=lambda e: e["rank"])] == [(2, held), (3, held)]
+    replaced = [e.detail for e in journal if e.kind == "node replaced"]
+    assert [(d["lost"], d["ranks"]) for d in replaced] == [("node-1", [2, 3])], replaced
+    chosen = [e.detail["strategy"] for e in journal if e.kind == "strategy chosen"]
+    assert chosen == ["recover-live"], chosen
+    if loss == "hung":
+        assert "was declared lost and spare" in job.log(1)
+    no_leftovers(job, tree)
+
+
+def test_a_slow_ranks_node_replaced_by_the_spare_loses_no_committed_step(launch: Launcher, tmp_path: Path) -> None:
+    """``--taskd-slow-rank replace``: rank 3 slows down on its first life, node 1 is drained onto the
+    spare through the lost-node path, live: the survivors never restart nor run a committed step again."""
+    job = Job(launch, tmp_path / "slow", "--taskd-slow-rank", "replace", script="train_live.py", env=TOKEN)
+    job.argv[job.argv.index("--steps") + 1] = "80"
+    job.argv += ["--slow-rank", "3", "--slow-from", "10", "--slow-step-time", "0.4"]
+    node0, node1, spare = start_nodes(job)  # the ranks hold before step 30 until released
+    before = starts(job)
+    job.release()  # the spare stands by now: rank 3, still slow, is replaced with the next reports
+    assert node0.wait(timeout=WAIT) == 0, job.log(0)[-3000:]
+    assert spare.wait(timeout=WAIT) == 0, job.log(2)[-3000:]
+    assert node1.wait(timeout=WAIT) == 1, job.log(1)[-3000:]
+    assert "was declared lost and spare" in job.log(1)
+    assert json.loads(job.result.read_text())["steps"] == 80
+    after = starts(job)
+    assert {r: after[r] for r in (0, 1)} == {r: before[r] for r in (0, 1)}
+    progress = events(job.progress)
+    for rank in (0, 1):
+        done = [e["step"] for e in progress if e["rank"] == rank and e["event"] == "step"]
+        assert done == list(range(1, 81)), f"rank {rank} ran a committed step again: {done}"
+    old = {before[2], before[3]}
+    reached = max(e["step"] for e in progress if e["event"] == "step" and int(e["pid"]) in old)
+    resumed = sorted((e["rank"], e["step"]) for e in progress if e["event"] == "resumed")
+    # The spare's ranks go on from the survivors' committed step, which the old ranks reached too.
+    assert [rank for rank, _ in resumed] == [2, 3] and resumed[0][1] == resumed[1][1] >= reached, resumed
+    no_leftovers(job, {node1.pid})

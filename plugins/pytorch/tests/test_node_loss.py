@@ -19,6 +19,7 @@ import pytest
 from pt_support import EXAMPLES, Launcher, events
 
 from taskd_core.client.query import QueryClient
+from taskd_core.models import Credentials
 from taskd_core.testing import descendants, free_port, process_running, wait_until
 
 pytestmark = pytest.mark.slow
@@ -32,9 +33,18 @@ WAIT = 120.0
 class Job:
     """One training job's command line and what its launchers left behind."""
 
-    def __init__(self, launch: Launcher, work: Path, *taskd: str) -> None:
+    def __init__(
+        self,
+        launch: Launcher,
+        work: Path,
+        *taskd: str,
+        script: str = "train_ddp.py",
+        env: dict[str, str] | None = None,
+        steps: int = STEPS,
+        hold_at: int = HOLD_AT,
+    ) -> None:
         work.mkdir()
-        self.launch, self.work = launch, work
+        self.launch, self.work, self.env = launch, work, env
         self.progress, self.result = work / "progress.jsonl", work / "result.json"
         self.argv = [
             "--nnodes=2",
@@ -43,7 +53,7 @@ class Job:
             f"--rdzv-endpoint=127.0.0.1:{free_port()}",
             f"--rdzv-id={work.name}",
             *taskd,
-            str(EXAMPLES / "train_ddp.py"),
+            str(EXAMPLES / script),
             "--ckpt-dir",
             str(work / "ckpt"),
             "--progress",
@@ -51,13 +61,13 @@ class Job:
             "--result",
             str(self.result),
             "--steps",
-            str(STEPS),
+            str(steps),
             "--ckpt-every",
             "3",
             "--step-time",
             "0.1",
             "--hold-at-step",
-            str(HOLD_AT),
+            str(hold_at),
             "--hold-file",
             str(work / "go"),
         ]
@@ -66,7 +76,7 @@ class Job:
     def start(self, *argv: str) -> subprocess.Popen[bytes]:
         name = f"{self.work.name}-{len(self.logs)}"
         self.logs.append(self.launch.root / f"{name}.{len(self.launch.started)}.log")
-        return self.launch(*(argv or self.argv), log=name)
+        return self.launch(*(argv or self.argv), log=name, env=self.env)
 
     def release(self) -> None:
         """Let the ranks held before step ``HOLD_AT`` go on."""
@@ -84,7 +94,8 @@ class Job:
         return found.group(1)
 
     def journal(self) -> list[Any]:
-        with QueryClient(self.controller()) as query:
+        token = (self.env or {}).get("TASKD_JOB_TOKEN", "")
+        with QueryClient(self.controller(), Credentials(token=token)) as query:
             return list(query.events(self.work.name).events)
 
 

@@ -186,30 +186,45 @@ class TaskdElasticAgent(LocalElasticAgent):
         if members is None:
             raise ConfigError("only the c10d rendezvous lets a spare take a node's seat")
         with self._taskd_lock:
-            epoch = members.epoch()
-            group = self.get_worker_group()
-            size = group.spec.local_world_size
-            world = epoch.group_world_size * size
-            # torch annotates these as None (set by its own rendezvous); the seat sets them instead.
-            group.group_rank = group_rank  # type: ignore[assignment]
-            group.group_world_size = epoch.group_world_size  # type: ignore[assignment]
-            group.workers = [
-                Worker(
-                    local_rank=i,
-                    global_rank=group_rank * size + i,
-                    role_rank=group_rank * size + i,
-                    world_size=world,
-                    role_world_size=world,
-                )
-                for i in range(size)
-            ]
+            self._seat(group_rank, members.epoch().group_world_size)
             self._taskd_seated = self._taskd_seat_idle = True
+            logger.info("taking the seat of node %s", group_rank)
+
+    def resize(self, group_rank: int, group_world_size: int) -> None:
+        """The job shrank (``--nnodes=MIN:MAX``): the next restart makes this node ``group_rank`` of
+        ``group_world_size``.
+
+        The round is kept when the other nodes left restart too (the agreement
+        of :mod:`taskd_pytorch.rendezvous_reuse`, over the new number of
+        nodes): the lost node's keep-alive in torch's round never has to expire.
+        """
+        with self._taskd_lock:
+            self._seat(group_rank, group_world_size)
             logger.info(
-                "taking the seat of node %s: global ranks %s of %s",
-                group_rank,
-                [w.global_rank for w in group.workers],
-                world,
+                "the job shrank to %s nodes: this node restarts as node %s", group_world_size, group_rank
             )
+
+    def _seat(self, group_rank: int, group_world_size: int) -> None:
+        """Make this node ``group_rank`` of ``group_world_size`` nodes, its workers ranked contiguously."""
+        group = self.get_worker_group()
+        size = group.spec.local_world_size
+        world = group_world_size * size
+        # torch annotates these as None (set by its own rendezvous); the seat sets them instead.
+        group.group_rank = group_rank  # type: ignore[assignment]
+        group.group_world_size = group_world_size  # type: ignore[assignment]
+        group.workers = [
+            Worker(
+                local_rank=i,
+                global_rank=group_rank * size + i,
+                role_rank=group_rank * size + i,
+                world_size=world,
+                role_world_size=world,
+            )
+            for i in range(size)
+        ]
+        logger.info(
+            "node %s: global ranks %s of %s", group_rank, [w.global_rank for w in group.workers], world
+        )
 
     def _take_seat(self, group: WorkerGroup) -> None:
         """The round as the other agents of the job restart it now (see :mod:`taskd_pytorch.membership`)."""
@@ -218,6 +233,22 @@ class TaskdElasticAgent(LocalElasticAgent):
         group.store = self._taskd_members.round(epoch.round_no)  # type: ignore[assignment]  # as above
         self._taskd_round_no, self._taskd_starts = epoch.round_no, epoch.starts
         self._taskd_reuse.resume(epoch.restarts)
+
+    def _join_live(self) -> dict[int, int]:
+        """A seated spare starts its workers in the other nodes' current start (live recovery).
+
+        Same workers' store and restart count as theirs, so the new workers meet
+        them in the live round their agent announced and receive the state from
+        a replica; the next whole-group restart is the job's next start, as on
+        every node.
+        """
+        self._taskd_seated = self._taskd_seat_idle = False
+        group = self.get_worker_group()
+        self._take_seat(group)
+        # The epoch names the next start; the others' workers run in the one before it.
+        pids = self._taskd_procs.start_all(self._launches(group, self._taskd_starts - 1))
+        logger.info("seated spare: local workers %s join the running workers' live round", sorted(pids))
+        return pids
 
     def _publish_epoch(self) -> None:
         group = self.get_worker_group()
@@ -255,10 +286,15 @@ class TaskdElasticAgent(LocalElasticAgent):
             return {w.local_rank: w.id for w in group.workers}
 
     def restart_list(self, local_ranks: Sequence[int]) -> dict[int, int]:
-        """Start only the given local workers again, with their previous rank and environment."""
+        """Start only the given local workers again, with their previous rank and environment.
+
+        A seated spare (:meth:`stand_in`) has no previous environment: it starts
+        every local worker of its seat in the start the other nodes' workers run
+        in, so that they join those workers' live round (:meth:`_join_live`).
+        """
         with self._taskd_lock:
             self._check_ranks(local_ranks)
-            pids = self._taskd_procs.start(local_ranks)
+            pids = self._join_live() if self._taskd_seated else self._taskd_procs.start(local_ranks)
             for worker in self.get_worker_group().workers:
                 worker.id = pids.get(worker.local_rank, worker.id)
             return pids
@@ -266,9 +302,17 @@ class TaskdElasticAgent(LocalElasticAgent):
     def live_ready(self) -> bool:
         """Every local worker uses the live API (``taskd_pytorch.live``), so it survives a peer's loss.
 
-        Never without the job's token: a state hand-over nobody can authenticate is not offered.
+        A seated spare's workers have not started: they can join the others' live
+        round, unless the seat is group rank 0's, whose agent hosted the workers'
+        store (gone with the lost node). Whether the job's script uses the API, the
+        other nodes say. Never without the job's token: a state hand-over nobody
+        can authenticate is not offered.
         """
-        opted_in = self._taskd_live.opted_in(range(self.get_worker_group().spec.local_world_size))
+        group = self.get_worker_group()
+        if self._taskd_seated:
+            opted_in = group.group_rank != 0
+        else:
+            opted_in = self._taskd_live.opted_in(range(group.spec.local_world_size))
         if opted_in and not self._taskd_token:
             if not self._taskd_tokenless_told:
                 self._taskd_tokenless_told = True
@@ -351,12 +395,16 @@ class TaskdElasticAgent(LocalElasticAgent):
         self._taskd_reuse.formed()
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, int]:
+        return self._taskd_procs.start_all(self._launches(worker_group, self._taskd_starts))
+
+    def _launches(self, worker_group: WorkerGroup, starts: int) -> dict[int, Launch]:
+        """Every local worker's launch in whole-group start ``starts`` (its store, its restart count)."""
         spec = worker_group.spec
         if self._taskd_stop.signum is not None:
             raise LauncherInterrupted("starting workers", self._taskd_stop.signum)
         if worker_group.store is None or spec.entrypoint is None:
             raise ConfigError("workers cannot start before the rendezvous has given them a store")
-        meet = self._taskd_round_stores.meet(worker_group.store, worker_group.group_rank, self._taskd_starts)
+        meet = self._taskd_round_stores.meet(worker_group.store, worker_group.group_rank, starts)
         launches = {}
         snapshots = self._taskd_keeper.worker_env() if self._taskd_keeper is not None else {}
         for worker in worker_group.workers:
@@ -372,13 +420,13 @@ class TaskdElasticAgent(LocalElasticAgent):
                 "ROLE_WORLD_SIZE": str(worker.role_world_size),
                 "MASTER_ADDR": meet.master_addr,
                 "MASTER_PORT": str(meet.master_port),
-                "TORCHELASTIC_RESTART_COUNT": str(self._taskd_starts),
+                "TORCHELASTIC_RESTART_COUNT": str(starts),
                 "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
                 "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
                 "TORCHELASTIC_USE_AGENT_STORE": USE_AGENT_STORE,
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
                 LIVE_DIR_ENV: str(self._taskd_live.path),
-                RESTART_COUNT_ENV: str(self._taskd_starts),
+                RESTART_COUNT_ENV: str(starts),
                 **snapshots,
             }
             if self._taskd_token:  # a one-node launch makes its token itself: the workers learn it here
@@ -388,7 +436,7 @@ class TaskdElasticAgent(LocalElasticAgent):
             )
             args = tuple(macros.substitute(list(spec.args), str(worker.local_rank)))
             launches[worker.local_rank] = Launch(spec.entrypoint, args, env, prefix)
-        return self._taskd_procs.start_all(launches)
+        return launches
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._taskd_procs.stop(None, self._taskd_stop_timeout)

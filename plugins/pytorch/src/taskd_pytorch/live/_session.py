@@ -130,6 +130,8 @@ class LiveSession:
         self._ddp_waits = _RoundWatch(self._new_round, self._collective_timeout, self._work)
         #: groups left with collectives pending: freeing one waits for them, so it is kept until they end.
         self._abandoned: list[tuple[object, list[dist.Work]]] = []
+        #: this round's collectives :meth:`all_reduce` gave up on, still pending.
+        self._left: list[dist.Work] = []
         #: sharded state's snapshots (None: replicated state, handed over live).
         self._snapshots: SnapshotLoop | None = None
         if sharded:
@@ -228,6 +230,9 @@ class LiveSession:
         deadline = time.monotonic() + self._collective_timeout.total_seconds()
         while not _waited(work):
             new = self._new_round()
+            if new is not None or time.monotonic() > deadline:
+                # Still pending on a stopped peer (a hung node): freeing its group would wait for it.
+                self._left.append(work)
             if new is not None:
                 raise PeerLost(f"rank {self.rank}: round {new} announced while waiting for all_reduce")
             if time.monotonic() > deadline:
@@ -268,6 +273,7 @@ class LiveSession:
         self._abandoned = [(g, works) for g, works in self._abandoned if not _ended(works)]
         if dist.is_initialized():
             left = self._ddp_waits.abandon(f"rank {self.rank} {_DDP_LEFT}: it left round {self.round}")
+            left, self._left = left + self._left, []
             if left:
                 self._abandoned.append((dist.group.WORLD, left))
             dist.destroy_process_group()
