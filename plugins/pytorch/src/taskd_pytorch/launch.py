@@ -395,12 +395,12 @@ def run_agent(
         if group_rank == 0:
             members.formed(job.command())
     logger.info(
-        "job %s node %s of %s: %s workers of %s",
+        "job %s node %s: %s workers of %s (%s nodes)",
         job.options.node.job_id,
         group_rank,
-        nodes,
         job.config.nproc_per_node,
         elastic.get_worker_group().spec.get_entrypoint_name(),  # type: ignore[no-untyped-call]
+        nodes,
     )
     config = job.config
     # The rendezvous, not --node-rank, says which node this is (torch's c10d ignores --node-rank too),
