@@ -293,12 +293,12 @@ def main() -> int:
                 worker.step(done)
             progress.log("step", done)
             if args.snapshot_every and done % args.snapshot_every == 0:
-                writer: Any = (
-                    SnapshotWriter(done)
-                    if args.snapshot_to == "memory"
-                    else dcp.FileSystemWriter(async_disk.root / f"step-{done}")
-                )
-                pending = dcp.async_save(job.state(done), storage_writer=writer, process_group=ckpt_group)
+                if args.snapshot_to == "memory":
+                    # Each rank's snapshot is complete on its own: no DCP collectives (no_dist).
+                    pending = dcp.async_save(job.state(done), storage_writer=SnapshotWriter(done), no_dist=True)
+                else:
+                    writer = dcp.FileSystemWriter(async_disk.root / f"step-{done}")
+                    pending = dcp.async_save(job.state(done), storage_writer=writer, process_group=ckpt_group)
                 pending_step = done
             if done % args.ckpt_every == 0 or done == args.steps:
                 settle()

@@ -124,6 +124,49 @@ RECOVER_VARIANTS: dict[str, Strategy] = {
 }
 #: ``extraParams`` of the ``exit`` that follows a dump.
 EXTRA_DUMP_EXIT = "dump_exit"
+#: ``extraParams`` prefix of a ``recover`` that also changes the job's nodes (see :class:`Resize`).
+EXTRA_RESIZE = "resize:"
+
+
+@dataclass(frozen=True, slots=True)
+class Resize:
+    """A whole-group restart with another set of nodes: the job shrank (``--nnodes=MIN:MAX``).
+
+    Travels as the ``recover`` signal's ``extraParams``: ``resize:`` and the
+    node ranks the nodes had before, in the order of their new node ranks
+    (``resize:0,2``: old node 0 stays node 0, old node 2 becomes node 1, the job
+    has two nodes). Every node's global ranks follow its new node rank, contiguously.
+    """
+
+    #: the node ranks kept, in their new order.
+    kept: tuple[int, ...]
+
+    @property
+    def nodes(self) -> int:
+        return len(self.kept)
+
+    def encode(self) -> str:
+        return EXTRA_RESIZE + ",".join(str(n) for n in self.kept)
+
+    def node_rank(self, old: int) -> int:
+        """The new node rank of the node that had node rank ``old``.
+
+        :raises ValueError: when that node is not one of the kept.
+        """
+        return self.kept.index(old)
+
+    @classmethod
+    def parse(cls, extra: str) -> Resize | None:
+        """The resize an ``extraParams`` carries; None for any other ``extraParams``."""
+        if not extra.startswith(EXTRA_RESIZE):
+            return None
+        try:
+            kept = tuple(int(n) for n in extra[len(EXTRA_RESIZE) :].split(","))
+        except ValueError:
+            return None
+        return cls(kept) if kept and min(kept) >= 0 and len(set(kept)) == len(kept) else None
+
+
 #: ``ClientInfo.role`` of a spare: a launcher of the job that stands by, with no workers, to take
 #: the place of a lost node (docs/node-loss.md).
 SPARE_ROLE = "spare"
@@ -333,6 +376,9 @@ class JobPolicy:
     cycle_window: float = 3600.0
     #: agents the job should have; 0 means whoever registered.
     expected_agents: int = 0
+    #: fewest nodes the job may shrink to when a node is lost and no spare stands by
+    #: (``taskdrun --nnodes=MIN:MAX``); 0: the job never shrinks.
+    min_nodes: int = 0
     #: seconds without a HealthCheck after which a node's agent counts as lost (its machine
     #: hangs or is cut off) and a waiting spare takes its place (docs/node-loss.md).
     node_lost_timeout: float = 5.0

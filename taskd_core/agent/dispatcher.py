@@ -7,6 +7,8 @@ signal / action               what the node does, then reports
                               → ``ReportStopComplete``
 ``on_global_rank``            → ``ReportRecoverStrategy`` with the adapter's strategies
 ``change_strategy`` recover   stop all, restart all → ``ReportRecoverStatus``
+recover + resize:...          the job shrank: stop all, take the new node rank
+                              (``on_resize``), restart all → ``ReportRecoverStatus``
 recover + recover-in-place    restart only this node's faulty ranks → ``ReportRecoverStatus``
 recover + recover-live        announce the new round to the running workers,
                               restart this node's faulty ranks (but those started
@@ -44,7 +46,7 @@ from typing import Protocol
 from taskd_core.agent.config import DispatchConfig
 from taskd_core.agent.pidwatch import wait_gone
 from taskd_core.errors import WorkerControlError
-from taskd_core.models import Action, Code, Signal, SignalType, Strategy, WorkerState, WorkerStatus
+from taskd_core.models import Action, Code, Resize, Signal, SignalType, Strategy, WorkerState, WorkerStatus
 from taskd_core.plugins.registry import Adapter
 from taskd_core.rpc.convert import fault_dict
 
@@ -77,6 +79,8 @@ class ActionDispatcher:
     :param send: sends one report and returns the controller's code; the agent
         passes its report thread, so an action's report never overtakes a fault
         report queued before it.
+    :param on_resize: tells the adapter (and the agent's own identity) this node's place in the
+        job's new set of nodes, before the restart that uses it.
     """
 
     def __init__(
@@ -88,12 +92,14 @@ class ActionDispatcher:
         on_stopping: Callable[[Iterable[WorkerStatus]], None] | None = None,
         lock: threading.RLock | None = None,
         send: Callable[[Report], int] | None = None,
+        on_resize: Callable[[Resize], None] | None = None,
     ) -> None:
         self.adapter = adapter
         self.reporter = reporter
         self._send = send or (lambda report: report())
         self.config = config or DispatchConfig()
         self._on_stopping = on_stopping or (lambda statuses: None)
+        self._on_resize = on_resize
         self._lock = lock or threading.RLock()
         self.given_up = threading.Event()
         #: the agent is done with its workers: later signals must not start any.
@@ -255,6 +261,13 @@ class ActionDispatcher:
         try:
             if strategy is Strategy.RECOVER:
                 self.stop(None)
+                resize = Resize.parse(signal.extra_params)
+                if resize is not None:
+                    if self._on_resize is None:
+                        raise WorkerControlError(
+                            self.adapter.name, "change the job's nodes", "not supported here"
+                        )
+                    self._on_resize(resize)
                 self.adapter.restart_all()
                 self._started(self.adapter.monitor(), signal.cycle)
                 code, msg = Code.OK, "restarted every local worker"

@@ -38,8 +38,17 @@ from taskd_core.agent.hangs.work import MAX_SAMPLES
 from taskd_core.agent.lifecycle import WorkerLedger
 from taskd_core.agent.pidwatch import PidWatch
 from taskd_core.client.manager import DLRecoverManager
-from taskd_core.errors import ConfigError, RecoveryDisabledError, TaskdError
-from taskd_core.models import Code, FaultType, RankWork, Signal, WorkerEvent, WorkerState, WorkerStatus
+from taskd_core.errors import ConfigError, RecoveryDisabledError, TaskdError, WorkerControlError
+from taskd_core.models import (
+    Code,
+    FaultType,
+    RankWork,
+    Resize,
+    Signal,
+    WorkerEvent,
+    WorkerState,
+    WorkerStatus,
+)
 from taskd_core.plugins.registry import Adapter
 
 __all__ = ["AgentOutcome", "NodeAgent", "Outcome"]
@@ -101,7 +110,7 @@ class NodeAgent:
             config.job_id,
             config.controller,
             role=config.role,
-            agent_id=config.agent_id or f"node-{config.node_rank}",
+            agent_id=config.identity,
             node_rank=config.node_rank,
             credentials=config.credentials,
             handler=self._handle_signal,
@@ -118,6 +127,7 @@ class NodeAgent:
             on_stopping=self._settle,
             lock=self._lock,
             send=self._in_order,
+            on_resize=self._resize,
         )
 
     # --- control from other threads --------------------------------------------------
@@ -184,6 +194,29 @@ class NodeAgent:
         with self._lock:
             self.adapter.restart_all()
             self.client.rank_ids = tuple(sorted(s.global_rank for s in self.adapter.monitor().values()))
+
+    def _resize(self, resize: Resize) -> None:
+        """This node's place once the job shrank: the adapter's next restart and the agent's identity use it.
+
+        The controller numbered the ranks the same way (``membership.shrunk_layout``): a node keeps
+        its number of ranks, and its global ranks follow its new node rank.
+        """
+        client = self.client
+        if client.node_rank not in resize.kept:
+            raise WorkerControlError(
+                self.adapter.name, "change the job's nodes", f"the job dropped node {client.node_rank}"
+            )
+        node_rank = resize.node_rank(client.node_rank)
+        self.adapter.resize(node_rank, resize.nodes)
+        size = len(client.rank_ids)
+        logger.warning(
+            "job %s shrank to %s nodes: node %s is node %s now",
+            self.config.job_id,
+            resize.nodes,
+            client.node_rank,
+            node_rank,
+        )
+        client.node_rank, client.rank_ids = node_rank, tuple(range(node_rank * size, (node_rank + 1) * size))
 
     def _start_subscriber(self) -> threading.Thread:
         subscriber = threading.Thread(

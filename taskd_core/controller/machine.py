@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from taskd_core.controller.membership import NodeLossKind, decide_node_loss, is_node
+from taskd_core.controller.membership import SHRUNK, NodeLossKind, decide_node_loss, is_node, shrunk_layout
 from taskd_core.errors import IllegalTransition
 from taskd_core.models import (
     EXTRA_DUMP_EXIT,
@@ -54,6 +54,7 @@ from taskd_core.models import (
     FaultType,
     JobPolicy,
     JobState,
+    Resize,
     Signal,
     SignalType,
     Strategy,
@@ -236,6 +237,10 @@ class Snapshot:
     cycle_starts: list[float] = field(default_factory=list)
     #: ranks whose node was replaced for slowness (once per rank: slow again, they are only reported).
     slow_replaced: list[int] = field(default_factory=list)
+    #: the job's nodes since it last shrank (0: it never did; the policy's ``expected_agents`` count).
+    nodes: int = 0
+    #: the :class:`~taskd_core.models.Resize` the cycle's ``recover`` carries (encoded), until it succeeds.
+    resize: str = ""
 
 
 def brief(names: Iterable[str], most: int = 5) -> str:
@@ -386,7 +391,11 @@ class JobMachine:
 
     def _complete(self, answers: Mapping[str, object]) -> bool:
         # Only members' answers are recorded, so counting is enough.
-        return len(answers) >= max(len(self.snap.members), self.policy.expected_agents)
+        return len(answers) >= max(len(self.snap.members), self._expected())
+
+    def _expected(self) -> int:
+        """The agents the job should have now: the policy's, or as many as are left after a shrink."""
+        return self.snap.nodes or self.policy.expected_agents
 
     def _is_member(self, agent: str) -> bool:
         if self._members_of is not self.snap.members:
@@ -396,7 +405,7 @@ class JobMachine:
     def _shortfall(self, answers: Mapping[str, object]) -> list[str]:
         """Who failed to answer; a missing expected agent counts as one more."""
         missing = self._silent(answers)
-        absent = self.policy.expected_agents - len(self.snap.members)
+        absent = self._expected() - len(self.snap.members)
         return missing + [f"<expected agent #{i + 1} never registered>" for i in range(max(0, absent))]
 
     def _check_report(self, event: Report) -> Reply | None:
@@ -615,6 +624,9 @@ class JobMachine:
             self._enter(fx, State.IDLE, None)
             s.uuid, s.strategy, s.last_signal, s.faults = "", "", None, {}
             s.outcome = f"cycle {s.cycle} recovered by {strategy.value}"
+            if s.resize:
+                s.outcome += f" on {s.nodes} nodes"
+                s.resize = ""
             if s.pending:
                 s.faults, s.pending = s.pending, {}
                 self._begin(fx)
@@ -650,6 +662,8 @@ class JobMachine:
         for rung in LADDER[start:]:
             if (
                 rung in self.policy.strategies
+                # A job that changes its nodes restarts whole: its ranks and world size change.
+                and (not s.resize or rung in _RESIZING)
                 and rung.value in common
                 and rung.value not in s.tried
                 and (rung is not Strategy.RETRY or self._retryable())
@@ -686,7 +700,10 @@ class JobMachine:
                 extra=variant,
             )
         else:
-            self._send(fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY], strategy=choice.value)
+            extra = s.resize if choice is Strategy.RECOVER else ""
+            self._send(
+                fx, SignalType.CHANGE_STRATEGY, [Action.CHANGE_STRATEGY], strategy=choice.value, extra=extra
+            )
         self._enter(fx, State.WAIT_STATUS, self.policy.report_timeout)
         # The departed cannot answer this wait either: settled at once, not at its deadline.
         for agent in departed:
@@ -723,7 +740,7 @@ class JobMachine:
         nodes = [info for info in self.agents.values() if is_node(info)]
         if (
             self.snap.state is State.IDLE
-            and len(nodes) >= self.policy.expected_agents
+            and len(nodes) >= self._expected()
             and all(info.exit_code == Code.OK for info in nodes)
         ):
             self._enter(fx, State.FINISHED, None)
@@ -753,9 +770,18 @@ class JobMachine:
                 self._journal(fx, "node waits for a spare", agent=event.agent, reason=decision.reason)
             return Reply()
         self._awaiting.pop(event.agent, None)
-        if decision.kind is NodeLossKind.REPLACE:
-            self._replace(event.agent, decision.spare, fx)
+        if decision.kind in (NodeLossKind.REPLACE, NodeLossKind.SHRINK):
             ranks = [FaultRank(rank, FaultType.NORMAL) for rank in lost.rank_ids]
+            if decision.kind is NodeLossKind.SHRINK:
+                in_flight = s.state is State.WAIT_STATUS
+                if in_flight:
+                    # The restart in flight has the old world size: the next cycle resizes.
+                    merge_faults(s.pending, ranks)
+                self._shrink(event.agent, decision.reason, fx)
+                if in_flight:
+                    return Reply()
+            else:
+                self._replace(event.agent, decision.spare, fx)
             if s.state is State.WAIT_STATUS and s.strategy != Strategy.RECOVER_LIVE.value:
                 # The strategy in flight restarts every rank (the spare joins its restart):
                 # the lost ranks are already covered by it.
@@ -796,6 +822,41 @@ class JobMachine:
             fx, "node replaced", lost=lost, spare=spare, node_rank=old.node_rank, ranks=list(old.rank_ids)
         )
 
+    def _shrink(self, lost: str, reason: str, fx: _Effects) -> None:
+        """Drop node ``lost``: the others close up their node ranks and global ranks, and the cycle's
+        ``recover`` carries the new layout (:class:`~taskd_core.models.Resize`)."""
+        s = self.snap
+        layout = shrunk_layout(lost, self.agents)
+        by_new_rank = sorted(layout, key=lambda agent: layout[agent][0])
+        kept = tuple(self.agents[agent].node_rank or 0 for agent in by_new_rank)
+        previous = Resize.parse(s.resize)
+        if previous is not None:
+            # Shrunk again before the workers were restarted: their node ranks are still the first ones.
+            kept = tuple(previous.kept[rank] for rank in kept)
+        for agent, (node_rank, rank_ids) in layout.items():
+            self.agents[agent].node_rank, self.agents[agent].rank_ids = node_rank, rank_ids
+        self.agents[lost].replaced_by = SHRUNK
+        s.nodes, s.resize = len(layout), Resize(kept).encode()
+        self._journal(
+            fx,
+            "job shrunk",
+            lost=lost,
+            nodes=s.nodes,
+            node_ranks={agent: layout[agent][0] for agent in by_new_rank},
+            reason=reason,
+        )
+        if s.state in _CONCLUDE:
+            s.members = [m for m in s.members if m != lost]
+            waits: dict[State, dict[str, Any]] = {
+                State.WAIT_STOP: s.stops,
+                State.WAIT_STRATEGIES: s.strategies,
+                State.WAIT_STATUS: s.statuses,
+            }
+            answers = waits[s.state]
+            answers.pop(lost, None)
+            if answers and self._complete(answers):
+                _CONCLUDE[s.state](self, fx)
+
     def _settle_gone(self, agent: str, fx: _Effects) -> None:
         """A member that can no longer answer the wait in flight counts as having answered it failed.
 
@@ -816,6 +877,9 @@ class JobMachine:
         if self._complete(answers):
             _CONCLUDE[s.state](self, fx)
 
+
+#: The rungs a job that changes its nodes may take.
+_RESIZING = frozenset({Strategy.RECOVER, Strategy.DUMP, Strategy.EXIT})
 
 #: The rungs the agents still there can carry out once a member is gone.
 _WITHOUT_EVERY_NODE = frozenset({Strategy.DUMP, Strategy.EXIT})

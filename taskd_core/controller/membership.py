@@ -11,7 +11,12 @@ that says what happens to the job:
   its node rank and ranks, its seat in the recovery cycle; the lost agent is
   *fenced* (:attr:`AgentInfo.replaced_by`): the controller refuses what it
   sends from then on, with :attr:`~taskd_core.models.Code.NODE_REPLACED`;
-* ``WAIT``: no spare is ready, and the policy's ``spare_wait`` keeps the
+* ``SHRINK``: no spare is ready and the job has more nodes than the policy's
+  ``min_nodes`` (``taskdrun --nnodes=MIN:MAX``): the node is dropped, the
+  others are numbered again contiguously (:func:`shrunk_layout`) and restart
+  together with the new world size (a ``recover`` carrying a
+  :class:`~taskd_core.models.Resize`); the lost agent is fenced as for ``REPLACE``;
+* ``WAIT``: no spare is ready, the job cannot shrink, and the policy's ``spare_wait`` keeps the
   node's place open that long: a spare that registers meanwhile takes it;
 * ``GIVE_UP``: no spare is ready (nor came in time); the cycle goes on without
   the node, whose absence leaves only dump or exit (the machine's ``departed``
@@ -38,10 +43,15 @@ if TYPE_CHECKING:
     from taskd_core.controller.machine import AgentInfo
 
 
+#: What fences a node the job dropped when it shrank (its :attr:`AgentInfo.replaced_by`, no spare's name).
+SHRUNK = "(the job shrank)"
+
+
 class NodeLossKind(str, enum.Enum):
     """What the controller does about a lost node."""
 
     REPLACE = "replace"
+    SHRINK = "shrink"
     WAIT = "wait"
     GIVE_UP = "give-up"
 
@@ -73,10 +83,32 @@ def ready_spares(agents: Mapping[str, AgentInfo], now: float, fresh: float) -> l
     return sorted(a for a, info in agents.items() if is_spare(info) and now - info.last_seen <= fresh)
 
 
+def live_nodes(agents: Mapping[str, AgentInfo]) -> list[str]:
+    """The job's nodes that have not ended, in node rank order."""
+    nodes = [a for a, info in agents.items() if is_node(info) and info.exit_code is None]
+    return sorted(nodes, key=lambda a: (agents[a].node_rank is None, agents[a].node_rank or 0, a))
+
+
+def shrunk_layout(lost: str, agents: Mapping[str, AgentInfo]) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """The nodes left once ``lost`` is dropped: agent -> (new node rank, new global ranks).
+
+    The survivors keep their order; node ranks and global ranks close up
+    contiguously, each node keeping its number of ranks (torch numbers a
+    round's workers the same way: by group rank, then local rank).
+    """
+    layout: dict[str, tuple[int, tuple[int, ...]]] = {}
+    first = 0
+    for node_rank, agent in enumerate(a for a in live_nodes(agents) if a != lost):
+        size = len(agents[agent].rank_ids)
+        layout[agent] = (node_rank, tuple(range(first, first + size)))
+        first += size
+    return layout
+
+
 def decide_node_loss(
     lost: str, agents: Mapping[str, AgentInfo], now: float, policy: JobPolicy, waited: float = 0.0
 ) -> NodeLossDecision:
-    """Node ``lost`` is gone: replace it by a ready spare, wait for one, or give the node up.
+    """Node ``lost`` is gone: replace it by a ready spare, shrink the job, wait for a spare, or give up.
 
     A spare counts as ready when it was heard from within the policy's
     ``node_lost_timeout`` (a spare sends a HealthCheck every second).
@@ -85,14 +117,22 @@ def decide_node_loss(
     spares = ready_spares(agents, now, policy.node_lost_timeout)
     if spares:
         return NodeLossDecision(NodeLossKind.REPLACE, lost, spares[0], "a spare stands by")
+    left = len([a for a in live_nodes(agents) if a != lost])
+    if policy.min_nodes and left >= policy.min_nodes:
+        return NodeLossDecision(
+            NodeLossKind.SHRINK,
+            lost,
+            reason=f"no spare stands by: the job shrinks to {left} nodes (at least {policy.min_nodes})",
+        )
+    at_least = f" and the job is at its fewest nodes ({policy.min_nodes})" if policy.min_nodes else ""
     if waited < policy.spare_wait:
         return NodeLossDecision(
             NodeLossKind.WAIT,
             lost,
-            reason=f"no spare stands by: waiting up to {policy.spare_wait:g}s for one",
+            reason=f"no spare stands by{at_least}: waiting up to {policy.spare_wait:g}s for one",
         )
     if policy.spare_wait > 0:
         return NodeLossDecision(
-            NodeLossKind.GIVE_UP, lost, reason=f"no spare came within {policy.spare_wait:g}s"
+            NodeLossKind.GIVE_UP, lost, reason=f"no spare came within {policy.spare_wait:g}s{at_least}"
         )
-    return NodeLossDecision(NodeLossKind.GIVE_UP, lost, reason="no spare stands by")
+    return NodeLossDecision(NodeLossKind.GIVE_UP, lost, reason=f"no spare stands by{at_least}")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -56,7 +56,7 @@ from taskd_core.controller.machine import (
     State,
     brief,
 )
-from taskd_core.controller.membership import is_node, ready_spares
+from taskd_core.controller.membership import SHRUNK, is_node, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
 from taskd_core.controller.slowrank import (
@@ -128,9 +128,10 @@ _TERMINAL = (State.FINISHED, State.GIVEN_UP)
 #: client re-subscribes within its first backoff step, a machine that died does not at all.
 STREAM_CLOSED_GRACE = 0.5
 #: Seconds a node loaded from the state (a new leader took over) has to subscribe while a spare
-#: stands by: its agent retries a standby at most a second apart (``FOLLOW_CAP``) and follows the
-#: leader it names at once; one lost with the previous leader never comes.
-TAKEOVER_GRACE = 2.0
+#: stands by: its agent retries a standby at most 0.25 s apart (``client.manager.FOLLOW_CAP``) and
+#: follows the leader it names at once (three RPCs: Init, Register, Subscribe), so four of those
+#: gaps leave room for a loaded machine; one lost with the previous leader never comes.
+TAKEOVER_GRACE = 1.0
 #: How often the runtime looks for nodes whose HealthChecks stopped (a hung or cut-off machine).
 NODE_WATCH_INTERVAL = 0.25
 _ANONYMOUS = Caller()
@@ -331,11 +332,15 @@ class Controller:
 
     # --- life cycle -------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Load stored jobs, re-arm their deadlines and start keep-alives."""
+    async def start(self, departed: Collection[str] = ()) -> None:
+        """Load stored jobs, re-arm their deadlines and start keep-alives.
+
+        ``departed``: agents known to have ended with the previous leader's process (they ran in
+        it); with a spare ready they are declared lost at once instead of after the takeover grace.
+        """
         for stored in await self._store.load():
             try:
-                job = self._restore(stored)
+                job = self._restore(stored, departed)
             except (TaskdError, KeyError, ValueError, TypeError, AttributeError) as exc:
                 self._jobs.pop(stored.row.job_id, None)
                 await self._store.set_aside(stored.row.job_id, f"{type(exc).__name__}: {exc}")
@@ -350,7 +355,7 @@ class Controller:
         self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
         self._node_watch_task = asyncio.get_running_loop().create_task(self._watch_nodes())
 
-    def _restore(self, stored: StoredJob) -> _Job:
+    def _restore(self, stored: StoredJob, departed: Collection[str] = ()) -> _Job:
         row = stored.row
         job = _Job(row.job_id, policy_from_dict(row.policy), snapshot_from_dict(row.snapshot))
         job.inited = row.inited
@@ -365,13 +370,19 @@ class Controller:
         # subscribe here within the grace is lost as if its stream had ended here, the way a node
         # lost together with the previous leader would otherwise be waited for forever. With a
         # spare standing by, a surviving agent follows the new leader within a second or two.
-        grace = min(self._stream_grace, TAKEOVER_GRACE) if self._spare_ready(job) else self._stream_grace
+        spare = self._spare_ready(job)
+        grace = min(self._stream_grace, TAKEOVER_GRACE) if spare else self._stream_grace
         loop = asyncio.get_running_loop()
         for agent in job.agents.values():
-            if agent.exit_code is None:
-                job.lost[agent.agent_id] = loop.call_later(
-                    grace, self._on_stream_lost, job, agent.agent_id, grace
-                )
+            if agent.exit_code is not None:
+                continue
+            if spare and agent.agent_id in departed:
+                why = "it ran in the previous leader's process, which a standby found gone"
+                loop.call_soon(self.node_lost, job.job_id, agent.agent_id, why)
+                continue
+            job.lost[agent.agent_id] = loop.call_later(
+                grace, self._on_stream_lost, job, agent.agent_id, grace
+            )
         self._jobs[row.job_id] = job
         self._arm(job)
         return job
@@ -1130,10 +1141,15 @@ class Controller:
     def _check_fence(job: _Job, agent: AgentInfo) -> None:
         """Refuse a node a spare replaced: it must neither train nor steer the job any more."""
         if agent.replaced_by:
+            taken = (
+                "the job shrank without it"
+                if agent.replaced_by == SHRUNK
+                else f"spare {agent.replaced_by!r} took its place"
+            )
             raise RequestRejected(
                 Code.NODE_REPLACED,
                 f"jobId={job.job_id}: agent {agent.agent_id!r} (node rank {agent.node_rank}) was declared "
-                f"lost and spare {agent.replaced_by!r} took its place; this node must stop its workers "
+                f"lost and {taken}; this node must stop its workers "
                 "and end (start it again with the job's command line to stand by as a spare)",
             )
 

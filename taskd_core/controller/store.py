@@ -103,6 +103,8 @@ def snapshot_to_dict(snap: Snapshot) -> dict[str, Any]:
         "outcome": snap.outcome,
         "cycle_starts": list(snap.cycle_starts),
         "slow_replaced": list(snap.slow_replaced),
+        "nodes": snap.nodes,
+        "resize": snap.resize,
     }
 
 
@@ -129,6 +131,9 @@ def snapshot_from_dict(data: Mapping[str, Any]) -> Snapshot:
         # Absent from state written before the budget window existed.
         cycle_starts=[float(t) for t in data.get("cycle_starts", ())],
         slow_replaced=[int(r) for r in data.get("slow_replaced", ())],
+        # Absent from state written before jobs could shrink.
+        nodes=int(data.get("nodes", 0)),
+        resize=str(data.get("resize", "")),
     )
 
 

@@ -5,8 +5,8 @@ daemonized helper, ``subprocess.Popen(start_new_session=True)``) leaves it, and
 a group signal no longer reaches it. :class:`JobScope` tracks the job's processes by
 two things a child keeps whatever it does to its session:
 
-- a **cgroup v2** directory per job (``taskd-<launcher pid>-<token>`` beside the launcher's own cgroup),
-  with one child cgroup per worker, where the machine lets the launcher make one (a
+- a **cgroup v2** directory per job (``taskd-<launcher's owner tag>-<token>`` beside the launcher's own
+  cgroup), with one child cgroup per worker, where the machine lets the launcher make one (a
   writable cgroup2 hierarchy: root, or a delegated subtree). Every process a worker
   starts is born in its cgroup and an unprivileged one cannot leave it; ``cgroup.kill``
   ends the whole subtree at once. A fork server's worker moves itself in before running
@@ -78,7 +78,7 @@ def _make_job_cgroup(token: str) -> tuple[Path | None, str]:
     if own is None:
         return None, why
     _remove_abandoned(own)
-    job = own / f"taskd-{os.getpid()}-{token}"
+    job = own / f"taskd-{owner_tag()}-{token}"
     try:
         job.mkdir()
     except OSError as exc:
@@ -94,21 +94,66 @@ def _remove_abandoned(parent: Path) -> None:
 
     A launcher and its guard lost together (a node's whole process tree killed) leave their
     job's cgroup behind; an empty cgroup costs little, but they would pile up. One still
-    populated is kept (rmdir refuses it), as is one whose launcher's pid runs (even reused).
+    populated is kept (rmdir refuses it), as is one whose launcher runs.
+    """
+    for entry in abandoned(parent, "taskd-"):
+        _remove(entry)
+
+
+def _start_time(pid: int) -> str:
+    """When ``pid`` started (clock ticks after boot, ``/proc/<pid>/stat`` field 22); empty once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        return ""
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else ""
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``); empty when unknown."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def owner_tag() -> str:
+    """``<pid>.<start time>.<pid namespace>`` of this process, for the names of what it must not leave behind.
+
+    With the start time a reused pid is not taken for the owner, and with the namespace the
+    pids of another one (a container sharing the directory) are not judged (:func:`abandoned`).
+    """
+    pid = os.getpid()
+    return f"{pid}.{_start_time(pid)}.{_pid_namespace()}"
+
+
+def abandoned(parent: Path, prefix: str) -> list[Path]:
+    """The entries of ``parent`` named ``<prefix><owner tag>-…`` whose owner, of this pid namespace, is gone.
+
+    Gone: its pid runs no more, or runs a process that started at another time. A tag of a pid
+    alone (older names) counts as gone only once that pid runs no more.
     """
     try:
         entries = list(parent.iterdir())
     except OSError:
-        return
+        return []
+    namespace = _pid_namespace()
+    out = []
     for entry in entries:
-        owner = entry.name.split("-")
-        if (
-            len(owner) == 3
-            and owner[0] == "taskd"
-            and owner[1].isdigit()
-            and not os.path.exists(f"/proc/{owner[1]}")
-        ):
-            _remove(entry)
+        if not entry.name.startswith(prefix):
+            continue
+        tag = entry.name[len(prefix) :].split("-", 1)
+        pid, started, space = (tag[0].split(".") + ["", ""])[:3]
+        if len(tag) != 2 or not pid.isdigit() or not (started.isdigit() or not started):
+            continue
+        if space and space != namespace:
+            continue  # another namespace's pids mean other processes: not ours to judge
+        now = _start_time(int(pid))
+        if not now or (started and now != started):
+            out.append(entry)
+    return out
 
 
 def _write(path: Path, text: str) -> bool:

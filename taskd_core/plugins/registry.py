@@ -97,6 +97,9 @@ class Adapter:
         ranks = tuple(local_ranks)
         self._call("restart workers", "taskd_restart_list", ranks, local_ranks=ranks)
 
+    def resize(self, node_rank: int, nodes: int) -> None:
+        self._call("change the job's nodes", "taskd_resize", node_rank=node_rank, nodes=nodes)
+
     def begin_round(self, round_no: int) -> None:
         self._call("begin a live recovery round", "taskd_begin_round", round_no=round_no)
 

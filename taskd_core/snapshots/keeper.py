@@ -8,7 +8,9 @@ The keeper serves the directory to the other nodes' ranks (their peer copies
 arrive there; a rank that lost its node fetches its copies back), and removes
 it when that pipe ends: when the launcher closes it at the job's end, and when
 the kernel closes it because the launcher died, however it died (the
-lifeline's pattern, :mod:`taskd_core.forkserver.lifeline`).
+lifeline's pattern, :mod:`taskd_core.forkserver.lifeline`); what a node's
+whole process tree SIGKILLed at once leaves, the next keeper on the machine
+removes (:func:`sweep`).
 
 The workers learn where the directory is from :meth:`Keeper.worker_env`
 (``TASKD_SNAPSHOT_*``, read by ``taskd_pytorch.snapshot``), and where the
@@ -29,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
+from taskd_core.forkserver.jobscope import abandoned, owner_tag
 from taskd_core.snapshots.settings import SnapshotSettings
 from taskd_core.snapshots.store import SnapshotStore
 
@@ -42,8 +45,24 @@ BUDGET_ENV = "TASKD_SNAPSHOT_RANK_BUDGET"
 COPIES_ENV = "TASKD_SNAPSHOT_COPIES"
 #: The job id, the keepers' authentication context.
 JOB_ENV = "TASKD_SNAPSHOT_JOB"
+#: The snapshot directories' names: this prefix, the launcher's owner tag, ``-`` and a random part.
+PREFIX = "taskd-snapshots-"
 #: Seconds to wait for the keeper's address.
 START_TIMEOUT = 30.0
+
+
+def sweep(directory: Path) -> list[Path]:
+    """Remove the snapshot directories in ``directory`` whose launcher is gone; returns them.
+
+    A keeper removes its directory when its launcher ends, however that ends; a node's whole
+    process tree SIGKILLed at once (the keeper with it) leaves the directory, memory that
+    nothing frees. Each is named after its launcher (:func:`~taskd_core.forkserver.jobscope.owner_tag`,
+    as the job cgroups are), so the next keeper on the machine finds and removes it.
+    """
+    gone = abandoned(directory, PREFIX)
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
 
 
 def default_memory(directory: Path) -> int:
@@ -75,15 +94,28 @@ class Keeper:
         self.settings = settings
         self.job_id = job_id
         settings.directory.mkdir(parents=True, exist_ok=True)
-        self.root = Path(tempfile.mkdtemp(prefix="taskd-snapshots-", dir=settings.directory))
+        swept = sweep(settings.directory)
+        if swept:
+            logger.info("removed the snapshots of launchers that are gone: %s", ", ".join(map(str, swept)))
+        self.root = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{owner_tag()}-", dir=settings.directory))
         memory = settings.memory_mib << 20 if settings.memory_mib is not None else default_memory(self.root)
         self.rank_budget = memory // max(1, local_world_size)
+        # The share of the node's memory that the ring's symmetry leaves to the other nodes' copies.
+        self.peer_budget = memory * settings.copies // (1 + settings.copies)
         env = {k: v for k, v in os.environ.items() if k != "TASKD_JOB_TOKEN"}
         if token:
             env["TASKD_JOB_TOKEN"] = token
         listen = host if host and token else "-"
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "taskd_core.snapshots._serve", str(self.root), listen, job_id],
+            [
+                sys.executable,
+                "-m",
+                "taskd_core.snapshots._serve",
+                str(self.root),
+                listen,
+                job_id,
+                str(self.peer_budget),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             env=env,

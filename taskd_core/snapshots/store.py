@@ -132,66 +132,86 @@ class SnapshotStore:
 
         :raises SnapshotError: when the files cannot be written (the tmpfs is full, say).
         """
-        target = self.begin(rank, step)
-        try:
-            with open(target / _META, "wb") as f:
-                f.write(meta)
-            data_crc = 0
-            size = 0
-            with open(target / _DATA, "wb") as f:
-                for buf in buffers:
-                    view = flat(buf)
-                    f.write(view)
-                    data_crc = zlib.crc32(view, data_crc)
-                    size += len(view)
-        except OSError as exc:
-            shutil.rmtree(target, ignore_errors=True)
-            raise SnapshotError(
-                f"cannot write the snapshot of rank {rank} step {step} in {target}: {exc}"
-            ) from exc
-        seal = Seal(rank, step, len(meta), size, zlib.crc32(meta), data_crc)
-        self.commit(seal)
+        views = [flat(b) for b in buffers]
+        target, mapped = self.allocate(rank, step, sum(len(v) for v in views))
+        data_crc = 0
+        if mapped is not None:
+            at = 0
+            for view in views:
+                mapped[at : at + len(view)] = view
+                at += len(view)
+            data_crc = zlib.crc32(mapped)
+            mapped.close()
+        seal = Seal(rank, step, len(meta), sum(len(v) for v in views), zlib.crc32(meta), data_crc)
+        self.commit(seal, meta)
         return seal
 
     def begin(self, rank: int, step: int) -> Path:
-        """Make room for ``step`` of ``rank`` (see the module docstring) and return its empty directory."""
+        """Make room for ``step`` of ``rank`` (see the module docstring) and return its directory.
+
+        The data file of a complete snapshot that goes is moved in (its tmpfs pages are
+        reused: no new memory to fault in and zero); an incomplete one's writer may still
+        have it mapped, so it is only unlinked.
+        """
         base = self.rank_dir(rank)
         base.mkdir(parents=True, exist_ok=True)
         kept = [s for s in self.steps(rank) if s < step][-1:]
-        for entry in base.iterdir():
-            if not (entry.name.isdigit() and int(entry.name) in kept):
-                shutil.rmtree(entry, ignore_errors=True)
         target = self.step_dir(rank, step)
+        gone = [e for e in base.iterdir() if not (e.name.isdigit() and int(e.name) in kept)]
+        if target in gone:  # a previous life's step: moved aside, so that the name is free
+            aside = base / f"old-{target.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(target, aside)
+            gone[gone.index(target)] = aside
         target.mkdir()
+        for entry in gone:
+            if (entry / _DONE).exists() and not (target / _DATA).exists():
+                try:
+                    os.rename(entry / _DATA, target / _DATA)
+                except OSError:
+                    pass
+            shutil.rmtree(entry, ignore_errors=True)
         return target
 
-    def allocate(self, rank: int, step: int, meta: bytes, data_size: int) -> tuple[Path, mmap.mmap | None]:
-        """Room for a snapshot that arrives in pieces (a peer's copy): ``meta`` written, ``data`` mapped.
+    def allocate(self, rank: int, step: int, data_size: int) -> tuple[Path, mmap.mmap | None]:
+        """Room for ``step`` of ``rank`` whose ``data_size`` bytes are filled in place: its data file, mapped.
 
-        The caller fills the map and then calls :meth:`commit` with the seal it was sent;
-        the map is None for an empty ``data``.
+        The caller fills the map and then calls :meth:`commit`; the map is None for an
+        empty ``data``.
+
+        :raises SnapshotError: when there is no room (the tmpfs is full, say).
         """
         target = self.begin(rank, step)
-        (target / _META).write_bytes(meta)
         try:
-            with open(target / _DATA, "w+b") as f:
-                if data_size:
-                    # Reserved now: a tmpfs that fills up under a mapping kills with SIGBUS, not ENOSPC.
-                    os.posix_fallocate(f.fileno(), 0, data_size)
-                mapped = mmap.mmap(f.fileno(), data_size) if data_size else None
+            with open(target / _DATA, "r+b" if (target / _DATA).exists() else "w+b") as f:
+                os.ftruncate(f.fileno(), data_size)
+                if not data_size:
+                    return target, None
+                # Reserved now: a tmpfs that fills up under a mapping kills with SIGBUS, not ENOSPC.
+                os.posix_fallocate(f.fileno(), 0, data_size)
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                return target, mmap.mmap(f.fileno(), data_size, flags=flags)
         except OSError as exc:
             shutil.rmtree(target, ignore_errors=True)
             raise SnapshotError(
                 f"no room for rank {rank}'s step {step} ({data_size} bytes) in {self.root}: {exc}"
             ) from exc
-        return target, mapped
 
-    def commit(self, seal: Seal) -> None:
-        """Write ``seal``'s marker: from now on the snapshot is listed (after :meth:`verify` if untrusted)."""
+    def commit(self, seal: Seal, meta: bytes) -> None:
+        """Write ``meta``, then ``seal``'s marker: from now on the snapshot is listed.
+
+        :raises SnapshotError: when the snapshot's directory is gone (a newer start removed it).
+        """
         target = self.step_dir(seal.rank, seal.step)
-        tmp = target / (_DONE + ".tmp")
-        tmp.write_bytes(seal.to_json())
-        os.replace(tmp, target / _DONE)
+        try:
+            (target / _META).write_bytes(meta)
+            tmp = target / (_DONE + ".tmp")
+            tmp.write_bytes(seal.to_json())
+            os.replace(tmp, target / _DONE)
+        except OSError as exc:
+            raise SnapshotError(
+                f"cannot complete the snapshot of rank {seal.rank} step {seal.step}: {exc}"
+            ) from exc
 
     def drop(self, rank: int, above: int) -> None:
         """Forget ``rank``'s snapshots after step ``above`` (a restore went back to ``above``)."""
@@ -226,6 +246,20 @@ class SnapshotStore:
     def inventory(self) -> dict[int, list[int]]:
         """Every rank's complete steps here."""
         return {rank: steps for rank in self.ranks() if (steps := self.steps(rank))}
+
+    def held(self, rank: int, before: int | None = None) -> int:
+        """Bytes of ``rank``'s data here; with ``before``: of what starting that step keeps."""
+        if before is None:
+            steps = self.steps(rank, complete=False)
+        else:
+            steps = [s for s in self.steps(rank) if s < before][-1:]
+        total = 0
+        for step in steps:
+            try:
+                total += (self.step_dir(rank, step) / _DATA).stat().st_size
+            except OSError:
+                pass  # removed meanwhile, or not begun yet
+        return total
 
     def seal(self, rank: int, step: int) -> Seal:
         what = f"the snapshot of rank {rank} step {step} in {self.root}"

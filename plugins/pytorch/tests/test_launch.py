@@ -33,13 +33,19 @@ def test_the_static_form_keeps_its_master_address(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (("--nnodes=1:2",), "needs a fixed number of nodes"),
+        (("--nnodes=1:2",), "--nnodes=1:2 with --rdzv-backend=static: a job whose number of nodes may change"),
         (("--duplicate-stdout-filters=x",), "does not support --duplicate-stdout-filters"),
     ],
 )
 def test_options_taskdrun_cannot_honour_are_config_errors(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parsed(*argv)
+
+
+def test_the_elastic_form_keeps_min_and_max_with_a_rendezvous_that_has_rounds() -> None:
+    job = parsed("--nnodes=2:3", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0")
+    assert (job.config.min_nodes, job.config.max_nodes) == (2, 3)
+    assert job.command()["--nnodes"] == "2:3"  # a spare or a late node must be started with it too
 
 
 def test_the_controller_host_is_the_one_torch_gives_the_workers() -> None:

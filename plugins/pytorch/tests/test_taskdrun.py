@@ -47,7 +47,17 @@ def test_help_shows_torchrun_options_and_taskd_options() -> None:
         (["--taskd-flush-seconds", "-1"], "'-1' is not a finite number of seconds >= 0"),
         (["--taskd-controller", "nowhere"], "'nowhere' is not HOST:PORT"),
         (["--taskd-controller-port", "70000"], "controller port: 70000 is not a TCP port"),
-        (["--nnodes", "1:2"], "--nnodes=1:2: taskdrun needs a fixed number of nodes (--nnodes=N)"),
+        (["--nnodes", "3:2"], "argument --nnodes: '3:2': MIN (3) is more than MAX (2); use --nnodes=MIN:MAX"),
+        (["--nnodes", "0:2"], "argument --nnodes: '0' is not a whole number >= 1"),
+        (
+            ["--nnodes", "1:2"],
+            "--nnodes=1:2 with --rdzv-backend=static: a job whose number of nodes may change needs a "
+            "rendezvous with rounds; use --rdzv-backend=c10d or etcd-v2 (static is the default",
+        ),
+        (
+            ["--nnodes", "1:2", "--rdzv-backend=etcd", "--rdzv-endpoint=127.0.0.1:1"],
+            "--nnodes=1:2 with --rdzv-backend=etcd: a job whose number of nodes may change needs",
+        ),
         (["--taskd-max-cycles", "99999999999"], "--taskd-max-cycles: '99999999999' is more than 2147483647"),
         (
             ["--taskd-stop-timeout", "1e308"],
@@ -249,14 +259,19 @@ def test_sigterm_while_the_controller_cannot_be_reached_ends_taskdrun_at_once(
 
 
 @pytest.mark.slow
-def test_nnodes_min_max_is_refused_at_start_with_a_clear_message(
-    launch, out_dir: Path, tmp_path: Path
+def test_nnodes_min_max_with_one_node_trains_on_the_nodes_that_came_by_the_last_call(
+    launch, out_dir: Path
 ) -> None:
-    node = launch(*c10d("elastic", nnodes="1:2"), IDLE, str(out_dir), log="elastic")
+    """torch's own launcher test of the elastic form (``test_launch_elastic``): one node of 1:2."""
+    conf = "--rdzv-conf=join_timeout=5,last_call_timeout=1,timeout=5"
+    node = launch(*c10d("elastic", nnodes="1:2"), conf, IDLE, str(out_dir), "--after", "0", log="elastic")
 
-    assert node.wait(timeout=120) == 2
-    assert "taskdrun needs a fixed number of nodes" in (tmp_path / "elastic.0.log").read_text()
-    assert records(out_dir) == []
+    assert node.wait(timeout=120) == 0
+    seen = records(out_dir)
+    assert sorted((r["RANK"], r["WORLD_SIZE"], r["GROUP_RANK"]) for r in seen) == [
+        ("0", "2", "0"),
+        ("1", "2", "0"),
+    ]
 
 
 @pytest.mark.slow

@@ -34,6 +34,8 @@ class WorkerControl(Protocol):
 
     def restart_list(self, local_ranks: Sequence[int]) -> Mapping[int, int]: ...
 
+    def resize(self, group_rank: int, group_world_size: int) -> None: ...
+
     def stop(self, local_ranks: Sequence[int] | None, timeout: float) -> None: ...
 
     def statuses(self) -> Mapping[int, WorkerStatus]: ...
@@ -92,6 +94,11 @@ class PytorchAdapter:
     @hookimpl
     def taskd_restart_list(self, local_ranks: Sequence[int]) -> bool:
         self.agent.restart_list(local_ranks)
+        return True
+
+    @hookimpl
+    def taskd_resize(self, node_rank: int, nodes: int) -> bool:
+        self.agent.resize(node_rank, nodes)
         return True
 
     @hookimpl

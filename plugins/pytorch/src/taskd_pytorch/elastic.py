@@ -186,30 +186,45 @@ class TaskdElasticAgent(LocalElasticAgent):
         if members is None:
             raise ConfigError("only the c10d rendezvous lets a spare take a node's seat")
         with self._taskd_lock:
-            epoch = members.epoch()
-            group = self.get_worker_group()
-            size = group.spec.local_world_size
-            world = epoch.group_world_size * size
-            # torch annotates these as None (set by its own rendezvous); the seat sets them instead.
-            group.group_rank = group_rank  # type: ignore[assignment]
-            group.group_world_size = epoch.group_world_size  # type: ignore[assignment]
-            group.workers = [
-                Worker(
-                    local_rank=i,
-                    global_rank=group_rank * size + i,
-                    role_rank=group_rank * size + i,
-                    world_size=world,
-                    role_world_size=world,
-                )
-                for i in range(size)
-            ]
+            self._seat(group_rank, members.epoch().group_world_size)
             self._taskd_seated = self._taskd_seat_idle = True
+            logger.info("taking the seat of node %s", group_rank)
+
+    def resize(self, group_rank: int, group_world_size: int) -> None:
+        """The job shrank (``--nnodes=MIN:MAX``): the next restart makes this node ``group_rank`` of
+        ``group_world_size``.
+
+        The round is kept when the other nodes left restart too (the agreement
+        of :mod:`taskd_pytorch.rendezvous_reuse`, over the new number of
+        nodes): the lost node's keep-alive in torch's round never has to expire.
+        """
+        with self._taskd_lock:
+            self._seat(group_rank, group_world_size)
             logger.info(
-                "taking the seat of node %s: global ranks %s of %s",
-                group_rank,
-                [w.global_rank for w in group.workers],
-                world,
+                "the job shrank to %s nodes: this node restarts as node %s", group_world_size, group_rank
             )
+
+    def _seat(self, group_rank: int, group_world_size: int) -> None:
+        """Make this node ``group_rank`` of ``group_world_size`` nodes, its workers ranked contiguously."""
+        group = self.get_worker_group()
+        size = group.spec.local_world_size
+        world = group_world_size * size
+        # torch annotates these as None (set by its own rendezvous); the seat sets them instead.
+        group.group_rank = group_rank  # type: ignore[assignment]
+        group.group_world_size = group_world_size  # type: ignore[assignment]
+        group.workers = [
+            Worker(
+                local_rank=i,
+                global_rank=group_rank * size + i,
+                role_rank=group_rank * size + i,
+                world_size=world,
+                role_world_size=world,
+            )
+            for i in range(size)
+        ]
+        logger.info(
+            "node %s: global ranks %s of %s", group_rank, [w.global_rank for w in group.workers], world
+        )
 
     def _take_seat(self, group: WorkerGroup) -> None:
         """The round as the other agents of the job restart it now (see :mod:`taskd_pytorch.membership`)."""

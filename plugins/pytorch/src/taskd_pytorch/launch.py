@@ -132,10 +132,15 @@ def parse(args: argparse.Namespace) -> NodeJob:
         raise ConfigError(str(exc)) from exc
     if config.duplicate_stdout_filters or config.duplicate_stderr_filters:
         raise ConfigError("taskdrun does not support --duplicate-stdout-filters/--duplicate-stderr-filters")
-    if config.min_nodes != config.max_nodes:
+    if config.min_nodes != config.max_nodes and config.rdzv_backend not in ELASTIC_BACKENDS:
         raise ConfigError(
-            f"--nnodes={args.nnodes}: taskdrun needs a fixed number of nodes (--nnodes=N); every node's "
-            "agent takes part in each recovery, so the job cannot shrink or grow between restarts"
+            f"--nnodes={args.nnodes} with --rdzv-backend={config.rdzv_backend}: a job whose number of nodes "
+            f"may change needs a rendezvous with rounds; use --rdzv-backend={' or '.join(ELASTIC_BACKENDS)}"
+            + (
+                " (static is the default when no --rdzv-backend is given)"
+                if config.rdzv_backend == "static"
+                else ""
+            )
         )
     master_host, _ = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=-1)
     options = TaskdOptions.from_args(args, os.environ, nnodes=config.max_nodes, master_addr=master_host)
@@ -146,6 +151,8 @@ def parse(args: argparse.Namespace) -> NodeJob:
     return NodeJob(config, entrypoint, tuple(entry_args), master_host, options)
 
 
+#: torch's rendezvous backends whose rounds TaskD keeps across restarts (a job of MIN:MAX nodes needs them).
+ELASTIC_BACKENDS = (REUSABLE_BACKEND, ETCD_BACKEND)
 #: torch's rendezvous backends that keep the rendezvous in etcd (and so can keep the controller there).
 ETCD_BACKENDS = ("etcd", "etcd-v2")
 #: Where the job's controller state lives in the rendezvous' etcd; the run id follows.
@@ -381,22 +388,28 @@ def run_agent(
 ) -> AgentOutcome:
     """Join the first rendezvous round, then run the node agent over ``elastic`` until the job ends here."""
     group_rank, store = elastic.join()
+    nodes = elastic.get_worker_group().group_world_size or job.config.max_nodes
     if members is not None:
         # Every round (and a spare) reads the controller's address from the job's own keys.
         store = members.store
         if group_rank == 0:
             members.formed(job.command())
     logger.info(
-        "job %s node %s: %s workers of %s",
+        "job %s node %s of %s: %s workers of %s",
         job.options.node.job_id,
         group_rank,
+        nodes,
         job.config.nproc_per_node,
         elastic.get_worker_group().spec.get_entrypoint_name(),  # type: ignore[no-untyped-call]
     )
     config = job.config
-    # The rendezvous, not --node-rank, says which node this is (torch's c10d ignores --node-rank too).
+    # The rendezvous, not --node-rank, says which node this is (torch's c10d ignores --node-rank too),
+    # and how many nodes the first round admitted (MIN to MAX): every one must answer each cycle.
+    elastic_min = config.min_nodes if config.min_nodes != config.max_nodes else 0
     settings = replace(
         job.options.node,
+        nnodes=nodes,
+        policy=replace(job.options.node.policy, expected_agents=nodes, min_nodes=elastic_min),
         agent=replace(job.options.node.agent, node_rank=group_rank),
         master_addr=controller_host(config.rdzv_backend, job.master_host, config.local_addr),
         board=StoreBoard(store, stop),

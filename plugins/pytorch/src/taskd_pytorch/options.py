@@ -91,9 +91,12 @@ def _nproc_per_node(text: str) -> str:
 
 
 def _nnodes(text: str) -> str:
-    """``N`` or ``MIN:MAX`` nodes, each 1..MAX_NODES (taskdrun refuses MIN != MAX at start, with why)."""
-    for part in text.split(":", 1):
-        parse_count(part.strip(), low=1, high=MAX_NODES)
+    """``N`` or ``MIN:MAX`` nodes, each 1..MAX_NODES, MIN at most MAX (torch's own check is an assert)."""
+    counts = [parse_count(part.strip(), low=1, high=MAX_NODES) for part in text.split(":", 1)]
+    if counts[0] > counts[-1]:
+        raise ConfigError(
+            f"{text!r}: MIN ({counts[0]}) is more than MAX ({counts[-1]}); use --nnodes=MIN:MAX"
+        )
     return text
 
 

@@ -1,8 +1,9 @@
 """How one rank's ``torch.distributed.checkpoint`` items are laid out in a snapshot: meta blob, data.
 
-The data is every item of the rank's own save plan, one after the other:
-a tensor's bytes (its local shard, contiguous, on CPU) or a pickled object's
-bytes. The meta blob (pickled: it only ever comes from this job's own
+The data is every tensor of the rank's own save plan (its local shard,
+contiguous, on CPU), at the offsets :mod:`~taskd_pytorch.snapshot._slot`
+gave them; pickled objects' bytes (small: the step, param groups) sit in the
+meta blob. The meta blob (pickled: it only ever comes from this job's own
 processes, through files only they can write or an authenticated stream)
 holds the rank's own DCP ``Metadata`` (only its items: the rank restores
 without reading any other rank's snapshot) and where each item sits.
@@ -13,13 +14,17 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from taskd_core.errors import SnapshotError
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +33,10 @@ class Span:
 
     start: int
     length: int
-    #: None for a pickled object; else the tensor's dtype and local shape.
+    #: None for a pickled object (its bytes are ``inline``); else the tensor's dtype and local shape.
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] = ()
+    inline: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,36 +48,54 @@ class Layout:
     spans: dict[MetadataIndex, Span]
 
 
-def gather(plan: SavePlan, planner: SavePlanner, step: int) -> tuple[bytes, list[memoryview], int]:
-    """The meta blob, the data buffers and their total size of ``plan``'s items, resolved by ``planner``."""
+def resolve(planner: SavePlanner, item: WriteItem) -> Any:
+    """``planner.resolve_data(item)``; for DCP's default planner a tensor's local shard is looked up directly.
+
+    (What ``resolve_data`` would give, without its ``to_local()``'s autograd node per tensor and save.)
+    """
+    if type(planner) is DefaultSavePlanner and item.type is not WriteItemType.BYTE_IO:
+        found = planner.state_dict.get(item.index.fqn)
+        if isinstance(found, DTensor):
+            return found._local_tensor
+        if type(found) is torch.Tensor:
+            return found
+    return planner.resolve_data(item)
+
+
+def tensors(plan: SavePlan, planner: SavePlanner) -> list[torch.Tensor]:
+    """The tensors of ``plan``'s items, resolved by ``planner``, in plan order."""
+    return [resolve(planner, i) for i in plan.items if i.type is not WriteItemType.BYTE_IO]
+
+
+def index(
+    plan: SavePlan, planner: SavePlanner, step: int, offset: Callable[[WriteItem, torch.Tensor], int | None]
+) -> bytes:
+    """The meta blob of ``plan``'s items, whose tensors are in the data (at ``offset``); objects go inline.
+
+    :raises SnapshotError: when a tensor is not in the slot (a planner that makes new tensors).
+    """
     spans: dict[MetadataIndex, Span] = {}
-    buffers: list[memoryview] = []
-    at = 0
     for item in plan.items:
-        data: Any = planner.resolve_data(item)
+        data = resolve(planner, item)
         if item.type is WriteItemType.BYTE_IO:
-            view = memoryview(data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data))
-            span = Span(at, len(view))
-        else:
-            tensor = data.detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            tensor = tensor.contiguous()
-            view = (
-                memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-                if tensor.numel()
-                else memoryview(b"")
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            spans[item.index] = Span(0, len(raw), inline=raw)
+            continue
+        tensor = data.detach()
+        at = offset(item, tensor)
+        if at is None:
+            raise SnapshotError(
+                f"{item.index.fqn}: the planner gave a tensor that is not the staged copy; "
+                "memory snapshots take DCP's default planner"
             )
-            span = Span(at, len(view), tensor.dtype, tuple(tensor.shape))
-        spans[item.index] = span
-        buffers.append(view)
-        at += len(view)
+        spans[item.index] = Span(
+            at, tensor.numel() * tensor.element_size(), tensor.dtype, tuple(tensor.shape)
+        )
     _, metadata = create_default_global_save_plan([plan], rewrite_index_hints=False)
     mappings = getattr(planner, "mappings", None)
     if mappings is not None:
         metadata = dataclasses.replace(metadata, planner_data=mappings)
-    meta = pickle.dumps(Layout(step, metadata, spans), protocol=pickle.HIGHEST_PROTOCOL)
-    return meta, buffers, at
+    return pickle.dumps(Layout(step, metadata, spans), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def parse(meta: bytes) -> Layout:

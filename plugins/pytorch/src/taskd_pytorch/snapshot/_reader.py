@@ -206,7 +206,7 @@ class SnapshotReader(StorageReader):
                     f"{tuple(item.storage_index.offset or ())}: it was saved with another sharding"
                 )
             if item.type is LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(bytes(data[span.start : span.start + span.length])))
+                planner.load_bytes(item, io.BytesIO(span.inline))
                 continue
             tensor = narrow_tensor_by_index(tensor_of(data, span), item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
