@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -83,6 +84,15 @@ def launcher_command(name: str, rendezvous: Sequence[str], trial: Trial, work: P
         "--step-time",
         str(trial.step_time),
     ]
+
+
+def listening(port: int) -> bool | None:
+    """A ``poll_until`` probe: True once something accepts connections on loopback ``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return None
 
 
 def signal_tree(pid: int, sig: signal.Signals) -> set[int]:

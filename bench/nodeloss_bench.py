@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -63,14 +62,6 @@ logger = logging.getLogger(__name__)
 FAULTS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 
 
-def listening(port: int) -> bool | None:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return None
-
-
 def run_trial(name: str, fault: str, trial: _nodes.Trial, work: Path) -> dict[str, Any]:
     env = _nodes.LAUNCHERS[name][1]
     work.mkdir(parents=True)
@@ -85,7 +76,7 @@ def run_trial(name: str, fault: str, trial: _nodes.Trial, work: Path) -> dict[st
     victim_tree: set[int] = set()
     with Children(grace=5.0) as children:
         first = children.start(command, log=work / "nodeA.log", env=env)
-        poll_until(lambda: listening(port), trial.startup_deadline, "node A to host the store", interval=0.05)
+        poll_until(lambda: _nodes.listening(port), trial.startup_deadline, "node A to host the store", interval=0.05)
         second = children.start(command, log=work / "nodeB.log", env=env)
         poll_until(_nodes.started(progress), trial.startup_deadline, "the job to start")
         spare = children.start(command, log=work / "spare.log", env=env)

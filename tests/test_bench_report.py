@@ -14,6 +14,7 @@ import importlib
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ HEADINGS = [
     "## 14. Memory snapshots of sharded training: step-time cost, steps lost, copy bandwidth",
     "## 15. A whole node lost or hung, a spare waiting (c10d)",
     "## 16. Rank 0's node lost, a spare waiting (etcd)",
+    "## 17. Chaos of whole nodes: one job, many node losses in a row, spares restarted",
 ]
 #: Words that state an outcome; a template may hold them only inside a block a renderer decides.
 OUTCOME_WORDS = re.compile(r"\b(met|missed|faster|slower|yes|NO|exceeded|within noise)\b")
@@ -234,6 +236,32 @@ def test_rank0_verdict_and_leader_note_follow_its_results(run_all: ModuleType) -
     for t in slow["rank0"]["trials"]["taskdrun"]:
         t["victim_led"] = False
     assert "leading controller replica in" not in render_all(run_all, slow)
+    # --victim follower: the node lost is named for what it is.
+    slow["rank0"]["trial"]["victim"] = "follower"
+    text = render_all(run_all, slow)
+    assert "every process of the node whose controller replica does not lead (torchrun: rank 0's node)" in text
+    assert "| a standby replica's node lost (etcd), a spare waiting:" in text
+
+
+def test_slowrank_replace_verdict_follows_the_trials_medians(run_all: ModuleType) -> None:
+    data = samples(run_all)
+    trials = data["slowrank"]["replace"]
+    assert len(trials) > 1, "the sample has several replace trials, and so a median row"
+    steps = statistics.median(t["steps_to_drain"] for t in trials)
+    text = render_all(run_all, data)
+    assert f"| p50 of {len(trials)} | {steps:.0f} |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| replace + a spare: from the slowdown"))
+    assert row.endswith(f"| {'met' if steps <= 20 else 'missed'} |") and f"{steps:.0f} steps to the drain" in row
+    # One trial that never got its pace back misses the target, whatever the medians say.
+    stuck = copy.deepcopy(data)
+    stuck["slowrank"]["replace"][0].update(drain_to_healthy=None, slowdown_to_healthy=None)
+    row = next(line for line in render_all(run_all, stuck).splitlines() if line.startswith("| replace + a spare"))
+    assert row.endswith("| missed |") and "1 never back to pace" in row
+    late = copy.deepcopy(data)
+    for t in late["slowrank"]["replace"]:
+        t["steps_to_drain"] = 21
+    row = next(line for line in render_all(run_all, late).splitlines() if line.startswith("| replace + a spare"))
+    assert row.endswith("| missed |")
 
 
 def test_templates_state_no_outcome_outside_the_blocks_renderers_decide(report: ModuleType) -> None:

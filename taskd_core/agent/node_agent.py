@@ -110,7 +110,7 @@ class NodeAgent:
             config.job_id,
             config.controller,
             role=config.role,
-            agent_id=config.agent_id or f"node-{config.node_rank}",
+            agent_id=config.identity,
             node_rank=config.node_rank,
             credentials=config.credentials,
             handler=self._handle_signal,

@@ -62,6 +62,7 @@ def run_node_agent(
         nnodes=settings.nnodes,
         job_id=settings.job_id,
         etcd_tls=settings.etcd_tls,
+        agent_id=settings.agent.identity,
     ) as endpoint:
         agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter)
         logger.info(

@@ -77,6 +77,7 @@ def _put(store: SnapshotStore, budget: PeerBudget, stream: Stream) -> None:
         budget.admit(store, seal)
         target, mapped = store.allocate(seal.rank, seal.step, seal.data_size)
     try:
+        send_header(stream, {"ready": True})
         if mapped is not None:
             view = memoryview(mapped)
             parts, at = [], 0

@@ -5,9 +5,11 @@ the job's token (purpose ``memory snapshots``, context the job id), so only
 processes of the job can store, read or drop copies. The hello names the
 request; a JSON header follows each way, then the bulk bytes:
 
-* ``put``: header ``{"seal": …, "sizes": […]}``, the meta blob, the data (in
-  buffers of ``sizes``) → ``{"ok": true}`` once the keeper verified the checksum
-  and wrote the marker (a sender killed midway leaves no listed copy);
+* ``put``: header ``{"seal": …, "sizes": […]}`` and the meta blob →
+  ``{"ready": true}`` once the keeper reserved the room (or ``{"error"}``: over
+  its budget, say), then the data (in buffers of ``sizes``) → ``{"ok": true}``
+  once the keeper verified the checksum and wrote the marker (a sender killed
+  midway leaves no listed copy);
 * ``get``: ``{"rank", "step"}`` → ``{"seal", "sizes"}``, meta, data (the
   fetcher verifies the checksum itself), or ``{"error"}``;
 * ``list``: ``{}`` → ``{"inventory": {rank: [steps]}}``;
@@ -86,11 +88,13 @@ class PeerClient:
         """
         views = [flat(b) for b in buffers]
         with self._connect(address, "put") as stream:
+            # No step in the words: a refusal repeated every step reads the same (and is said once).
+            what = f"the keeper at {address} refused a copy of rank {seal.rank}"
             send_header(stream, {"seal": asdict(seal), "sizes": [len(v) for v in views]})
             stream.send(meta)
+            _answer(stream, what)  # room reserved: only now the bulk (none for a copy refused)
             stream.send_buffers(views)
-            # No step in the words: a refusal repeated every step reads the same (and is said once).
-            _answer(stream, f"the keeper at {address} refused a copy of rank {seal.rank}")
+            _answer(stream, what)
 
     def get(self, address: str, rank: int, step: int) -> Snapshot:
         """``rank``'s snapshot of ``step`` from the keeper at ``address``, verified.
