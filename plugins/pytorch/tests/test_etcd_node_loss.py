@@ -58,7 +58,7 @@ def test_rank_0s_node_lost_the_spare_takes_its_ranks_and_the_job_ends_as_without
     nodes = [launch(*argv, log="node") for _ in range(2)]
     logs = [tmp_path / f"node.{n}.log" for n in range(2)]
     wait_until(
-        lambda: any(re.search(r"job rank0 node 0 of 2: 2 workers", p.read_text()) for p in logs),
+        lambda: any(re.search(r"job rank0 node 0: 2 workers", p.read_text()) for p in logs),
         "the first round",
         WAIT,
     )
