@@ -56,7 +56,7 @@ from taskd_core.controller.machine import (
     State,
     brief,
 )
-from taskd_core.controller.membership import SHRUNK, can_shrink, is_node, ready_spares
+from taskd_core.controller.membership import SHRUNK, can_shrink, is_node, is_spare, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
 from taskd_core.controller.slowrank import (
@@ -369,14 +369,16 @@ class Controller:
         # Their streams were with the controller before this one (or none): one that does not
         # subscribe here within the grace is lost as if its stream had ended here, the way a node
         # lost together with the previous leader would otherwise be waited for forever. With a
-        # spare standing by, a surviving agent follows the new leader within a second or two.
-        spare = self._node_replaceable(job)
-        grace = min(self._stream_grace, TAKEOVER_GRACE) if spare else self._stream_grace
+        # spare standing by (or room to shrink), a surviving agent follows the new leader within a second.
+        replaceable = self._node_replaceable(job)
+        grace = min(self._stream_grace, TAKEOVER_GRACE) if replaceable else self._stream_grace
         loop = asyncio.get_running_loop()
         for agent in job.agents.values():
-            if agent.exit_code is not None:
+            # A spare standing by holds no stream (its HealthChecks say it is there); a timer of its
+            # own would fire on it once promoted, before it could subscribe as the node.
+            if agent.exit_code is not None or is_spare(agent):
                 continue
-            if spare and agent.agent_id in departed:
+            if replaceable and agent.agent_id in departed:
                 why = "it ran in the previous leader's process, which a standby found gone"
                 loop.call_soon(self.node_lost, job.job_id, agent.agent_id, why)
                 continue
@@ -537,7 +539,9 @@ class Controller:
             # job that can shrink without it).
             if sub.agent_id not in job.lost:
                 grace = self._stream_grace
-                if self._node_replaceable(job):
+                if self._node_replaceable(job) or _in_live_round(job):
+                    # In a live round, too: its processes are in the round, which cannot form without
+                    # them; an agent that came back later would only start new ones.
                     grace = min(grace, STREAM_CLOSED_GRACE)
                 job.lost[sub.agent_id] = asyncio.get_running_loop().call_later(
                     grace, self._on_stream_lost, job, sub.agent_id, grace
@@ -1201,6 +1205,12 @@ class Controller:
             for job in list(self._jobs.values()):
                 if job.subscribers:
                     self._broadcast(job, Signal(SignalType.KEEP_ALIVE.value, job_id=job.job_id))
+
+
+def _in_live_round(job: _Job) -> bool:
+    """The job's agents carry out ``recover-live``: every node's workers are forming one live round."""
+    snap = job.machine.snap
+    return snap.state is State.WAIT_STATUS and snap.strategy == Strategy.RECOVER_LIVE.value
 
 
 def _consume(done: asyncio.Future[None]) -> None:
