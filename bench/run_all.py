@@ -1064,16 +1064,17 @@ def rank0_fields(data: dict[str, Any]) -> Rendered:
     taskd_trials = data["trials"].get("taskdrun", [])
     led = [t["all_stepped"] for t in taskd_trials if t["recovered"] and t["victim_led"]]
     other = [t["all_stepped"] for t in taskd_trials if t["recovered"] and not t["victim_led"]]
-    leader = trial["victim"] == "leader"
+    victims = {
+        "leader": "the node whose controller replica leads (torchrun: rank 0's node)",
+        "follower": "the node whose controller replica does not lead (torchrun: rank 0's node)",
+    }
     fields: dict[str, Value] = {
         "nproc": str(_nodes.NPROC),
         "spare_settle": f"{trial['spare_settle']:g}",
         "kill_step": str(trial["kill_step"]),
         "step_ms": f"{trial['step_time'] * 1000:.0f}",
         "ckpt_every": str(trial["ckpt_every"]),
-        "victim": "the node whose controller replica leads (torchrun: rank 0's node)"
-        if leader
-        else "rank 0's node",
+        "victim": victims.get(trial["victim"], "rank 0's node"),
         "deadline": f"{trial['recovery_deadline']:g}",
         "repeats": str(max((len(ts) for ts in data["trials"].values()), default=0)),
         "load_start": _loads(data["load_before"]),
@@ -1089,7 +1090,9 @@ def rank0_fields(data: dict[str, Any]) -> Rendered:
     rows = []
     taskd, peer = results.get("taskdrun", {}).get("median"), results.get("torchrun", {}).get("median")
     if taskd is not None and peer is not None:
-        lost = "the leading replica's node" if leader else "rank 0's node"
+        lost = {"leader": "the leading replica's node", "follower": "a standby replica's node"}.get(
+            trial["victim"], "rank 0's node"
+        )
         rows.append(
             [
                 f"{lost} lost (etcd), a spare waiting: kill → every rank stepping ≤ 0.1 × torchrun and ≤ 3 s",

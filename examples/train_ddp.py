@@ -173,6 +173,8 @@ class Progress:
                 "step": step,
                 "pid": os.getpid(),
                 "restart": self.restart,
+                # A job of --nnodes=MIN:MAX restarts with another world size when it shrinks.
+                "world": int(os.environ.get("WORLD_SIZE", "1")),
                 "time": time.time(),
             }
         )

@@ -236,6 +236,11 @@ def test_rank0_verdict_and_leader_note_follow_its_results(run_all: ModuleType) -
     for t in slow["rank0"]["trials"]["taskdrun"]:
         t["victim_led"] = False
     assert "leading controller replica in" not in render_all(run_all, slow)
+    # --victim follower: the node lost is named for what it is.
+    slow["rank0"]["trial"]["victim"] = "follower"
+    text = render_all(run_all, slow)
+    assert "every process of the node whose controller replica does not lead (torchrun: rank 0's node)" in text
+    assert "| a standby replica's node lost (etcd), a spare waiting:" in text
 
 
 def test_slowrank_replace_verdict_follows_the_trials_medians(run_all: ModuleType) -> None:

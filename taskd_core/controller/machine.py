@@ -826,7 +826,8 @@ class JobMachine:
             kept = tuple(previous.kept[rank] for rank in kept)
         for agent, (node_rank, rank_ids) in layout.items():
             self.agents[agent].node_rank, self.agents[agent].rank_ids = node_rank, rank_ids
-        self.agents[lost].replaced_by = SHRUNK
+        # Fenced, and counted as ended: the job's end waits for the nodes left only.
+        self.agents[lost].replaced_by, self.agents[lost].exit_code = SHRUNK, int(Code.NODE_REPLACED)
         s.nodes, s.resize = len(layout), Resize(kept).encode()
         self._journal(
             fx,

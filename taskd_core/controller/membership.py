@@ -105,6 +105,11 @@ def shrunk_layout(lost: str, agents: Mapping[str, AgentInfo]) -> dict[str, tuple
     return layout
 
 
+def can_shrink(agents: Mapping[str, AgentInfo], policy: JobPolicy) -> bool:
+    """The job has a node more than the policy's ``min_nodes``: losing one shrinks it."""
+    return bool(policy.min_nodes) and len(live_nodes(agents)) > policy.min_nodes
+
+
 def decide_node_loss(
     lost: str, agents: Mapping[str, AgentInfo], now: float, policy: JobPolicy, waited: float = 0.0
 ) -> NodeLossDecision:
@@ -118,7 +123,7 @@ def decide_node_loss(
     if spares:
         return NodeLossDecision(NodeLossKind.REPLACE, lost, spares[0], "a spare stands by")
     left = len([a for a in live_nodes(agents) if a != lost])
-    if policy.min_nodes and left >= policy.min_nodes:
+    if can_shrink(agents, policy):
         return NodeLossDecision(
             NodeLossKind.SHRINK,
             lost,

@@ -56,7 +56,7 @@ from taskd_core.controller.machine import (
     State,
     brief,
 )
-from taskd_core.controller.membership import SHRUNK, is_node, ready_spares
+from taskd_core.controller.membership import SHRUNK, can_shrink, is_node, is_spare, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
 from taskd_core.controller.slowrank import (
@@ -369,14 +369,16 @@ class Controller:
         # Their streams were with the controller before this one (or none): one that does not
         # subscribe here within the grace is lost as if its stream had ended here, the way a node
         # lost together with the previous leader would otherwise be waited for forever. With a
-        # spare standing by, a surviving agent follows the new leader within a second or two.
-        spare = self._spare_ready(job)
-        grace = min(self._stream_grace, TAKEOVER_GRACE) if spare else self._stream_grace
+        # spare standing by (or room to shrink), a surviving agent follows the new leader within a second.
+        replaceable = self._node_replaceable(job)
+        grace = min(self._stream_grace, TAKEOVER_GRACE) if replaceable else self._stream_grace
         loop = asyncio.get_running_loop()
         for agent in job.agents.values():
-            if agent.exit_code is not None:
+            # A spare standing by holds no stream (its HealthChecks say it is there); a timer of its
+            # own would fire on it once promoted, before it could subscribe as the node.
+            if agent.exit_code is not None or is_spare(agent):
                 continue
-            if spare and agent.agent_id in departed:
+            if replaceable and agent.agent_id in departed:
                 why = "it ran in the previous leader's process, which a standby found gone"
                 loop.call_soon(self.node_lost, job.job_id, agent.agent_id, why)
                 continue
@@ -533,10 +535,11 @@ class Controller:
             logger.info("job %s: agent %s stream ended", sub.job_id, sub.agent_id)
             # A wait must not sit out its report timeout for an agent that is gone; one that
             # comes back within the grace rejoins the cycle instead. With a spare standing by,
-            # a node whose stream closed is replaced unless it re-subscribes at once.
+            # a node whose stream closed is replaced unless it re-subscribes at once (and so is a
+            # job that can shrink without it).
             if sub.agent_id not in job.lost:
                 grace = self._stream_grace
-                if self._spare_ready(job):
+                if self._node_replaceable(job):
                     grace = min(grace, STREAM_CLOSED_GRACE)
                 job.lost[sub.agent_id] = asyncio.get_running_loop().call_later(
                     grace, self._on_stream_lost, job, sub.agent_id, grace
@@ -1135,6 +1138,10 @@ class Controller:
     def _spare_ready(self, job: _Job) -> bool:
         return bool(ready_spares(job.agents, self._clock(), job.machine.policy.node_lost_timeout))
 
+    def _node_replaceable(self, job: _Job) -> bool:
+        """A lost node of the job would not end it: a spare takes its place, or the job shrinks."""
+        return self._spare_ready(job) or can_shrink(job.agents, job.machine.policy)
+
     @staticmethod
     def _check_fence(job: _Job, agent: AgentInfo) -> None:
         """Refuse a node a spare replaced: it must neither train nor steer the job any more."""
@@ -1174,7 +1181,7 @@ class Controller:
                     if now - since >= policy.spare_wait:
                         self.node_lost(job.job_id, agent_id, f"no spare came within {policy.spare_wait:g}s")
                 in_cycle = state in (State.WAIT_STOP, State.WAIT_STRATEGIES, State.WAIT_STATUS)
-                if not (self._spare_ready(job) or (in_cycle and job.had_spares)):
+                if not (self._node_replaceable(job) or (in_cycle and job.had_spares)):
                     continue
                 timeout = policy.node_lost_timeout
                 for agent in list(job.agents.values()):

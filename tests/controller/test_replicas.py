@@ -15,6 +15,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from taskd_core.controller.etcd_client import EtcdClient, EtcdTls, parse_etcd_ur
 from taskd_core.controller.machine import JournalEntry
 from taskd_core.controller.policy import PolicyBook
 from taskd_core.controller.replica import open_election
+from taskd_core.controller.runtime import TAKEOVER_GRACE
 from taskd_core.controller.server import REPLICA_HEALTH, EmbeddedController
 from taskd_core.controller.store import Commit, JobRow
 from taskd_core.controller.store_etcd import Layout
@@ -293,6 +295,12 @@ def test_the_agent_beside_a_killed_leader_is_replaced_by_the_spare_as_the_new_le
         # At once, for the reason the standby proved, not after the grace a surviving node gets.
         assert "node-1" in entry.detail and "previous leader's process" in entry.detail
         assert any(a.agentId == "spare-x" and a.nodeRank == 1 for a in view.job().agents)
+        # The promoted spare may take longer than a surviving node's grace to start as the node:
+        # it was standing by when the new leader loaded the job, and has no stream to come back.
+        time.sleep(TAKEOVER_GRACE + 0.5)
+        job = view.job(events=200)
+        assert not [e for e in job.events if e.kind == "agent lost" and "spare-x" in e.detail]
+        assert job.state not in ("given-up", "finished")
     finally:
         if child.poll() is None:
             child.kill()

@@ -42,12 +42,13 @@ class Job:
         env: dict[str, str] | None = None,
         steps: int = STEPS,
         hold_at: int = HOLD_AT,
+        nnodes: str = "2",
     ) -> None:
         work.mkdir()
         self.launch, self.work, self.env = launch, work, env
         self.progress, self.result = work / "progress.jsonl", work / "result.json"
         self.argv = [
-            "--nnodes=2",
+            f"--nnodes={nnodes}",
             "--nproc-per-node=2",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{free_port()}",

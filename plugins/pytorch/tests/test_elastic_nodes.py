@@ -1,0 +1,66 @@
+"""``taskdrun --nnodes=MIN:MAX``: real launchers (3 x 2 gloo ranks), each its own process tree, one lost.
+
+With no spare standing by, the lost node shrinks the job: the two nodes left
+restart warm as a world of 4 ranks, renumbered contiguously, resume from the
+checkpoint and finish; the controller journals the shrink.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pt_support import Launcher, events
+from test_node_loss import HOLD_AT, WAIT, Job, kill_tree, no_leftovers
+
+from taskd_core.testing import descendants, wait_until
+
+pytestmark = pytest.mark.slow
+
+#: Long enough after the resume for the test to read the controller's journal before the job ends.
+STEPS = 150
+
+
+def held(job: Job) -> set[int]:
+    """Ranks that stepped up to the hold (the checkpoint of that step is written)."""
+    return {e["rank"] for e in events(job.progress) if e["event"] == "step" and e["step"] == HOLD_AT}
+
+
+def test_a_lost_node_with_no_spare_shrinks_the_job_which_resumes_on_the_nodes_left(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    job = Job(launch, tmp_path / "shrink", "--taskd-stop-timeout", "5", nnodes="2:3", steps=STEPS)
+    first = job.start()
+    wait_until(lambda: "joining the c10d rendezvous" in job.log(0), "node 0 to reach the rendezvous", WAIT)
+    nodes = [first, job.start(), job.start()]
+    # All three came before torch's last call: every one of them trains (MAX is 3).
+    wait_until(lambda: held(job) == set(range(6)), "every rank of the three nodes to reach the hold", WAIT)
+    assert "embedded controller listening" in job.log(0)
+    # The node of ranks 2 and 3 is lost: the one after it must take its node rank and ranks.
+    lost = next(
+        n
+        for n in (1, 2)
+        if any(int(e["pid"]) in descendants(nodes[n].pid) for e in events(job.progress) if e["rank"] == 2)
+    )
+    survivor = 3 - lost
+    before = len(events(job.progress))
+    killed = kill_tree(nodes[lost].pid)
+    job.release()
+
+    def resumed() -> list[dict[str, object]]:
+        return [e for e in events(job.progress)[before:] if e["event"] == "resumed"]
+
+    wait_until(lambda: {e["rank"] for e in resumed()} == {0, 1, 2, 3}, "the four ranks left to resume", WAIT)
+    shrunk = [e for e in job.journal() if e.kind == "job shrunk"]
+    assert len(shrunk) == 1 and shrunk[0].detail["nodes"] == 2, shrunk
+    assert nodes[0].wait(timeout=WAIT) == 0, job.log(0)[-3000:]
+    assert nodes[survivor].wait(timeout=WAIT) == 0, job.log(survivor)[-3000:]
+
+    after = resumed()
+    # Every rank left resumed from the same checkpoint step, the one written before the loss.
+    assert {e["step"] for e in after} == {HOLD_AT} and {e["world"] for e in after} == {4}
+    assert not {e["rank"] for e in events(job.progress)[before:]} & {4, 5}
+    assert json.loads(job.result.read_text())["steps"] == STEPS
+    assert "shrank to 2 nodes: node 2 is node 1 now" in job.log(survivor)
+    no_leftovers(job, killed)
