@@ -16,6 +16,7 @@ diagram against it)::
     IDLE --fault, no flush window--> WAIT_STOP                  (stopTrain sent)
     IDLE --fault, cycle budget used--> GIVEN_UP                 (killMaster sent)
     IDLE --node lost, a spare takes its place--> FLUSHING / WAIT_STOP / GIVEN_UP   (as a fault)
+    WAIT_STATUS --node lost in a live round, a spare ready--> FLUSHING / WAIT_STOP / GIVEN_UP   (a new round)
     FLUSHING --flush deadline--> WAIT_STOP                      (stopTrain sent)
     WAIT_STOP --all stopped--> WAIT_STRATEGIES                  (globalFault sent)
     WAIT_STRATEGIES --all reported / deadline--> WAIT_STATUS    (changeStrategy sent)
@@ -781,11 +782,19 @@ class JobMachine:
                     return Reply()
             else:
                 self._replace(event.agent, decision.spare, fx)
-            if s.state is State.WAIT_STATUS:
+            if s.state is State.WAIT_STATUS and s.strategy != Strategy.RECOVER_LIVE.value:
                 # The strategy in flight restarts every rank (the spare joins its restart):
                 # the lost ranks are already covered by it.
                 return Reply()
             merge_faults(s.faults, ranks)
+            if s.state is State.WAIT_STATUS:
+                # The live round in flight has the lost node's ranks in it and cannot form (its
+                # state hand-over may have been under way): the next cycle's round, with the spare.
+                self._journal(fx, "strategy failed", strategy=s.strategy, failed=[event.agent])
+                self._enter(fx, State.IDLE, None)
+                s.uuid, s.strategy, s.last_signal = "", "", None
+                self._begin(fx)
+                return Reply()
             if s.state is State.IDLE:
                 self._begin(fx)
             return Reply()

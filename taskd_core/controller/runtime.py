@@ -539,7 +539,9 @@ class Controller:
             # job that can shrink without it).
             if sub.agent_id not in job.lost:
                 grace = self._stream_grace
-                if self._node_replaceable(job):
+                if self._node_replaceable(job) or _in_live_round(job):
+                    # In a live round, too: its processes are in the round, which cannot form without
+                    # them; an agent that came back later would only start new ones.
                     grace = min(grace, STREAM_CLOSED_GRACE)
                 job.lost[sub.agent_id] = asyncio.get_running_loop().call_later(
                     grace, self._on_stream_lost, job, sub.agent_id, grace
@@ -1203,6 +1205,12 @@ class Controller:
             for job in list(self._jobs.values()):
                 if job.subscribers:
                     self._broadcast(job, Signal(SignalType.KEEP_ALIVE.value, job_id=job.job_id))
+
+
+def _in_live_round(job: _Job) -> bool:
+    """The job's agents carry out ``recover-live``: every node's workers are forming one live round."""
+    snap = job.machine.snap
+    return snap.state is State.WAIT_STATUS and snap.strategy == Strategy.RECOVER_LIVE.value
 
 
 def _consume(done: asyncio.Future[None]) -> None:

@@ -329,13 +329,18 @@ class TaskdElasticAgent(LocalElasticAgent):
         self._taskd_live.begin_round(round_no)
 
     def await_round(self, round_no: int, timeout: float) -> bool:
-        """True once every local worker joined ``round_no``; False if one ended or ``timeout`` passed."""
+        """True once every local worker joined ``round_no``; False if one ended, could not join it
+        (a peer lost as it formed), or ``timeout`` passed."""
         deadline = time.monotonic() + timeout
         size = self.get_worker_group().spec.local_world_size
         while time.monotonic() < deadline:
             joined = [self._taskd_live.joined(rank) or 0 for rank in range(size)]
             if all(r >= round_no for r in joined):
                 return True
+            broke = [r for r in range(size) if (self._taskd_live.failed(r) or 0) >= round_no]
+            if broke:
+                logger.warning("live round %s: local ranks %s could not join it", round_no, broke)
+                return False
             with self._taskd_lock:
                 ended = [
                     r for r in range(size) if self._taskd_procs.status(r).state is not WorkerState.RUNNING

@@ -312,7 +312,7 @@ class LiveSession:
         if self._channel is None:
             return 0
         current = self._channel.current_round()
-        if self._channel.joined(self._local_rank) != current:
+        if current not in (self._channel.joined(self._local_rank), self._channel.failed(self._local_rank)):
             return current
         # An earlier process of this rank was in the current round, so that round lost this
         # rank: the agent started this one before the controller chose the next round.
@@ -363,6 +363,25 @@ class LiveSession:
             time.sleep(_ROUND_POLL)
 
     def _join(self, round_no: int, *, fresh: bool) -> None:
+        """Join ``round_no``; while a peer is lost as a round forms (a node lost during the hand-over),
+        the next one the agent announces, as fresh as before (a rank that has no state yet still needs it)."""
+        while True:
+            try:
+                self._form(round_no, fresh=fresh)
+                return
+            except Exception as exc:
+                if self._channel is None or not (isinstance(exc, StateTransferError) or _peer_failure(exc)):
+                    raise
+                # Tells the agent at once that this rank will not be in the round (it reports it failed).
+                self._channel.mark_failed(self._local_rank, round_no)
+                logger.warning("rank %s: round %s broke as it formed (%s)", self.rank, round_no, exc)
+                self._leave()
+                new = self._await_round(f"round {round_no} breaking ({exc})")
+                if new is None:
+                    return
+                round_no = new
+
+    def _form(self, round_no: int, *, fresh: bool) -> None:
         began = time.monotonic()
         store = PrefixStore(f"{self._prefix}{round_no}/", self._store)
         dist.init_process_group(
@@ -415,8 +434,16 @@ class LiveSession:
                     time.monotonic() - began,
                 )
             elif self.rank in needy:
-                address = _replica_address(store, key, context, timeout)
-                restore(self._state, fetch(address, self.rank, capture(self._state), timeout, key, context))
+                try:
+                    address = _replica_address(store, key, context, timeout)
+                    values = fetch(address, self.rank, capture(self._state), timeout, key, context)
+                    restore(self._state, values)
+                except StateTransferError as exc:
+                    # Part of the state may be in place: this process ends, its replacement loads the
+                    # checkpoint and (the round marked failed) waits for the next round.
+                    if self._channel is not None:
+                        self._channel.mark_failed(self._local_rank, self.round)
+                    raise LiveRecoveryError(f"rank {self.rank}: receiving the state failed: {exc}") from exc
         self.step = target
 
     def _hand_over_key(self) -> bytes:
