@@ -74,7 +74,7 @@ def start_job(launch: Launcher, etcd: EtcdServer, tmp_path: Path, name: str) -> 
     nodes = [launch(*argv, log="node") for _ in range(2)]
     logs = [tmp_path / f"node.{n}.log" for n in range(2)]
     wait_until(
-        lambda: any(re.search(rf"job {name} node 0 of 2: 2 workers", p.read_text()) for p in logs),
+        lambda: any(re.search(rf"job {name} node 0(?: of \d+)?: 2 workers", p.read_text()) for p in logs),
         "the first round",
         WAIT,
     )
