@@ -106,7 +106,7 @@ def start_nodes(job: Job, *late: list[str]) -> list[subprocess.Popen[bytes]]:
     first = job.start()
     wait_until(lambda: "joining the c10d rendezvous" in job.log(0), "node 0 to reach the rendezvous", WAIT)
     second = job.start()
-    formed = f"job {job.work.name} node 0 of 2: 2 workers"
+    formed = f"job {job.work.name} node 0: 2 workers"
     wait_until(lambda: formed in job.log(0) + job.log(1), "the first round", WAIT)
     others = [job.start(), *(job.start(*argv) for argv in late)]
     wait_until(lambda: len(job.stepping()) == 4, "every rank to train", WAIT)

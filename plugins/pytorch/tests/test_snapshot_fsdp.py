@@ -243,7 +243,7 @@ def test_a_lost_node_is_replaced_by_a_spare_whose_ranks_restore_from_the_peer_co
     )
     node1 = launch(*argv, log="spare1", env=token)
     wait_until(
-        lambda: "job spare node 0 of 2: 2 workers" in logs[0].read_text() + logs[1].read_text(),
+        lambda: "job spare node 0: 2 workers" in logs[0].read_text() + logs[1].read_text(),
         "the first round",
         120,
     )
