@@ -101,7 +101,7 @@ def run_trial(name: str, fault: str, trial: _nodes.Trial, work: Path) -> dict[st
         t_fault = time.time()
         victim_tree = _nodes.signal_tree(second.pid, FAULTS[fault])
         lost = old & victim_tree if name == _nodes.LIVE else None  # the survivors keep their pids
-        recovery = _nodes.wait_recovery(progress, old, trial.recovery_deadline, lost)
+        recovery = _nodes.wait_recovery(progress, old, trial.recovery_deadline, lost=lost)
         seen = recovery.seen
         children.adopt(seen | victim_tree)
         result = {"launcher": name, "fault": fault, "valid": True, **_nodes.figures(recovery, t_fault)}

@@ -22,6 +22,7 @@ timings), each as a child process writing JSON:
     (taskdrun with and without ``LiveSession``).
 16. ``rank0_bench.py``: rank 0's node SIGKILLed with a spare waiting, on etcd, against torchrun.
 17. ``nodes_chaos_bench.py``: one job on etcd through many node losses in a row (kill or hang), spares restarted.
+18. ``shrink_bench.py``: a job of ``--nnodes=2:3`` loses one of its three nodes with no spare, against torchrun.
 
 Then writes the Markdown report: the machine, versions, the exact command,
 the targets and each bench's section. The prose is in ``bench/templates/``
@@ -73,6 +74,7 @@ import nodes_chaos_bench
 import rank0_bench
 import recovery_bench
 import security_bench
+import shrink_bench
 import signal_bench
 import slowrank_bench
 import snapshot_bench
@@ -226,6 +228,13 @@ STEPS = (
         ("--losses", "50"),
         ("--losses", "3"),
         5400.0,
+    ),
+    Step(
+        "shrink",
+        "shrink_bench.py",
+        ("--repeats", "3"),
+        ("--repeats", "1"),
+        1200.0,
     ),
     Step(
         "snapshots",
@@ -1070,6 +1079,32 @@ def nodeloss_fields(data: dict[str, Any]) -> Rendered:
     return fields, rows
 
 
+def shrink_fields(data: dict[str, Any]) -> Rendered:
+    trial, results = data["trial"], data["results"]
+    fields: dict[str, Value] = {
+        "nproc": str(_nodes.NPROC),
+        "kill_step": str(trial["kill_step"]),
+        "step_ms": f"{trial['step_time'] * 1000:.0f}",
+        "ckpt_every": str(trial["ckpt_every"]),
+        "deadline": f"{trial['recovery_deadline']:g}",
+        "repeats": str(max(len(ts) for ts in data["trials"].values())),
+        "load_start": _loads(data["load_before"]),
+        "load_end": _loads(data["load_after"]),
+        "table": shrink_bench.report(results, trial["recovery_deadline"]),
+    }
+    rows = []
+    taskd, peer = results.get("taskdrun", {}).get("median"), results.get("torchrun", {}).get("median")
+    if taskd is not None and peer is not None:
+        rows.append(
+            [
+                "shrink 3 → 2 nodes (`--nnodes=2:3`): kill → every remaining rank stepping ≤ 0.1 × torchrun",
+                f"{fmt(taskd)} s, {fmt(ratio(taskd, peer), 3)} × torchrun",
+                _met(ratio(taskd, peer) <= 0.1),
+            ]
+        )
+    return fields, rows
+
+
 def rank0_fields(data: dict[str, Any]) -> Rendered:
     trial, results = data["trial"], data["results"]
     taskd_trials = data["trials"].get("taskdrun", [])
@@ -1237,6 +1272,7 @@ PARTS = (
     Part("nodeloss", "nodeloss", nodeloss_fields),
     Part("rank0", "rank0", rank0_fields),
     Part("nodes_chaos", "nodes_chaos", nodes_chaos_fields),
+    Part("shrink", "shrink", shrink_fields),
 )
 
 
