@@ -18,7 +18,8 @@ timings), each as a child process writing JSON:
 12. ``failover_bench.py``: controller replicas on a real etcd: fail-over, etcd against SQLite, 2048 agents, chaos.
 13. ``slowrank_bench.py``: steps until a slow rank is named, false alarms, the cost of measuring work per step.
 14. ``snapshot_bench.py``: memory snapshots of FSDP2 every step against none and ``dcp.async_save`` to disk.
-15. ``nodeloss_bench.py``: a node (not the store's host) SIGKILLed or SIGSTOPped with a spare waiting, against torchrun.
+15. ``nodeloss_bench.py``: a node (not the store's host) SIGKILLed or SIGSTOPped with a spare waiting, against torchrun
+    (taskdrun with and without ``LiveSession``).
 16. ``rank0_bench.py``: rank 0's node SIGKILLed with a spare waiting, on etcd, against torchrun.
 17. ``nodes_chaos_bench.py``: one job on etcd through many node losses in a row (kill or hang), spares restarted.
 18. ``shrink_bench.py``: a job of ``--nnodes=2:3`` loses one of its three nodes with no spare, against torchrun.
@@ -1063,6 +1064,16 @@ def nodeloss_fields(data: dict[str, Any]) -> Rendered:
                 "hung node (SIGSTOP of its tree), a spare waiting: every rank stepping ≤ 8 s after the stop",
                 f"{fmt(hung['median'])} s median, {hung['recovered']}/{hung['trials']} recovered",
                 _met(ok),
+            ]
+        )
+    live = [results[f][_nodes.LIVE] for f in ("kill", "hang") if _nodes.LIVE in results.get(f, {})]
+    if live:
+        lost = [s for r in live for s in r["steps_lost"]]
+        rows.append(
+            [
+                "with LiveSession, a node lost or hung, a spare waiting: 0 committed steps lost",
+                f"steps lost {','.join(str(s) for s in lost)}",
+                _met(all(s == 0 for s in lost) and all(r["recovered"] == r["trials"] for r in live)),
             ]
         )
     return fields, rows

@@ -76,7 +76,9 @@ class _Held:
 class NodeAgent:
     """Supervises one node's workers for the controller at ``config.controller``."""
 
-    def __init__(self, config: AgentConfig, adapter: Adapter) -> None:
+    def __init__(
+        self, config: AgentConfig, adapter: Adapter, leader_hint: Callable[[], str] | None = None
+    ) -> None:
         self.config = config
         self.adapter = adapter
         self._lock = threading.RLock()
@@ -119,6 +121,7 @@ class NodeAgent:
             report_deadline=max(config.report_deadline, config.connect_timeout),
             health_interval=config.health_interval,
             health_note=self._progress.describe if self._progress is not None else None,
+            leader_hint=leader_hint,
         )
         self.dispatcher = ActionDispatcher(
             adapter,
