@@ -18,9 +18,11 @@ timings), each as a child process writing JSON:
 12. ``failover_bench.py``: controller replicas on a real etcd: fail-over, etcd against SQLite, 2048 agents, chaos.
 13. ``slowrank_bench.py``: steps until a slow rank is named, false alarms, the cost of measuring work per step.
 14. ``snapshot_bench.py``: memory snapshots of FSDP2 every step against none and ``dcp.async_save`` to disk.
-15. ``nodeloss_bench.py``: a node (not the store's host) SIGKILLed or SIGSTOPped with a spare waiting, against torchrun.
+15. ``nodeloss_bench.py``: a node (not the store's host) SIGKILLed or SIGSTOPped with a spare waiting, against torchrun
+    (taskdrun with and without ``LiveSession``).
 16. ``rank0_bench.py``: rank 0's node SIGKILLed with a spare waiting, on etcd, against torchrun.
 17. ``nodes_chaos_bench.py``: one job on etcd through many node losses in a row (kill or hang), spares restarted.
+18. ``shrink_bench.py``: a job of ``--nnodes=2:3`` loses one of its three nodes with no spare, against torchrun.
 
 Then writes the Markdown report: the machine, versions, the exact command,
 the targets and each bench's section. The prose is in ``bench/templates/``
@@ -72,6 +74,7 @@ import nodes_chaos_bench
 import rank0_bench
 import recovery_bench
 import security_bench
+import shrink_bench
 import signal_bench
 import slowrank_bench
 import snapshot_bench
@@ -225,6 +228,13 @@ STEPS = (
         ("--losses", "50"),
         ("--losses", "3"),
         5400.0,
+    ),
+    Step(
+        "shrink",
+        "shrink_bench.py",
+        ("--repeats", "3"),
+        ("--repeats", "1"),
+        1200.0,
     ),
     Step(
         "snapshots",
@@ -1056,6 +1066,42 @@ def nodeloss_fields(data: dict[str, Any]) -> Rendered:
                 _met(ok),
             ]
         )
+    live = [results[f][_nodes.LIVE] for f in ("kill", "hang") if _nodes.LIVE in results.get(f, {})]
+    if live:
+        lost = [s for r in live for s in r["steps_lost"]]
+        rows.append(
+            [
+                "with LiveSession, a node lost or hung, a spare waiting: 0 committed steps lost",
+                f"steps lost {','.join(str(s) for s in lost)}",
+                _met(all(s == 0 for s in lost) and all(r["recovered"] == r["trials"] for r in live)),
+            ]
+        )
+    return fields, rows
+
+
+def shrink_fields(data: dict[str, Any]) -> Rendered:
+    trial, results = data["trial"], data["results"]
+    fields: dict[str, Value] = {
+        "nproc": str(_nodes.NPROC),
+        "kill_step": str(trial["kill_step"]),
+        "step_ms": f"{trial['step_time'] * 1000:.0f}",
+        "ckpt_every": str(trial["ckpt_every"]),
+        "deadline": f"{trial['recovery_deadline']:g}",
+        "repeats": str(max(len(ts) for ts in data["trials"].values())),
+        "load_start": _loads(data["load_before"]),
+        "load_end": _loads(data["load_after"]),
+        "table": shrink_bench.report(results, trial["recovery_deadline"]),
+    }
+    rows = []
+    taskd, peer = results.get("taskdrun", {}).get("median"), results.get("torchrun", {}).get("median")
+    if taskd is not None and peer is not None:
+        rows.append(
+            [
+                "shrink 3 → 2 nodes (`--nnodes=2:3`): kill → every remaining rank stepping ≤ 0.1 × torchrun",
+                f"{fmt(taskd)} s, {fmt(ratio(taskd, peer), 3)} × torchrun",
+                _met(ratio(taskd, peer) <= 0.1),
+            ]
+        )
     return fields, rows
 
 
@@ -1226,6 +1272,7 @@ PARTS = (
     Part("nodeloss", "nodeloss", nodeloss_fields),
     Part("rank0", "rank0", rank0_fields),
     Part("nodes_chaos", "nodes_chaos", nodes_chaos_fields),
+    Part("shrink", "shrink", shrink_fields),
 )
 
 

@@ -47,6 +47,7 @@ HEADINGS = [
     "## 15. A whole node lost or hung, a spare waiting (c10d)",
     "## 16. Rank 0's node lost, a spare waiting (etcd)",
     "## 17. Chaos of whole nodes: one job, many node losses in a row, spares restarted",
+    "## 18. Shrinking 3 → 2 nodes (`--nnodes=2:3`), no spare waiting (c10d)",
 ]
 #: Words that state an outcome; a template may hold them only inside a block a renderer decides.
 OUTCOME_WORDS = re.compile(r"\b(met|missed|faster|slower|yes|NO|exceeded|within noise)\b")

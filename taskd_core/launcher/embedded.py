@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,8 @@ class ControllerEndpoint:
 
     address: str
     embedded: bool
+    #: the leading replica's address as this process's replica knows it (a replicated controller only).
+    leader: Callable[[], str] | None = None
 
 
 def bind_host(master_addr: str) -> str:
@@ -271,7 +273,7 @@ def replicated_controller(
         try:
             roster.announce(advertised)
             addresses = roster.addresses(nnodes, lookup_timeout)
-            yield ControllerEndpoint(",".join(addresses), embedded=True)
+            yield ControllerEndpoint(",".join(addresses), embedded=True, leader=lambda: served.leader)
         finally:
             served.stop()
             roster.close(last_clears=target.prefix.encode() + b"/")

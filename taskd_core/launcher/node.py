@@ -66,7 +66,7 @@ def run_node_agent(
         etcd_tls=settings.etcd_tls,
         agent_id=settings.agent.identity,
     ) as endpoint:
-        agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter)
+        agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter, endpoint.leader)
         logger.info(
             "%s: job %s node %s/%s, adapter %s, controller %s%s",
             who,
