@@ -199,21 +199,21 @@ class NodeAgent:
             self.client.rank_ids = tuple(sorted(s.global_rank for s in self.adapter.monitor().values()))
 
     def _resize(self, resize: Resize) -> None:
-        """This node's place once the job shrank: the adapter's next restart and the agent's identity use it.
+        """This node's place once the job shrank or grew: the adapter's next restart and the agent's identity
+        use it.
 
         The controller numbered the ranks the same way (``membership.shrunk_layout``): a node keeps
         its number of ranks, and its global ranks follow its new node rank.
         """
         client = self.client
-        if client.node_rank not in resize.kept:
-            raise WorkerControlError(
-                self.adapter.name, "change the job's nodes", f"the job dropped node {client.node_rank}"
-            )
-        node_rank = resize.node_rank(client.node_rank)
+        try:
+            node_rank = resize.node_rank(client.node_rank)
+        except ValueError as exc:
+            raise WorkerControlError(self.adapter.name, "change the job's nodes", str(exc)) from None
         self.adapter.resize(node_rank, resize.nodes)
         size = len(client.rank_ids)
         logger.warning(
-            "job %s shrank to %s nodes: node %s is node %s now",
+            "job %s has %s nodes now: node %s is node %s",
             self.config.job_id,
             resize.nodes,
             client.node_rank,

@@ -100,13 +100,14 @@ class Endpoints:
         return address, pb_grpc.RecoverStub(channel)
 
     def follow(self, leader: str) -> bool:
-        """Make ``leader`` (one of the addresses) current, as a replica beside this client learned it leads;
-        True if that moved the client."""
+        """Make ``leader`` current, as a replica beside this client learned it leads; False when it is not
+        one of the addresses."""
         with self._lock:
-            if leader not in self.addresses or leader == self._current:
+            if leader not in self.addresses:
                 return False
-            self._current = leader
-        logger.info("following controller %s, which leads now", leader)
+            moved, self._current = leader != self._current, leader
+        if moved:
+            logger.info("following controller %s, which leads now", leader)
         return True
 
     def failed(self, exc: grpc.RpcError, address: str) -> bool:

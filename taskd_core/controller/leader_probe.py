@@ -34,9 +34,9 @@ UNREACHABLE_RETRY = 0.5
 async def nothing_listens(address: str) -> str:
     """Return (why) once a connection to ``address`` closed and a new one was refused; else never.
 
-    Runs until cancelled while something listens (or ``address`` is empty), or while the address cannot
-    be reached (a timeout, no route: that proves nothing), or while it never
-    answered at all.
+    Runs until cancelled while something listens (or ``address`` is empty),
+    while the address cannot be reached (a timeout, no route: that proves
+    nothing), or while it never answered at all.
     """
     if not address:  # no leader known: the watch decides alone
         return await _until_cancelled()

@@ -16,6 +16,7 @@ diagram against it)::
     IDLE --fault, no flush window--> WAIT_STOP                  (stopTrain sent)
     IDLE --fault, cycle budget used--> GIVEN_UP                 (killMaster sent)
     IDLE --node lost, a spare takes its place--> FLUSHING / WAIT_STOP / GIVEN_UP   (as a fault)
+    IDLE --a spare comes, the job below MAX nodes--> FLUSHING / WAIT_STOP / GIVEN_UP   (it grows)
     WAIT_STATUS --node lost in a live round, a spare ready--> FLUSHING / WAIT_STOP / GIVEN_UP   (a new round)
     FLUSHING --flush deadline--> WAIT_STOP                      (stopTrain sent)
     WAIT_STOP --all stopped--> WAIT_STRATEGIES                  (globalFault sent)
@@ -42,7 +43,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from taskd_core.controller.membership import SHRUNK, NodeLossKind, decide_node_loss, is_node, shrunk_layout
+from taskd_core.controller.membership import (
+    SHRUNK,
+    NodeLossKind,
+    decide_node_loss,
+    growing_spare,
+    grown_layout,
+    is_node,
+    live_nodes,
+    shrunk_layout,
+)
 from taskd_core.errors import IllegalTransition
 from taskd_core.models import (
     EXTRA_DUMP_EXIT,
@@ -179,6 +189,13 @@ class AgentLost:
     why: str = "its signal stream ended"
 
 
+@dataclass(frozen=True, slots=True)
+class SpareJoined:
+    """A spare registered: a job with fewer than its policy's ``max_nodes`` nodes takes it as a new node."""
+
+    agent: str
+
+
 Event = (
     FaultReported
     | StopReported
@@ -187,6 +204,7 @@ Event = (
     | DeadlinePassed
     | AgentExited
     | AgentLost
+    | SpareJoined
 )
 Report = StopReported | StrategiesReported | StatusReported
 
@@ -198,6 +216,7 @@ _EVENT_NAMES: dict[type, str] = {
     DeadlinePassed: "deadline",
     AgentExited: "ReportAgentExit",
     AgentLost: "stream lost",
+    SpareJoined: "a spare registered",
 }
 
 
@@ -307,7 +326,7 @@ class JobMachine:
     def handle(self, event: Event, now: float) -> Reaction:
         handler = _TABLE.get((self.snap.state, type(event)))
         if handler is None:
-            if isinstance(event, (DeadlinePassed, AgentLost)):
+            if isinstance(event, (DeadlinePassed, AgentLost, SpareJoined)):
                 return Reaction(Reply())
             return Reaction(self._order_mix(f"{_EVENT_NAMES[type(event)]} does not fit the job's state"))
         fx = _Effects(now)
@@ -804,6 +823,20 @@ class JobMachine:
             self._settle_gone(event.agent, fx)
         return Reply()
 
+    def _on_spare_joined(self, event: SpareJoined, fx: _Effects) -> Reply:
+        """A job below its ``max_nodes`` grows by a ready spare: a whole restart with one more node."""
+        s = self.snap
+        spare = growing_spare(self.agents, fx.now, self.policy)
+        if spare is None:
+            return Reply()
+        kept = tuple(range(len(live_nodes(self.agents))))
+        node_rank, rank_ids = grown_layout(self.agents)
+        self.agents[spare].node_rank, self.agents[spare].rank_ids = node_rank, rank_ids
+        s.nodes, s.resize = len(kept) + 1, Resize(kept, added=1).encode()
+        self._journal(fx, "job grown", agent=spare, nodes=s.nodes, node_rank=node_rank, ranks=list(rank_ids))
+        self._begin(fx)
+        return Reply()
+
     def awaiting_spare(self) -> dict[str, float]:
         """Lost nodes whose place waits for a spare, and since when (the runtime offers them new spares)."""
         return dict(self._awaiting)
@@ -917,6 +950,7 @@ _TABLE: dict[tuple[State, type], Handler] = {
     (State.WAIT_STATUS, DeadlinePassed): JobMachine._on_deadline,
     **{(state, AgentExited): JobMachine._on_agent_exit for state in State},
     **{(state, AgentLost): JobMachine._on_agent_lost for state in (State.IDLE, State.FLUSHING, *_CONCLUDE)},
+    (State.IDLE, SpareJoined): JobMachine._on_spare_joined,
 }
 
 _CYCLE_START = frozenset({State.FLUSHING, State.WAIT_STOP, State.GIVEN_UP})
@@ -936,8 +970,9 @@ _TARGETS: dict[tuple[State, type], frozenset[State]] = {
     (State.WAIT_STATUS, StatusReported): _AFTER_STATUS,
     (State.WAIT_STATUS, DeadlinePassed): _AFTER_STATUS,
     (State.IDLE, AgentExited): frozenset({State.FINISHED}),
-    # A node replaced by a spare while no cycle runs starts one.
+    # A node replaced by a spare while no cycle runs starts one; so does a spare the job grows by.
     (State.IDLE, AgentLost): _CYCLE_START,
+    (State.IDLE, SpareJoined): _CYCLE_START,
     # An agent gone during a wait settles its answer, which may end the wait.
     **{
         (wait, gone): targets

@@ -53,6 +53,7 @@ from taskd_core.controller.machine import (
     JournalEntry,
     Reply,
     Snapshot,
+    SpareJoined,
     State,
     brief,
 )
@@ -480,6 +481,8 @@ class Controller:
                 asyncio.get_running_loop().call_soon(
                     self.node_lost, job.job_id, waiting, "a spare registered"
                 )
+            # A job below its most nodes (--nnodes=MIN:MAX) may grow by it instead.
+            asyncio.get_running_loop().call_soon(self._offer_spare, job, who.key)
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
             fresh.role,
             fresh.node_rank,
@@ -1052,6 +1055,10 @@ class Controller:
             )
 
     # --- lost nodes -----------------------------------------------------------------------
+
+    def _offer_spare(self, job: _Job, agent_id: str) -> None:
+        if self._jobs.get(job.job_id) is job and agent_id in job.agents:
+            self._spawn(self._apply(job, SpareJoined(agent_id)))
 
     def node_lost(self, job_id: str, agent_id: str, why: str) -> None:
         """Declare node ``agent_id`` of ``job_id`` lost, whatever found it (the one way a node is replaced).

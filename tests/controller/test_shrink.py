@@ -7,6 +7,7 @@ from taskd_core.controller.machine import (
     AgentInfo,
     AgentLost,
     JobMachine,
+    SpareJoined,
     State,
     StatusReported,
     StopReported,
@@ -106,6 +107,28 @@ def test_a_second_loss_before_the_restart_composes_the_layouts_and_one_at_min_gi
 
 
 def test_malformed_resizes_are_not_resizes() -> None:
-    for extra in ("", "recover-live", "resize:", "resize:a,1", "resize:1,1", "resize:-1"):
+    for extra in ("", "recover-live", "resize:", "resize:a,1", "resize:1,1", "resize:-1", "resize:0+x"):
         assert Resize.parse(extra) is None, extra
+    assert Resize.parse("resize:0,1+2") == Resize((0, 1), 2)
     assert Resize((2, 0)).node_rank(0) == 1 and Resize((2, 0)).nodes == 2
+
+
+def test_a_spare_that_comes_while_the_job_is_below_max_joins_it_through_a_whole_restart() -> None:
+    agents = nodes(2)
+    agents["spare-x"] = AgentInfo("spare-x", SPARE_ROLE, None, (), None, NOW)
+    m = JobMachine("job", policy(min_nodes=2, max_nodes=3, expected_agents=2), agents)
+    reaction = m.handle(SpareJoined("spare-x"), NOW)
+    grown = [e for e in reaction.journal if e.kind == "job grown"]
+    assert grown and grown[0].detail == {"agent": "spare-x", "nodes": 3, "node_rank": 2, "ranks": [4, 5]}
+    assert m.state is State.WAIT_STOP and m.snap.members == ["node-0", "node-1", "spare-x"]
+    signal = to_recover(m).signals[-1]  # type: ignore[attr-defined]
+    assert signal.extra_params == "resize:0,1+1"
+    assert [Resize.parse(signal.extra_params).node_rank(n) for n in (0, 1, 2)] == [0, 1, 2]  # type: ignore[union-attr]
+    # At MAX, or in a job that never grows, a spare only stands by.
+    agents["spare-y"] = AgentInfo("spare-y", SPARE_ROLE, None, (), None, NOW)
+    for agent in m.snap.members:
+        m.handle(StatusReported(agent, 0, "recover"), NOW)
+    assert m.state is State.IDLE
+    assert not m.handle(SpareJoined("spare-y"), NOW).journal
+    fixed = JobMachine("job", policy(), {**nodes(2), "spare-y": agents["spare-y"]})
+    assert not fixed.handle(SpareJoined("spare-y"), NOW).journal

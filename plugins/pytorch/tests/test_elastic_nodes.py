@@ -1,8 +1,10 @@
 """``taskdrun --nnodes=MIN:MAX``: real launchers (3 x 2 gloo ranks), each its own process tree, one lost.
 
 With no spare standing by, the lost node shrinks the job: the two nodes left
-restart warm as a world of 4 ranks, renumbered contiguously, resume from the
-checkpoint and finish; the controller journals the shrink.
+restart warm as a world of 4 ranks, renumbered contiguously, and resume from
+the checkpoint; the controller journals the shrink. A launcher started later
+with the job's command line grows it back to 3 nodes (MAX) at once, and the
+job finishes. Over etcd-v2 the lost node may be rank 0's.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from taskd_core.testing import descendants, wait_until
 
 pytestmark = pytest.mark.slow
 
-#: Long enough after the resume for the test to read the controller's journal before the job ends.
-STEPS = 150
+#: Long enough after the shrink for a late launcher to start and join before the job ends.
+STEPS = 400
 
 
 def held(job: Job) -> set[int]:
@@ -27,7 +29,7 @@ def held(job: Job) -> set[int]:
     return {e["rank"] for e in events(job.progress) if e["event"] == "step" and e["step"] == HOLD_AT}
 
 
-def test_a_lost_node_with_no_spare_shrinks_the_job_which_resumes_on_the_nodes_left(
+def test_a_lost_node_with_no_spare_shrinks_the_job_and_a_late_node_grows_it_back(
     launch: Launcher, tmp_path: Path
 ) -> None:
     job = Job(launch, tmp_path / "shrink", "--taskd-stop-timeout", "5", nnodes="2:3", steps=STEPS)
@@ -54,13 +56,53 @@ def test_a_lost_node_with_no_spare_shrinks_the_job_which_resumes_on_the_nodes_le
     wait_until(lambda: {e["rank"] for e in resumed()} == {0, 1, 2, 3}, "the four ranks left to resume", WAIT)
     shrunk = [e for e in job.journal() if e.kind == "job shrunk"]
     assert len(shrunk) == 1 and shrunk[0].detail["nodes"] == 2, shrunk
-    assert nodes[0].wait(timeout=WAIT) == 0, job.log(0)[-3000:]
-    assert nodes[survivor].wait(timeout=WAIT) == 0, job.log(survivor)[-3000:]
-
     after = resumed()
     # Every rank left resumed from the same checkpoint step, the one written before the loss.
     assert {e["step"] for e in after} == {HOLD_AT} and {e["world"] for e in after} == {4}
     assert not {e["rank"] for e in events(job.progress)[before:]} & {4, 5}
+
+    shrunk_at = len(events(job.progress))
+    late = job.start()  # the job's own command line, while it has 2 of its 3 nodes
+
+    def regrown() -> list[dict[str, object]]:
+        return [e for e in events(job.progress)[shrunk_at:] if e["event"] == "resumed"]
+
+    wait_until(
+        lambda: {e["rank"] for e in regrown()} == set(range(6)), "the job to train on 3 nodes again", WAIT
+    )
+    assert {e["world"] for e in regrown()} == {6} and len({e["step"] for e in regrown()}) == 1
+    grown = [e for e in job.journal() if e.kind == "job grown"]
+    assert len(grown) == 1 and (grown[0].detail["nodes"], grown[0].detail["node_rank"]) == (3, 2), grown
+    assert nodes[0].wait(timeout=WAIT) == 0, job.log(0)[-3000:]
+    assert nodes[survivor].wait(timeout=WAIT) == 0, job.log(survivor)[-3000:]
+    assert late.wait(timeout=WAIT) == 0, job.log(3)[-3000:]
     assert json.loads(job.result.read_text())["steps"] == STEPS
-    assert "shrank to 2 nodes: node 2 is node 1 now" in job.log(survivor)
+    assert "has 2 nodes now: node 2 is node 1" in job.log(survivor)
+    no_leftovers(job, killed, {late.pid})
+
+
+def test_with_etcd_the_loss_of_rank_0s_node_shrinks_the_job_too(
+    launch: Launcher, tmp_path: Path, etcd_server: str
+) -> None:
+    """etcd-v2 keeps the rendezvous and the controller replicas off the nodes: rank 0's node is no special one."""
+    job = Job(launch, tmp_path / "etcd-shrink", "--taskd-stop-timeout", "5", nnodes="2:3", steps=200)
+    rendezvous = ("--rdzv-backend=", "--rdzv-endpoint=")
+    job.argv = [a for a in job.argv if not a.startswith(rendezvous)]
+    job.argv[1:1] = ["--rdzv-backend=etcd-v2", f"--rdzv-endpoint={etcd_server}"]
+    nodes = [job.start() for _ in range(3)]
+    wait_until(lambda: held(job) == set(range(6)), "every rank of the three nodes to reach the hold", WAIT)
+    rank0 = next(int(e["pid"]) for e in events(job.progress) if e["rank"] == 0)
+    lost = next(n for n in range(3) if rank0 in descendants(nodes[n].pid))
+    before = len(events(job.progress))
+    killed = kill_tree(nodes[lost].pid)
+    job.release()
+
+    survivors = [n for n in range(3) if n != lost]
+    for n in survivors:
+        assert nodes[n].wait(timeout=WAIT) == 0, job.log(n)[-3000:]
+    after = [e for e in events(job.progress)[before:] if e["event"] == "resumed"]
+    assert {e["rank"] for e in after} == {0, 1, 2, 3} and {e["step"] for e in after} == {HOLD_AT}
+    assert {e["world"] for e in after} == {4}
+    assert any("has 2 nodes now: node 1 is node 0" in job.log(n) for n in survivors)
+    assert json.loads(job.result.read_text())["steps"] == 200
     no_leftovers(job, killed)

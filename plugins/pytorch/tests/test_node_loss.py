@@ -206,3 +206,23 @@ def test_a_hung_node_is_replaced_and_fenced_when_it_comes_back(launch: Launcher,
     assert json.loads(job.result.read_text())["steps"] == STEPS
     assert "lost: no HealthCheck for" in job.log(0)
     no_leftovers(job, tree)
+
+
+def test_with_no_spare_a_lost_node_waits_up_to_the_spare_wait_then_the_job_ends_saying_why(
+    launch: Launcher, tmp_path: Path
+) -> None:
+    """No spare ever comes: node 0 waits ``--taskd-spare-wait`` seconds for one, then ends with exit code 1
+    naming the bound, no traceback of its own, nothing left behind."""
+    job = Job(launch, tmp_path / "nospare", "--taskd-spare-wait", "5")
+    node0 = job.start()
+    wait_until(lambda: "joining the c10d rendezvous" in job.log(0), "node 0 to reach the rendezvous", WAIT)
+    node1 = job.start()
+    wait_until(lambda: len(job.stepping()) == 4, "every rank to train", WAIT)
+    killed = kill_tree(node1.pid)
+    job.release()
+    assert node0.wait(timeout=WAIT) == 1, job.log(0)[-3000:]
+    text = job.log(0)
+    assert "no spare came within 5s" in text, text[-3000:]
+    # The workers' own tracebacks (their collective failed: "[rankN]: ...") are theirs; the launcher has none.
+    assert not [line for line in text.splitlines() if "Traceback" in line and not line.startswith("[rank")]
+    no_leftovers(job, killed, {node0.pid})

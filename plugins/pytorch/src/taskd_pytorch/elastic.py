@@ -191,17 +191,18 @@ class TaskdElasticAgent(LocalElasticAgent):
             logger.info("taking the seat of node %s", group_rank)
 
     def resize(self, group_rank: int, group_world_size: int) -> None:
-        """The job shrank (``--nnodes=MIN:MAX``): the next restart makes this node ``group_rank`` of
-        ``group_world_size``.
+        """The job shrank or grew (``--nnodes=MIN:MAX``): the next restart makes this node ``group_rank``
+        of ``group_world_size``.
 
-        The round is kept when the other nodes left restart too (the agreement
-        of :mod:`taskd_pytorch.rendezvous_reuse`, over the new number of
-        nodes): the lost node's keep-alive in torch's round never has to expire.
+        The round is kept when the other nodes restart too (the agreement of
+        :mod:`taskd_pytorch.rendezvous_reuse`, over the new number of nodes):
+        a lost node's keep-alive in torch's round never has to expire, and a
+        node that joins takes a seat as a spare does (:meth:`stand_in`).
         """
         with self._taskd_lock:
             self._seat(group_rank, group_world_size)
             logger.info(
-                "the job shrank to %s nodes: this node restarts as node %s", group_world_size, group_rank
+                "the job has %s nodes now: this node restarts as node %s", group_world_size, group_rank
             )
 
     def _seat(self, group_rank: int, group_world_size: int) -> None:

@@ -418,14 +418,19 @@ def run_agent(
 def job_nodes(job: NodeJob, nodes: int) -> NodeSettings:
     """The node's settings for a job whose first round admitted ``nodes`` nodes (MIN to MAX).
 
-    Every one of them must answer each cycle; a job of ``--nnodes=MIN:MAX`` may shrink down to MIN.
+    Every one of them must answer each cycle; a job of ``--nnodes=MIN:MAX`` may shrink down to MIN
+    and grow up to MAX.
     Every node derives the same policy (the etcd-v2 controller replicas must agree on it).
     """
     config, settings = job.config, job.options.node
-    elastic_min = config.min_nodes if config.min_nodes != config.max_nodes else 0
-    return replace(
-        settings, nnodes=nodes, policy=replace(settings.policy, expected_agents=nodes, min_nodes=elastic_min)
+    elastic = config.min_nodes != config.max_nodes
+    policy = replace(
+        settings.policy,
+        expected_agents=nodes,
+        min_nodes=config.min_nodes if elastic else 0,
+        max_nodes=config.max_nodes if elastic else 0,
     )
+    return replace(settings, nnodes=nodes, policy=policy)
 
 
 def run_spare(job: NodeJob, members: JobStore, elastic: TaskdElasticAgent, stop: StopRequest) -> AgentOutcome:
