@@ -646,8 +646,11 @@ class JobMachine:
             if s.resize:
                 s.outcome += f" on {s.nodes} nodes"
                 s.resize = ""
+            # A spare that registered while this cycle ran was not offered growth then: now it is.
+            grown = self._grow(fx)
             if s.pending:
                 s.faults, s.pending = s.pending, {}
+            if grown or s.faults:
                 self._begin(fx)
 
     # --- strategy choice and the end of the road --------------------------------
@@ -825,17 +828,23 @@ class JobMachine:
 
     def _on_spare_joined(self, event: SpareJoined, fx: _Effects) -> Reply:
         """A job below its ``max_nodes`` grows by a ready spare: a whole restart with one more node."""
+        if self._grow(fx):
+            self._begin(fx)
+        return Reply()
+
+    def _grow(self, fx: _Effects) -> bool:
+        """Give the spare that grows the job (if any) the next node rank; the next cycle's ``recover``
+        carries the layout. Only between cycles: no recover in flight has the old layout."""
         s = self.snap
         spare = growing_spare(self.agents, fx.now, self.policy)
         if spare is None:
-            return Reply()
+            return False
         kept = tuple(range(len(live_nodes(self.agents))))
         node_rank, rank_ids = grown_layout(self.agents)
         self.agents[spare].node_rank, self.agents[spare].rank_ids = node_rank, rank_ids
         s.nodes, s.resize = len(kept) + 1, Resize(kept, added=1).encode()
         self._journal(fx, "job grown", agent=spare, nodes=s.nodes, node_rank=node_rank, ranks=list(rank_ids))
-        self._begin(fx)
-        return Reply()
+        return True
 
     def awaiting_spare(self) -> dict[str, float]:
         """Lost nodes whose place waits for a spare, and since when (the runtime offers them new spares)."""

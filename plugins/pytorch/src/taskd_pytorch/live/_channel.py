@@ -15,10 +15,10 @@ number:
 * ``rank<local_rank>.joined`` — written by each worker: the last round it
   joined and holds the job's state in. Its existence also tells the agent
   that the worker uses the live API, so the node can offer ``recover-live``.
-* ``rank<local_rank>.failed`` — written by a worker: the last round it could
-  not join (a peer was lost as the round formed, the state's hand-over among
-  it). The agent then reports the round failed at once instead of waiting for
-  its live timeout; a replacement of that rank waits for the next round.
+* ``rank<local_rank>.failed`` — written by a worker: the last round that broke
+  under it (a peer was lost as the round formed, during the state's hand-over,
+  or later). The agent then reports that round failed at once instead of
+  waiting for its live timeout; a replacement of that rank waits for the next round.
 
 Files, not a socket: both sides only need "the latest number", reading one is
 a few microseconds, and nothing has to be listening when the other side
@@ -71,7 +71,7 @@ class LiveChannel:
         return self._read(_joined(local_rank))
 
     def failed(self, local_rank: int) -> int | None:
-        """The last round ``local_rank`` could not join, or None."""
+        """The last round that broke under ``local_rank``, or None."""
         return self._read(_failed(local_rank))
 
     def opted_in(self, local_ranks: Iterable[int]) -> bool:

@@ -339,6 +339,8 @@ class LiveSession:
                 f"rank {self.rank} lost a peer ({failure}) but runs without a TaskD agent "
                 f"({LIVE_DIR_ENV} is not set); start the job with taskdrun for live recovery"
             )
+        # The round this rank was in broke: its agent need not wait for it any longer.
+        self._channel.mark_failed(self._local_rank, self.round)
         # At once, not when the next round comes: peers blocked on this rank (a ring
         # all-reduce waits on its neighbour, not on the dead rank) fail only when its
         # connections close, and would otherwise wait, silent, until the round is announced.
@@ -423,7 +425,7 @@ class LiveSession:
             if self.rank == source:
                 began = time.monotonic()
                 outgoing = prepare(capture(self._state))
-                publish = partial(store.set, _TRANSFER_KEY)
+                publish = partial(self._publish, store)
                 serve(outgoing, needy, self._master_addr, publish, timeout, key, context)
                 logger.info(
                     "rank %s sent the state of step %s (%d bytes) to ranks %s in %.3fs",
@@ -445,6 +447,14 @@ class LiveSession:
                         self._channel.mark_failed(self._local_rank, self.round)
                     raise LiveRecoveryError(f"rank {self.rank}: receiving the state failed: {exc}") from exc
         self.step = target
+
+    def _publish(self, store: PrefixStore, address: str) -> None:
+        """Where this replica serves the state; a hand-over the job moved on from (a receiver's node
+        lost, a new round announced) ends here instead of at its timeout."""
+        new = self._new_round()
+        if new is not None:
+            raise PeerLost(f"rank {self.rank}: round {new} was announced while it handed the state over")
+        store.set(_TRANSFER_KEY, address)
 
     def _hand_over_key(self) -> bytes:
         if not self._token:
