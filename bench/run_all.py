@@ -1102,7 +1102,7 @@ def snapshot_fields(data: dict[str, Any]) -> Rendered:
         rows.append(
             [
                 f"memory snapshot every step: step time +≤ {target * 100:g} % ({size})",
-                f"+{fmt(cost * 100, 1)} % (dcp.async_save to disk: +{fmt(disk * 100, 1)} %)",
+                f"{cost * 100:+.1f} % (dcp.async_save to disk: {disk * 100:+.1f} %)",
                 _met(cost <= target),
             ]
         )
