@@ -217,6 +217,22 @@ def poll_until(probe: Callable[[], T | None], timeout: float, what: str, interva
     return value
 
 
+def processes_with_env(entry: str) -> list[int]:
+    """Live processes whose environment holds ``entry`` (``NAME=VALUE``), which children inherit."""
+    needle = entry.encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ and process_running(int(name)):
+            found.append(int(name))
+    return found
+
+
 # --- child processes ----------------------------------------------------------------------------
 
 

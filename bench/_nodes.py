@@ -1,8 +1,9 @@
 """What the whole-node benches share: their launchers' command line, the lost node's signals, the progress log.
 
 ``nodeloss_bench.py`` (c10d) and ``rank0_bench.py`` (etcd-v2) run the same
-job (``examples/train_ddp.py``, 2 launchers × 2 ranks and a spare) under
-torchrun and taskdrun, signal a whole node's process tree and read the
+job (``examples/train_ddp.py``, 2 launchers × 2 ranks and a spare; ``shrink_bench.py``:
+3 launchers of ``--nnodes=2:3``, one lost) under torchrun and taskdrun (and its
+``LiveSession`` twin under taskdrun, :data:`LIVE`), signal a whole node's process tree and read the
 workers' progress log until every rank steps again. ``start_etcd`` is also
 ``failover_bench.py``'s.
 """
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -42,10 +44,14 @@ logger = logging.getLogger(__name__)
 
 EXAMPLE = REPO / "examples" / "train_ddp.py"
 BIN = Path(PYTHON).parent
+#: taskdrun running the job's ``LiveSession`` twin (``examples/train_live.py``, same math), with the
+#: job's token that keys the state hand-over: the survivors keep running, the spare's ranks get the state.
+LIVE = "taskdrun-live"
 #: Each launcher's binary and the environment it runs with (torchrun's stale store: SPEC §9).
 LAUNCHERS = {
     "torchrun": ("torchrun", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
     "taskdrun": ("taskdrun", {}),
+    LIVE: ("taskdrun", {"TASKD_JOB_TOKEN": "node-loss-bench-token"}),
 }
 NNODES, NPROC = 2, 2
 WORLD = NNODES * NPROC
@@ -63,15 +69,17 @@ class Trial:
     recovery_deadline: float
 
 
-def launcher_command(name: str, rendezvous: Sequence[str], trial: Trial, work: Path) -> list[str]:
+def launcher_command(
+    name: str, rendezvous: Sequence[str], trial: Trial, work: Path, nnodes: str = str(NNODES)
+) -> list[str]:
     """``name``'s command line for one node of the trial, given its ``--rdzv-*`` flags."""
     return [
         str(BIN / LAUNCHERS[name][0]),
-        f"--nnodes={NNODES}",
+        f"--nnodes={nnodes}",
         f"--nproc-per-node={NPROC}",
         *rendezvous,
         "--max-restarts=3",
-        str(EXAMPLE),
+        str(EXAMPLE.with_name("train_live.py") if name == LIVE else EXAMPLE),
         "--steps",
         str(trial.steps),
         "--ckpt-dir",
@@ -83,6 +91,15 @@ def launcher_command(name: str, rendezvous: Sequence[str], trial: Trial, work: P
         "--step-time",
         str(trial.step_time),
     ]
+
+
+def listening(port: int) -> bool | None:
+    """A ``poll_until`` probe: True once something accepts connections on loopback ``port``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return None
 
 
 def signal_tree(pid: int, sig: signal.Signals) -> set[int]:
@@ -103,14 +120,16 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
-def reach_kill_step(children: Children, trial: Trial, progress: Path) -> tuple[list[dict[str, Any]], int]:
+def reach_kill_step(
+    children: Children, trial: Trial, progress: Path, world: int = WORLD
+) -> tuple[list[dict[str, Any]], int]:
     """Wait until every rank logged ``trial.kill_step``; the events so far (their workers adopted) and rank 0's pid."""
 
     def probe() -> bool | None:
         ranks = {
             e["rank"] for e in read_events(progress) if e["event"] == "step" and e["step"] >= trial.kill_step
         }
-        return True if ranks >= set(range(WORLD)) else None
+        return True if ranks >= set(range(world)) else None
 
     poll_until(probe, trial.startup_deadline, "every rank to reach the kill step", interval=POLL)
     events = read_events(progress)
@@ -135,14 +154,26 @@ class Recovery:
     last_step: int
 
 
-def wait_recovery(progress: Path, old: set[int], deadline: float) -> Recovery:
-    """Read the log until every rank stepped in a process not in ``old``, or ``deadline`` seconds."""
+def wait_recovery(
+    progress: Path, old: set[int], deadline: float, world: int = WORLD, lost: set[int] | None = None
+) -> Recovery:
+    """Read the log until every rank of ``world`` stepped in a process not in ``old``, or ``deadline`` seconds.
+
+    ``lost``: the old processes that went with the node, when the others keep running (live
+    recovery): a survivor counts once it completed a step the lost ones never completed (no
+    step of data-parallel training completes without every rank), and steps lost count from
+    the lost ones' last step.
+    """
     end = time.monotonic() + deadline
     stepped: dict[int, float] = {}
     resumed: set[int] = set()
-    while time.monotonic() < end and len(stepped) < WORLD:
-        for e in read_events(progress):
-            if int(e["pid"]) in old:
+    gone = old if lost is None else lost
+    while time.monotonic() < end and len(stepped) < world:
+        events = read_events(progress)
+        done = max((e["step"] for e in events if e["event"] == "step" and int(e["pid"]) in gone), default=0)
+        for e in events:
+            pid = int(e["pid"])
+            if pid in gone or (pid in old and not (e["event"] == "step" and e["step"] > done)):
                 continue
             if e["event"] == "resumed":
                 resumed.add(int(e["step"]))
@@ -150,13 +181,13 @@ def wait_recovery(progress: Path, old: set[int], deadline: float) -> Recovery:
                 stepped[e["rank"]] = float(e["time"])
         time.sleep(POLL)
     final = read_events(progress)
-    last_step = max(e["step"] for e in final if e["event"] == "step" and int(e["pid"]) in old)
+    last_step = max(e["step"] for e in final if e["event"] == "step" and int(e["pid"]) in gone)
     return Recovery(stepped, resumed, {int(e["pid"]) for e in final}, last_step)
 
 
-def figures(recovery: Recovery, t_fault: float) -> dict[str, Any]:
+def figures(recovery: Recovery, t_fault: float, world: int = WORLD) -> dict[str, Any]:
     """A trial's JSON figures: whether every rank stepped again, how long after ``t_fault``, the steps lost."""
-    recovered = len(recovery.stepped) == WORLD
+    recovered = len(recovery.stepped) == world
     return {
         "recovered": recovered,
         "all_stepped": max(recovery.stepped.values()) - t_fault if recovered else None,
@@ -215,9 +246,11 @@ def start_etcd(children: Children, root: Path, *flags: str) -> str:
     return f"127.0.0.1:{port}"
 
 
-def add_arguments(p: argparse.ArgumentParser, steps: int, recovery_deadline: float) -> None:
+def add_arguments(
+    p: argparse.ArgumentParser, steps: int, recovery_deadline: float, launchers: str = "torchrun,taskdrun"
+) -> None:
     """The flags both benches take: launchers, the job's size and pace, deadlines, where results go."""
-    p.add_argument("--launchers", default="torchrun,taskdrun", help="comma separated (default: %(default)s)")
+    p.add_argument("--launchers", default=launchers, help="comma separated (default: %(default)s)")
     p.add_argument("--steps", type=int, default=steps, help="more than a trial lasts: it is stopped after")
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--kill-step", type=int, default=17)

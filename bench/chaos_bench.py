@@ -67,6 +67,7 @@ from _common import (
     markdown_table,
     pid_alive,
     poll_until,
+    processes_with_env,
     rss_mib,
     setup_logging,
     summarize,
@@ -349,18 +350,7 @@ def _child_guard(parent: int) -> int | None:
 
 def job_processes() -> list[int]:
     """Live processes that carry the job's TASKD_JOB_ID: its workers and anything they started."""
-    needle = f"TASKD_JOB_ID={JOB}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if needle in environ and pid_alive(int(entry)):
-            found.append(int(entry))
-    return found
+    return processes_with_env(f"TASKD_JOB_ID={JOB}")
 
 
 def fault_free(root: Path, steps: int) -> dict[int, str]:

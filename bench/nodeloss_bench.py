@@ -22,9 +22,14 @@ before the fault completed, less the step training resumed from). A trial that d
 there within ``--recovery-deadline`` counts as not recovered. Launchers:
 ``torchrun`` 2.13 with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (SPEC §9), and
 ``taskdrun`` with no TaskD option (its defaults: a node is lost when its stream
-closes and does not come back within 0.5 s, or after 5 s without HealthCheck).
+closes and does not come back within 0.5 s, or after 5 s without HealthCheck),
+and ``taskdrun-live``: taskdrun running ``examples/train_live.py`` (the same job
+through ``LiveSession``) with the job's token, where the survivors keep running
+(same pids: a survivor counts once it completed a step the lost ranks never
+did) and the spare's ranks receive the committed state from a replica.
 
-Targets (issue 22): kill → every rank stepping ≤ 0.1 × torchrun and ≤ 3 s; hang → ≤ 8 s.
+Targets (issue 22): kill → every rank stepping ≤ 0.1 × torchrun and ≤ 3 s; hang → ≤ 8 s;
+with ``LiveSession``, 0 committed steps lost.
 
 Run::
 
@@ -36,7 +41,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -63,14 +67,6 @@ logger = logging.getLogger(__name__)
 FAULTS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 
 
-def listening(port: int) -> bool | None:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return None
-
-
 def run_trial(name: str, fault: str, trial: _nodes.Trial, work: Path) -> dict[str, Any]:
     env = _nodes.LAUNCHERS[name][1]
     work.mkdir(parents=True)
@@ -85,11 +81,11 @@ def run_trial(name: str, fault: str, trial: _nodes.Trial, work: Path) -> dict[st
     victim_tree: set[int] = set()
     with Children(grace=5.0) as children:
         first = children.start(command, log=work / "nodeA.log", env=env)
-        poll_until(lambda: listening(port), trial.startup_deadline, "node A to host the store", interval=0.05)
+        poll_until(lambda: _nodes.listening(port), trial.startup_deadline, "node A to host the store", interval=0.05)
         second = children.start(command, log=work / "nodeB.log", env=env)
         poll_until(_nodes.started(progress), trial.startup_deadline, "the job to start")
         spare = children.start(command, log=work / "spare.log", env=env)
-        if name == "taskdrun":
+        if _nodes.LAUNCHERS[name][0] == "taskdrun":
             # taskdrun's spare says when it stands by; torchrun's is waiting once it has started.
             poll_until(
                 lambda: True if "standing by as spare" in (work / "spare.log").read_text() else None,
@@ -104,7 +100,8 @@ def run_trial(name: str, fault: str, trial: _nodes.Trial, work: Path) -> dict[st
         old = {int(e["pid"]) for e in events}
         t_fault = time.time()
         victim_tree = _nodes.signal_tree(second.pid, FAULTS[fault])
-        recovery = _nodes.wait_recovery(progress, old, trial.recovery_deadline)
+        lost = old & victim_tree if name == _nodes.LIVE else None  # the survivors keep their pids
+        recovery = _nodes.wait_recovery(progress, old, trial.recovery_deadline, lost=lost)
         seen = recovery.seen
         children.adopt(seen | victim_tree)
         result = {"launcher": name, "fault": fault, "valid": True, **_nodes.figures(recovery, t_fault)}
@@ -146,6 +143,15 @@ def report(results: dict[str, dict[str, dict[str, Any]]], deadline: float) -> st
     hung = results.get("hang", {}).get("taskdrun", {}).get("median")
     if hung is not None:
         lines.append(f"hang: taskdrun {fmt(hung)} s after the stop (target ≤ 8 s).")
+    for fault, by_launcher in results.items():
+        live = by_launcher.get(_nodes.LIVE, {})
+        if live.get("median") is not None:
+            peer = by_launcher.get("torchrun", {}).get("median")
+            against = f", / torchrun {fmt(ratio(live['median'], peer), 3)}" if peer is not None else ""
+            lost = ",".join(str(s) for s in live["steps_lost"])
+            lines.append(
+                f"{fault}: {_nodes.LIVE} {fmt(live['median'])} s{against}; steps lost {lost} (target 0)."
+            )
     return "\n".join(lines)
 
 
@@ -155,7 +161,7 @@ def main() -> int:
         "--repeats", type=int, default=3, help="trials per launcher and fault (default: %(default)s)"
     )
     p.add_argument("--faults", default="kill,hang", help="comma separated (default: %(default)s)")
-    _nodes.add_arguments(p, steps=600, recovery_deadline=60.0)
+    _nodes.add_arguments(p, steps=600, recovery_deadline=60.0, launchers=f"torchrun,taskdrun,{_nodes.LIVE}")
     args, names = _nodes.parse(p)
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     if any(f not in FAULTS for f in faults):

@@ -66,7 +66,7 @@ SPARE_READY = {"taskdrun": "standing by as spare"}
 class Trial(_nodes.Trial):
     #: seconds the spare runs before the kill, whichever launcher (and until taskdrun's stands by).
     spare_settle: float
-    #: the node lost: rank 0's, or (taskdrun) the one whose replica leads.
+    #: the node lost: rank 0's, or (taskdrun) the one whose replica leads, or the one whose does not.
     victim: str
 
 
@@ -94,6 +94,8 @@ def run_trial(name: str, etcd: str, trial: Trial, work: Path) -> dict[str, Any]:
         leads = [n for n in range(_nodes.NNODES) if "this replica (" in (work / f"node{n}.log").read_text()]
         if trial.victim == "leader" and leads:
             host = nodes[leads[-1]]
+        elif trial.victim == "follower" and leads:
+            host = next(n for i, n in enumerate(nodes) if i != leads[-1])
         else:
             host = next(n for n in nodes if rank0 in descendants(n.pid))
         # taskdrun: whether the node lost ran the leading controller replica, and rank 0.
@@ -150,10 +152,10 @@ def main() -> int:
     )
     p.add_argument(
         "--victim",
-        choices=("rank0", "leader"),
+        choices=("rank0", "leader", "follower"),
         default="rank0",
-        help="the node lost: rank 0's, or on taskdrun the one whose controller replica leads (torchrun: rank "
-        "0's) (default: %(default)s)",
+        help="the node lost: rank 0's, or on taskdrun the one whose controller replica leads (leader) or the "
+        "one whose replica does not (follower) (torchrun: rank 0's) (default: %(default)s)",
     )
     _nodes.add_arguments(p, steps=4000, recovery_deadline=90.0)
     args, names = _nodes.parse(p)

@@ -18,8 +18,11 @@ timings), each as a child process writing JSON:
 12. ``failover_bench.py``: controller replicas on a real etcd: fail-over, etcd against SQLite, 2048 agents, chaos.
 13. ``slowrank_bench.py``: steps until a slow rank is named, false alarms, the cost of measuring work per step.
 14. ``snapshot_bench.py``: memory snapshots of FSDP2 every step against none and ``dcp.async_save`` to disk.
-15. ``nodeloss_bench.py``: a node (not the store's host) SIGKILLed or SIGSTOPped with a spare waiting, against torchrun.
+15. ``nodeloss_bench.py``: a node (not the store's host) SIGKILLed or SIGSTOPped with a spare waiting, against torchrun
+    (taskdrun with and without ``LiveSession``).
 16. ``rank0_bench.py``: rank 0's node SIGKILLed with a spare waiting, on etcd, against torchrun.
+17. ``nodes_chaos_bench.py``: one job on etcd through many node losses in a row (kill or hang), spares restarted.
+18. ``shrink_bench.py``: a job of ``--nnodes=2:3`` loses one of its three nodes with no spare, against torchrun.
 
 Then writes the Markdown report: the machine, versions, the exact command,
 the targets and each bench's section. The prose is in ``bench/templates/``
@@ -67,9 +70,11 @@ import idle_bench
 import metrics_bench
 import mindspore_bench
 import nodeloss_bench
+import nodes_chaos_bench
 import rank0_bench
 import recovery_bench
 import security_bench
+import shrink_bench
 import signal_bench
 import slowrank_bench
 import snapshot_bench
@@ -200,8 +205,8 @@ STEPS = (
         "slowrank",
         "slowrank_bench.py",
         ("--trials", "50", "--job-trials", "3", "--job-steps", "300"),
-        ("--trials", "5", "--job-trials", "1", "--job-steps", "60", "--overhead-steps", "20000"),
-        900.0,
+        ("--trials", "5", "--job-trials", "1", "--job-steps", "60", "--overhead-steps", "20000", "--replace-trials", "1"),
+        1500.0,
     ),
     Step(
         "nodeloss",
@@ -215,6 +220,20 @@ STEPS = (
         "rank0_bench.py",
         ("--repeats", "3"),
         ("--repeats", "1", "--spare-settle", "5"),
+        1200.0,
+    ),
+    Step(
+        "nodes_chaos",
+        "nodes_chaos_bench.py",
+        ("--losses", "50"),
+        ("--losses", "3"),
+        5400.0,
+    ),
+    Step(
+        "shrink",
+        "shrink_bench.py",
+        ("--repeats", "3"),
+        ("--repeats", "1"),
         1200.0,
     ),
     Step(
@@ -1002,6 +1021,8 @@ def slowrank_fields(data: dict[str, Any]) -> Rendered:
         "healthy_ms": f"{slowrank_bench.HEALTHY_STEP * 1000:.0f}",
         "slow_from": str(slowrank_bench.SLOW_FROM),
         "replace_from": str(slowrank_bench.REPLACE_FROM),
+        "pace_steps": str(slowrank_bench.PACE_STEPS),
+        "pace_slack": f"{slowrank_bench.PACE_SLACK - 1:.0%}",
         "real_ratio": ", ".join(f"{r:.2f}" for r in ratios) or "none",
         "load_start": _loads(data["load_at_start"]),
         "load_end": _loads(data["load_at_end"]),
@@ -1045,6 +1066,42 @@ def nodeloss_fields(data: dict[str, Any]) -> Rendered:
                 _met(ok),
             ]
         )
+    live = [results[f][_nodes.LIVE] for f in ("kill", "hang") if _nodes.LIVE in results.get(f, {})]
+    if live:
+        lost = [s for r in live for s in r["steps_lost"]]
+        rows.append(
+            [
+                "with LiveSession, a node lost or hung, a spare waiting: 0 committed steps lost",
+                f"steps lost {','.join(str(s) for s in lost)}",
+                _met(all(s == 0 for s in lost) and all(r["recovered"] == r["trials"] for r in live)),
+            ]
+        )
+    return fields, rows
+
+
+def shrink_fields(data: dict[str, Any]) -> Rendered:
+    trial, results = data["trial"], data["results"]
+    fields: dict[str, Value] = {
+        "nproc": str(_nodes.NPROC),
+        "kill_step": str(trial["kill_step"]),
+        "step_ms": f"{trial['step_time'] * 1000:.0f}",
+        "ckpt_every": str(trial["ckpt_every"]),
+        "deadline": f"{trial['recovery_deadline']:g}",
+        "repeats": str(max(len(ts) for ts in data["trials"].values())),
+        "load_start": _loads(data["load_before"]),
+        "load_end": _loads(data["load_after"]),
+        "table": shrink_bench.report(results, trial["recovery_deadline"]),
+    }
+    rows = []
+    taskd, peer = results.get("taskdrun", {}).get("median"), results.get("torchrun", {}).get("median")
+    if taskd is not None and peer is not None:
+        rows.append(
+            [
+                "shrink 3 → 2 nodes (`--nnodes=2:3`): kill → every remaining rank stepping ≤ 0.1 × torchrun",
+                f"{fmt(taskd)} s, {fmt(ratio(taskd, peer), 3)} × torchrun",
+                _met(ratio(taskd, peer) <= 0.1),
+            ]
+        )
     return fields, rows
 
 
@@ -1053,16 +1110,17 @@ def rank0_fields(data: dict[str, Any]) -> Rendered:
     taskd_trials = data["trials"].get("taskdrun", [])
     led = [t["all_stepped"] for t in taskd_trials if t["recovered"] and t["victim_led"]]
     other = [t["all_stepped"] for t in taskd_trials if t["recovered"] and not t["victim_led"]]
-    leader = trial["victim"] == "leader"
+    victims = {
+        "leader": "the node whose controller replica leads (torchrun: rank 0's node)",
+        "follower": "the node whose controller replica does not lead (torchrun: rank 0's node)",
+    }
     fields: dict[str, Value] = {
         "nproc": str(_nodes.NPROC),
         "spare_settle": f"{trial['spare_settle']:g}",
         "kill_step": str(trial["kill_step"]),
         "step_ms": f"{trial['step_time'] * 1000:.0f}",
         "ckpt_every": str(trial["ckpt_every"]),
-        "victim": "the node whose controller replica leads (torchrun: rank 0's node)"
-        if leader
-        else "rank 0's node",
+        "victim": victims.get(trial["victim"], "rank 0's node"),
         "deadline": f"{trial['recovery_deadline']:g}",
         "repeats": str(max((len(ts) for ts in data["trials"].values()), default=0)),
         "load_start": _loads(data["load_before"]),
@@ -1078,7 +1136,9 @@ def rank0_fields(data: dict[str, Any]) -> Rendered:
     rows = []
     taskd, peer = results.get("taskdrun", {}).get("median"), results.get("torchrun", {}).get("median")
     if taskd is not None and peer is not None:
-        lost = "the leading replica's node" if leader else "rank 0's node"
+        lost = {"leader": "the leading replica's node", "follower": "a standby replica's node"}.get(
+            trial["victim"], "rank 0's node"
+        )
         rows.append(
             [
                 f"{lost} lost (etcd), a spare waiting: kill → every rank stepping ≤ 0.1 × torchrun and ≤ 3 s",
@@ -1086,6 +1146,52 @@ def rank0_fields(data: dict[str, Any]) -> Rendered:
                 _met(taskd <= 3.0 and ratio(taskd, peer) <= 0.1),
             ]
         )
+    return fields, rows
+
+
+def nodes_chaos_fields(data: dict[str, Any]) -> Rendered:
+    s, losses = data["settings"], data["losses"]
+    recovered = sum(r["recovered"] for r in losses)
+    spare = data["spare_seconds"]
+    fields: dict[str, Value] = {
+        "nnodes": str(s["nnodes"]),
+        "nproc": str(s["nproc"]),
+        "rdzv": s["rdzv"],
+        "step_ms": f"{s['step_time'] * 1000:.0f}",
+        "ckpt_every": str(s["ckpt_every"]),
+        "steps": str(s["steps"]),
+        "spares": str(s["spares"]),
+        "losses": str(s["losses"]),
+        "seed": str(s["seed"]),
+        "faults": ", ".join(s["faults"]),
+        "victims": "rank 0's and the leading controller replica's included"
+        if s["rdzv"] == "etcd-v2"
+        else "never the first launcher, which hosts the c10d store",
+        "deadline": f"{s['recovery_deadline']:g}",
+        "minutes": fmt(data["chaos_seconds"] / 60, 1),
+        "spare_p50": fmt(statistics.median(spare)) if spare else "N/A",
+        "load_start": _loads(data["load_before"]),
+        "load_end": _loads(data["load_after"]),
+        "table": nodes_chaos_bench.report(data),
+        "stopped": bool(data["stopped"]),
+        "stopped_why": data["stopped"] or "",
+    }
+    left = len(data["leftovers"]) + sum(len(r["left"]) for r in losses)
+    ok_end = data["params_equal"] and all(c == 0 for c in data["exit_codes"])
+    rows = [
+        [
+            f"node chaos: {s['losses']} node losses in a row, 100 % recovered",
+            f"{recovered}/{len(losses)} of {s['losses']}",
+            _met(recovered == s["losses"]),
+        ],
+        [
+            "node chaos: final parameters identical to fault-free, every launcher exit 0",
+            f"{'identical' if data['params_equal'] else 'DIFFERENT'}, exit codes "
+            + ",".join("–" if c is None else str(c) for c in data["exit_codes"]),
+            _met(ok_end),
+        ],
+        ["node chaos: 0 leftover processes", str(left), _met(left == 0)],
+    ]
     return fields, rows
 
 
@@ -1176,6 +1282,8 @@ PARTS = (
     Part("snapshots", "snapshots", snapshot_fields),
     Part("nodeloss", "nodeloss", nodeloss_fields),
     Part("rank0", "rank0", rank0_fields),
+    Part("nodes_chaos", "nodes_chaos", nodes_chaos_fields),
+    Part("shrink", "shrink", shrink_fields),
 )
 
 

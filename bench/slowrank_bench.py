@@ -15,11 +15,16 @@
    healthy job of ``--job-steps`` steps whose step times vary by 5x: its
    ``slow-rank`` events (must be none). The journal is read from the
    controller's state file.
-3. **Replace** (``--replace-trials``): 2 ``taskdrun`` nodes x 2 ranks of
-   ``examples/train_ddp.py`` and a spare (c10d), ``--taskd-slow-rank replace``;
+3. **Replace** (``--replace-trials`` per script of ``--replace-scripts``): 2
+   ``taskdrun`` nodes x 2 ranks of ``examples/train_ddp.py`` (every rank
+   restarts from the checkpoint) and of ``examples/train_live.py`` (the spare's
+   ranks receive the state from a replica) and a spare (c10d), ``--taskd-slow-rank replace``;
    the ranks hold before step ``REPLACE_FROM`` until the spare stands by, then
-   rank 3 sleeps 2.5x: steps until its node is drained, seconds from the drain
-   to every rank stepping in new processes, steps lost, step times.
+   rank 3 sleeps 2.5x: steps until its node is drained, seconds from the
+   slowdown to the drain, from the drain to the new processes stepping (the
+   node-loss recovery) and to the healthy pace again (rank 0's steps back
+   within 10 % of before), steps lost, step times; each trial, and their
+   medians per script.
 4. **Overhead**: the measurement's own cost per step (``LiveSession``'s work
    clock: begin, two collectives' spans, commit; ``worker.step(n, busy=...)``
    into a real socket), timed over ``--overhead-steps`` steps, as a share of
@@ -211,6 +216,8 @@ def bench_jobs(trials: int, steps: int, root: Path) -> dict[str, Any]:
 #: The replace trial: ranks hold before this step until the spare stands by, and rank 3 slows from it on.
 REPLACE_FROM = 20
 REPLACE_STEPS = 120
+#: A checkpoint restart of every rank, and LiveSession's hand-over of the state to the spare's ranks.
+REPLACE_SCRIPTS = ("train_ddp.py", "train_live.py")
 
 
 def progress_events(path: Path) -> list[dict[str, Any]]:
@@ -218,10 +225,11 @@ def progress_events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
-def replace_trial(work: Path) -> dict[str, Any]:
-    """2 taskdrun nodes x 2 ranks and a spare (c10d), ``--taskd-slow-rank replace``: rank 3 (node B) sleeps
-    2.5x from step ``REPLACE_FROM`` on; its node is drained onto the spare. Steps to the drain, seconds from
-    it to every rank stepping again in new processes, steps lost, the step time before and after."""
+def replace_trial(work: Path, script: str) -> dict[str, Any]:
+    """2 taskdrun nodes x 2 ranks of ``script`` and a spare (c10d), ``--taskd-slow-rank replace``: rank 3
+    (node B) sleeps 2.5x from step ``REPLACE_FROM`` on; its node is drained onto the spare. Steps to the
+    drain, seconds from it to the new processes stepping (every rank's with a checkpoint restart, the
+    spare's two with ``LiveSession``) and to the healthy pace, steps lost, the step time before and after."""
     work.mkdir()
     progress, go = work / "progress.jsonl", work / "go"
     port = free_port()
@@ -229,7 +237,7 @@ def replace_trial(work: Path) -> dict[str, Any]:
         str(Path(PYTHON).parent / "taskdrun"),
         "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id=slowrank-replace-{os.getpid()}", "--taskd-slow-rank", "replace", "--taskd-log-level", "INFO",
-        str(REPO / "examples" / "train_ddp.py"), "--steps", str(REPLACE_STEPS), "--ckpt-dir", str(work / "ckpt"),
+        str(REPO / "examples" / script), "--steps", str(REPLACE_STEPS), "--ckpt-dir", str(work / "ckpt"),
         "--progress", str(progress), "--ckpt-every", "5", "--step-time", "0.1",
         "--hold-at-step", str(REPLACE_FROM), "--hold-file", str(go),
         "--slow-rank", "3", "--slow-from", str(REPLACE_FROM), "--slow-step-time", "0.25",
@@ -245,6 +253,7 @@ def replace_trial(work: Path) -> dict[str, Any]:
         found = re.search(r"embedded controller listening on (\S+) ", logs[0].read_text())
         assert found is not None, "node A hosts the controller"
         before = {int(e["pid"]) for e in progress_events(progress)}
+        released = time.time()  # the ranks leave the hold within 50 ms: rank 3's slowdown starts
         go.touch()
 
         def drained() -> dict[str, Any] | None:
@@ -259,31 +268,59 @@ def replace_trial(work: Path) -> dict[str, Any]:
         events = progress_events(progress)
         children.adopt(int(e["pid"]) for e in events)
         node_b.wait(60)
-    old = [e for e in events if int(e["pid"]) in before]
     new = [e for e in events if int(e["pid"]) not in before]
     first_steps = {}
     for e in new:
         if e["event"] == "step":
             first_steps.setdefault(e["rank"], float(e["time"]))
+    # The processes replaced: the drained node's, and with a checkpoint restart the survivors' too.
+    replaced = {int(e["pid"]) for e in events if int(e["pid"]) in before and e["rank"] in first_steps}
     resumed = [int(e["step"]) for e in new if e["event"] == "resumed"]
-    last_old = max(int(e["step"]) for e in old if e["event"] == "step")
+    reached = max((int(e["step"]) for e in events if e["event"] == "step" and int(e["pid"]) in replaced), default=0)
+    stepping = max(first_steps.values()) if {2, 3} <= set(first_steps) else None
+
+    def stamps(rows: list[dict[str, Any]]) -> list[float]:
+        return [float(e["time"]) for e in rows if e["event"] == "step" and e["rank"] == 0]
 
     def pace(rows: list[dict[str, Any]]) -> float | None:
-        stamps = [float(e["time"]) for e in rows if e["event"] == "step" and e["rank"] == 0]
-        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        gaps = [b - a for a, b in zip(stamps(rows), stamps(rows)[1:], strict=False)]
         return statistics.median(gaps) if gaps else None
 
+    # Rank 0 before the slowdown, slowed until the drain, and once the new processes step.
+    healthy = pace([e for e in events if int(e["pid"]) in before and e["step"] < REPLACE_FROM])
+    slowed = [e for e in events if e["step"] > REPLACE_FROM and float(e["time"]) < event.time]
+    after = [] if stepping is None else [e for e in events if float(e["time"]) >= min(first_steps.values())]
+    back = None if healthy is None else healthy_again(stamps(after), healthy)
     return {
+        "script": script,
         "exit_codes": codes,
         "node_b_exit": node_b.returncode,
         "steps_to_drain": int(event.detail["step"]) - REPLACE_FROM,
         "ratio": float(event.detail["evidence"][0]["ratio"]),
-        "drain_to_all_stepping": max(first_steps.values()) - event.time if len(first_steps) == 4 else None,
-        "steps_lost": last_old - min(resumed) if resumed else None,
-        "step_before": pace([e for e in old if e["step"] < REPLACE_FROM]),
-        "step_slow": pace([e for e in old if e["step"] > REPLACE_FROM]),
-        "step_after": pace(new),
+        "slowdown_to_drain": event.time - released,
+        "drain_to_all_stepping": None if stepping is None else stepping - event.time,
+        "drain_to_healthy": None if back is None else back - event.time,
+        "slowdown_to_healthy": None if back is None else back - released,
+        "steps_lost": max(0, reached - min(resumed)) if resumed else None,
+        "step_before": healthy,
+        "step_slow": pace(slowed),
+        "step_after": pace(after),
     }
+
+
+#: The healthy pace is back once this many steps in a row take at most PACE_SLACK x the step before.
+PACE_STEPS = 5
+PACE_SLACK = 1.1
+
+
+def healthy_again(stamps: list[float], healthy: float) -> float | None:
+    """When rank 0's steps (``stamps``, in its new process) keep the ``healthy`` pace again: the start
+    of the first :data:`PACE_STEPS` steps whose median is within :data:`PACE_SLACK` of it."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    for first in range(len(gaps) - PACE_STEPS + 1):
+        if statistics.median(gaps[first : first + PACE_STEPS]) <= PACE_SLACK * healthy:
+            return stamps[first]
+    return None
 
 
 def bench_overhead(steps: int, root: Path) -> dict[str, Any]:
@@ -354,14 +391,40 @@ def report(data: dict[str, Any]) -> str:
         [[f"work clock + worker.step(n, busy=...), {over['steps']} steps", fmt(cost * 1e6, 2),
           f"{fmt(100 * cost / step, 4)} % of {fmt(step * 1000, 1)} ms" if step else "N/A"]],
     )  # fmt: skip
+    def replace_row(name: str, t: dict[str, Any]) -> list[str]:
+        return [
+            name, fmt(t["steps_to_drain"], 0), fmt(t["ratio"]), fmt(t["slowdown_to_drain"]),
+            fmt(t["drain_to_all_stepping"]), fmt(t["drain_to_healthy"]), fmt(t["slowdown_to_healthy"]),
+            fmt(t["steps_lost"], 0), f"{fmt(t['step_before'], 3)} / {fmt(t['step_slow'], 3)} / {fmt(t['step_after'], 3)}",
+        ]  # fmt: skip
+
+    rows = []
+    for script, trials in by_script(data.get("replace", [])).items():
+        rows += [replace_row(f"{script} {n + 1}", t) for n, t in enumerate(trials)]
+        if len(trials) > 1:
+            rows.append(replace_row(f"{script}, p50 of {len(trials)}", medians(trials)))
     replaced = markdown_table(
-        ["replace trial", "steps to the drain", "ratio", "drain → every rank stepping (s)", "steps lost",
-         "step before / slowed / after (s)"],
-        [[str(n + 1), str(t["steps_to_drain"]), fmt(t["ratio"]), fmt(t["drain_to_all_stepping"]),
-          str(t["steps_lost"]), f"{fmt(t['step_before'], 3)} / {fmt(t['step_slow'], 3)} / {fmt(t['step_after'], 3)}"]
-         for n, t in enumerate(data.get("replace", []))],
+        ["replace trial", "steps to the drain", "ratio", "slowdown → drain (s)",
+         "drain → new processes stepping (s)", "drain → healthy pace (s)", "slowdown → healthy pace (s)",
+         "steps lost", "step before / slowed / after (s)"],
+        rows,
     )  # fmt: skip
     return "\n\n".join([latency, healthy, overhead, replaced])
+
+
+def by_script(trials: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The replace trials of each training script, in the order they ran."""
+    scripts: dict[str, list[dict[str, Any]]] = {}
+    for t in trials:
+        scripts.setdefault(t["script"], []).append(t)
+    return scripts
+
+
+def medians(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the replace trials that have it (None where none has)."""
+    keys = [k for k, v in trials[0].items() if isinstance(v, int | float) or v is None]
+    values = {k: [t[k] for t in trials if isinstance(t.get(k), int | float)] for k in keys}
+    return {k: statistics.median(v) if v else None for k, v in values.items()}
 
 
 def verdicts(data: dict[str, Any]) -> list[list[str]]:
@@ -379,23 +442,7 @@ def verdicts(data: dict[str, Any]) -> list[list[str]]:
     met = "met" if every and on_time else "missed"
     beside = sum(d.get("false_beside_straggler", {}).values())
     quiet = fp["own_5x"] == fp["common_5x"] == fp["job_wide_2x"] == real_fp == beside == 0
-    trials = data.get("replace", [])
-    back = [
-        t for t in trials
-        if t["steps_to_drain"] <= LATENCY_TARGET and t["step_after"] is not None
-        and t["step_before"] is not None and t["step_after"] <= 1.1 * t["step_before"]
-    ]  # fmt: skip
-    replace_row = [
-        f"replace + a spare: drained within {LATENCY_TARGET} steps of the slowdown, then the healthy pace "
-        "(step within 10 % of before) after the node-loss recovery",
-        "; ".join(
-            f"{t['steps_to_drain']} steps, {fmt(t['drain_to_all_stepping'])} s to every rank stepping, "
-            f"step {fmt(t['step_after'], 3)} s vs {fmt(t['step_before'], 3)} s, {t['steps_lost']} steps lost"
-            for t in trials
-        )
-        or "not run",
-        "met" if trials and len(back) == len(trials) else "missed",
-    ]
+    replace_rows = [replace_verdict(script, t) for script, t in by_script(data.get("replace", [])).items()]
     return [
         [
             f"slow rank (1 of 4 at 2x) named within {LATENCY_TARGET} steps, p50",
@@ -413,7 +460,29 @@ def verdicts(data: dict[str, Any]) -> list[list[str]]:
             f"{fmt(100 * share, 4)} %" if share is not None else "N/A",
             "met" if share is not None and share <= OVERHEAD_TARGET else "missed",
         ],
-        replace_row,
+        *(replace_rows or [replace_verdict("train_ddp.py", [])]),
+    ]
+
+
+def replace_verdict(script: str, trials: list[dict[str, Any]]) -> list[str]:
+    """The replace target for one script's trials: the steps to the drain by their median, and every
+    trial back to its pace (with ``LiveSession``, also none losing a step)."""
+    p = medians(trials) if trials else {}
+    live = script == "train_live.py"
+    back = [t for t in trials if t["drain_to_healthy"] is not None]
+    lossless = not live or all(t["steps_lost"] == 0 for t in trials)
+    on_pace = bool(trials) and len(back) == len(trials) and p["steps_to_drain"] <= LATENCY_TARGET and lossless
+    return [
+        f"replace + a spare ({script}): from the slowdown to the healthy pace again ≤ {LATENCY_TARGET} steps + "
+        f"the node-loss recovery{', 0 steps lost' if live else ''} (p50 of {len(trials)} trials; the pace: "
+        f"{PACE_STEPS} steps in a row within {PACE_SLACK - 1:.0%} of the step before)",
+        f"{fmt(p['steps_to_drain'], 0)} steps to the drain ({fmt(p['slowdown_to_drain'])} s), then "
+        f"{fmt(p['drain_to_all_stepping'])} s to the new processes stepping (node-loss recovery) and "
+        f"{fmt(p['drain_to_healthy'])} s to the healthy pace: {fmt(p['slowdown_to_healthy'])} s in all; steps "
+        f"lost {', '.join(fmt(t['steps_lost'], 0) for t in trials)}; {len(trials) - len(back)} never back to pace"
+        if trials
+        else "not run",
+        "met" if on_pace else "missed",
     ]
 
 
@@ -425,7 +494,13 @@ def main() -> int:
     p.add_argument("--job-steps", type=int, default=300, help="steps of the real healthy job")
     p.add_argument("--overhead-steps", type=int, default=100_000)
     p.add_argument(
-        "--replace-trials", type=int, default=1, help="2 x 2 jobs with a spare and the replace policy"
+        "--replace-trials", type=int, default=5, help="2 x 2 jobs with a spare and the replace policy, per script"
+    )
+    p.add_argument(
+        "--replace-scripts",
+        type=lambda text: text.split(","),
+        default=list(REPLACE_SCRIPTS),
+        help=f"the replace trials' training scripts in examples/ (default: {','.join(REPLACE_SCRIPTS)})",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--log-level", default="INFO")
@@ -438,7 +513,12 @@ def main() -> int:
             "detector": bench_detector(args.trials, args.healthy_steps),
             "jobs": bench_jobs(args.job_trials, args.job_steps, root),
             "overhead": bench_overhead(args.overhead_steps, root),
-            "replace": [replace_trial(root / f"replace{n}") for n in range(args.replace_trials)],
+            # Interleaved, so that a change of the machine's load falls on both scripts alike.
+            "replace": [
+                replace_trial(root / f"replace{n}-{script}", script)
+                for n in range(args.replace_trials)
+                for script in args.replace_scripts
+            ],
             "load_at_end": list(os.getloadavg()),
         }
     write_json(args.json, data)

@@ -35,7 +35,8 @@ on the first start only (``TASKD_RESTART_COUNT == 0``); ``--hang-at-step S
 --hang-rank R`` makes rank R spin in ``spin_forever`` there without a heartbeat;
 ``--hold-at-step S --hold-file F`` makes every rank wait before step S (with
 heartbeats) until F exists, so that a test can line a fault up with the job's
-other launchers however loaded the machine is.
+other launchers however loaded the machine is; ``--rush-file F`` drops the
+``--step-time`` pause once F exists (a bench ends a long job sooner, with the same math).
 ``--step-jitter J`` varies step times by up to J times ``--step-time`` (the
 same on every rank; ``--jitter-per-rank``: each rank's on its own);
 ``--slow-from S --slow-step-time T`` changes the step time from step S on
@@ -102,6 +103,9 @@ def build_parser(doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--hang-rank", type=int, default=0, help="global rank that hangs")
     p.add_argument("--hold-at-step", type=int, default=None, help="every rank waits before this step ...")
     p.add_argument("--hold-file", type=Path, default=None, help="... until this file exists")
+    p.add_argument(
+        "--rush-file", type=Path, default=None, help="once this file exists, steps take no --step-time pause"
+    )
     p.add_argument("--no-heartbeat", action="store_true", help="do not report progress to the agent")
     p.add_argument(
         "--timer", type=float, default=None, help="arm torch's file timer for S seconds around each step"
@@ -169,6 +173,8 @@ class Progress:
                 "step": step,
                 "pid": os.getpid(),
                 "restart": self.restart,
+                # A job of --nnodes=MIN:MAX restarts with another world size when it shrinks.
+                "world": int(os.environ.get("WORLD_SIZE", "1")),
                 "time": time.time(),
             }
         )
@@ -269,8 +275,10 @@ def step_pause(args: argparse.Namespace, step: int, rank: int, first_life: bool)
     """Seconds this step sleeps: a stand-in for compute, the same in every run.
 
     With ``--slow-rank`` only those ranks' first lives slow down; the jitter is the step's, job-wide,
-    or with ``--jitter-per-rank`` the step's on each rank.
+    or with ``--jitter-per-rank`` the step's on each rank. No pause once ``--rush-file`` exists.
     """
+    if args.rush_file is not None and args.rush_file.exists():
+        return 0.0
     slowed = args.slow_rank is None or (rank in args.slow_rank and first_life)
     late = args.slow_from is not None and step >= args.slow_from and slowed
     pause = args.slow_step_time if late else args.step_time

@@ -130,41 +130,51 @@ EXTRA_RESIZE = "resize:"
 
 @dataclass(frozen=True, slots=True)
 class Resize:
-    """A whole-group restart with another set of nodes: the job shrank (``--nnodes=MIN:MAX``).
+    """A whole-group restart with another set of nodes: the job shrank or grew (``--nnodes=MIN:MAX``).
 
-    Travels as the ``recover`` signal's ``extraParams``: ``resize:`` and the
-    node ranks the nodes had before, in the order of their new node ranks
-    (``resize:0,2``: old node 0 stays node 0, old node 2 becomes node 1, the job
-    has two nodes). Every node's global ranks follow its new node rank, contiguously.
+    Travels as the ``recover`` signal's ``extraParams``: ``resize:``, the node
+    ranks the nodes kept had before, in the order of their new node ranks, and
+    ``+N`` when N nodes join after them (``resize:0,2``: old node 0 stays node 0,
+    old node 2 becomes node 1, the job has two nodes; ``resize:0,1+1``: a third
+    node joins as node 2). Every node's global ranks follow its node rank, contiguously.
     """
 
     #: the node ranks kept, in their new order.
     kept: tuple[int, ...]
+    #: nodes that join, numbered after the kept ones (they know their node rank already).
+    added: int = 0
 
     @property
     def nodes(self) -> int:
-        return len(self.kept)
+        return len(self.kept) + self.added
 
     def encode(self) -> str:
-        return EXTRA_RESIZE + ",".join(str(n) for n in self.kept)
+        return EXTRA_RESIZE + ",".join(str(n) for n in self.kept) + (f"+{self.added}" if self.added else "")
 
     def node_rank(self, old: int) -> int:
-        """The new node rank of the node that had node rank ``old``.
+        """The new node rank of the node that had node rank ``old`` (a joining node keeps its own).
 
-        :raises ValueError: when that node is not one of the kept.
+        :raises ValueError: when that node is neither kept nor joining.
         """
-        return self.kept.index(old)
+        if old in self.kept:
+            return self.kept.index(old)
+        if len(self.kept) <= old < self.nodes:
+            return old
+        raise ValueError(f"node {old} is not one of the job's nodes after the resize {self.encode()!r}")
 
     @classmethod
     def parse(cls, extra: str) -> Resize | None:
         """The resize an ``extraParams`` carries; None for any other ``extraParams``."""
         if not extra.startswith(EXTRA_RESIZE):
             return None
+        kept_text, _, added_text = extra[len(EXTRA_RESIZE) :].partition("+")
         try:
-            kept = tuple(int(n) for n in extra[len(EXTRA_RESIZE) :].split(","))
+            kept = tuple(int(n) for n in kept_text.split(","))
+            added = int(added_text) if added_text else 0
         except ValueError:
             return None
-        return cls(kept) if kept and min(kept) >= 0 and len(set(kept)) == len(kept) else None
+        valid = kept and min(kept) >= 0 and len(set(kept)) == len(kept) and added >= 0
+        return cls(kept, added) if valid else None
 
 
 #: ``ClientInfo.role`` of a spare: a launcher of the job that stands by, with no workers, to take
@@ -379,6 +389,9 @@ class JobPolicy:
     #: fewest nodes the job may shrink to when a node is lost and no spare stands by
     #: (``taskdrun --nnodes=MIN:MAX``); 0: the job never shrinks.
     min_nodes: int = 0
+    #: most nodes the job may grow to when a launcher with its command line comes while it has
+    #: fewer (``taskdrun --nnodes=MIN:MAX``); 0: the job never grows (such a launcher stands by as a spare).
+    max_nodes: int = 0
     #: seconds without a HealthCheck after which a node's agent counts as lost (its machine
     #: hangs or is cut off) and a waiting spare takes its place (docs/node-loss.md).
     node_lost_timeout: float = 5.0

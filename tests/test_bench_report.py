@@ -14,6 +14,7 @@ import importlib
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,8 @@ HEADINGS = [
     "## 14. Memory snapshots of sharded training: step-time cost, steps lost, copy bandwidth",
     "## 15. A whole node lost or hung, a spare waiting (c10d)",
     "## 16. Rank 0's node lost, a spare waiting (etcd)",
+    "## 17. Chaos of whole nodes: one job, many node losses in a row, spares restarted",
+    "## 18. Shrinking 3 → 2 nodes (`--nnodes=2:3`), no spare waiting (c10d)",
 ]
 #: Words that state an outcome; a template may hold them only inside a block a renderer decides.
 OUTCOME_WORDS = re.compile(r"\b(met|missed|faster|slower|yes|NO|exceeded|within noise)\b")
@@ -234,6 +237,41 @@ def test_rank0_verdict_and_leader_note_follow_its_results(run_all: ModuleType) -
     for t in slow["rank0"]["trials"]["taskdrun"]:
         t["victim_led"] = False
     assert "leading controller replica in" not in render_all(run_all, slow)
+    # --victim follower: the node lost is named for what it is.
+    slow["rank0"]["trial"]["victim"] = "follower"
+    text = render_all(run_all, slow)
+    assert "every process of the node whose controller replica does not lead (torchrun: rank 0's node)" in text
+    assert "| a standby replica's node lost (etcd), a spare waiting:" in text
+
+
+def test_slowrank_replace_verdicts_follow_each_scripts_trials(run_all: ModuleType) -> None:
+    data = samples(run_all)
+
+    def row(data: dict[str, Any], script: str) -> str:
+        start = f"| replace + a spare ({script}): from the slowdown"
+        return next(line for line in render_all(run_all, data).splitlines() if line.startswith(start))
+
+    for script in ("train_ddp.py", "train_live.py"):
+        trials = [t for t in data["slowrank"]["replace"] if t["script"] == script]
+        assert len(trials) > 1, "the sample has several replace trials of each script, and so a median row"
+        steps = statistics.median(t["steps_to_drain"] for t in trials)
+        assert f"| {script}, p50 of {len(trials)} | {steps:.0f} |" in render_all(run_all, data)
+        assert row(data, script).endswith(f"| {'met' if steps <= 20 else 'missed'} |")
+        assert f"{steps:.0f} steps to the drain" in row(data, script)
+        # One trial that never got its pace back misses the target, whatever the medians say.
+        stuck = copy.deepcopy(data)
+        next(t for t in stuck["slowrank"]["replace"] if t["script"] == script).update(drain_to_healthy=None)
+        assert row(stuck, script).endswith("| missed |") and "1 never back to pace" in row(stuck, script)
+        late = copy.deepcopy(data)
+        for t in late["slowrank"]["replace"]:
+            t["steps_to_drain"] = 21
+        assert row(late, script).endswith("| missed |")
+    # With LiveSession a step lost misses the target; with a checkpoint restart it is only shown.
+    lossy = copy.deepcopy(data)
+    for t in lossy["slowrank"]["replace"]:
+        t["steps_lost"] = 3
+    assert row(lossy, "train_live.py").endswith("| missed |") and "steps lost 3, 3" in row(lossy, "train_live.py")
+    assert row(lossy, "train_ddp.py").split("|")[-2] == row(data, "train_ddp.py").split("|")[-2]
 
 
 def test_templates_state_no_outcome_outside_the_blocks_renderers_decide(report: ModuleType) -> None:

@@ -93,6 +93,11 @@ class AgentConfig:
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     restart_backoff: RestartBackoff = field(default_factory=RestartBackoff)
 
+    @property
+    def identity(self) -> str:
+        """The agent id it registers with: :attr:`agent_id`, else ``node-<node_rank>``."""
+        return self.agent_id or f"node-{self.node_rank}"
+
     def __post_init__(self) -> None:
         if not self.job_id:
             raise ConfigError("the agent needs a job id")

@@ -76,7 +76,9 @@ class _Held:
 class NodeAgent:
     """Supervises one node's workers for the controller at ``config.controller``."""
 
-    def __init__(self, config: AgentConfig, adapter: Adapter) -> None:
+    def __init__(
+        self, config: AgentConfig, adapter: Adapter, leader_hint: Callable[[], str] | None = None
+    ) -> None:
         self.config = config
         self.adapter = adapter
         self._lock = threading.RLock()
@@ -110,7 +112,7 @@ class NodeAgent:
             config.job_id,
             config.controller,
             role=config.role,
-            agent_id=config.agent_id or f"node-{config.node_rank}",
+            agent_id=config.identity,
             node_rank=config.node_rank,
             credentials=config.credentials,
             handler=self._handle_signal,
@@ -119,6 +121,7 @@ class NodeAgent:
             report_deadline=max(config.report_deadline, config.connect_timeout),
             health_interval=config.health_interval,
             health_note=self._progress.describe if self._progress is not None else None,
+            leader_hint=leader_hint,
         )
         self.dispatcher = ActionDispatcher(
             adapter,
@@ -196,21 +199,21 @@ class NodeAgent:
             self.client.rank_ids = tuple(sorted(s.global_rank for s in self.adapter.monitor().values()))
 
     def _resize(self, resize: Resize) -> None:
-        """This node's place once the job shrank: the adapter's next restart and the agent's identity use it.
+        """This node's place once the job shrank or grew: the adapter's next restart and the agent's identity
+        use it.
 
         The controller numbered the ranks the same way (``membership.shrunk_layout``): a node keeps
         its number of ranks, and its global ranks follow its new node rank.
         """
         client = self.client
-        if client.node_rank not in resize.kept:
-            raise WorkerControlError(
-                self.adapter.name, "change the job's nodes", f"the job dropped node {client.node_rank}"
-            )
-        node_rank = resize.node_rank(client.node_rank)
+        try:
+            node_rank = resize.node_rank(client.node_rank)
+        except ValueError as exc:
+            raise WorkerControlError(self.adapter.name, "change the job's nodes", str(exc)) from None
         self.adapter.resize(node_rank, resize.nodes)
         size = len(client.rank_ids)
         logger.warning(
-            "job %s shrank to %s nodes: node %s is node %s now",
+            "job %s has %s nodes now: node %s is node %s",
             self.config.job_id,
             resize.nodes,
             client.node_rank,

@@ -97,8 +97,8 @@ def add_parser(subparsers: Any) -> None:
         type=argtype(lambda text: parse_count(text, high=int(MAX_SECONDS))),
         default=2,
         metavar="S",
-        help="seconds of the leader's lease: a lost leader is replaced about this long later "
-        "(default: %(default)s)",
+        help="seconds of the leader's lease: a frozen or cut-off leader is replaced about this long "
+        "later; one whose process ended, at once (default: %(default)s)",
     )
     rep.add_argument(
         "--etcd-timeout",

@@ -99,6 +99,17 @@ class Endpoints:
                 channel = self._channels[address] = open_channel(address, self._credentials, self._options)
         return address, pb_grpc.RecoverStub(channel)
 
+    def follow(self, leader: str) -> bool:
+        """Make ``leader`` current, as a replica beside this client learned it leads; False when it is not
+        one of the addresses."""
+        with self._lock:
+            if leader not in self.addresses:
+                return False
+            moved, self._current = leader != self._current, leader
+        if moved:
+            logger.info("following controller %s, which leads now", leader)
+        return True
+
     def failed(self, exc: grpc.RpcError, address: str) -> bool:
         """A call to ``address`` failed with ``exc``: move on if another replica may answer; True if moved."""
         leader = leader_of(exc)

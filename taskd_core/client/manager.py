@@ -78,10 +78,17 @@ _CHANNEL_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
+#: Least seconds a HealthCheck may take before the client tries another replica.
+HEALTH_DEADLINE = 2.0
+#: How often the client asks the replica beside it (``leader_hint``) which replica leads.
+HINT_POLL = 0.1
+
 #: Least seconds between two tries of one controller replica (several given).
 FOLLOW_INTERVAL = 0.2
-#: Most seconds between tries while standby replicas answer (an election is under way).
-FOLLOW_CAP = 1.0
+#: Most seconds between tries while standby replicas answer (an election is under way): short,
+#: because a new leader that loaded a job with a spare ready gives its nodes only
+#: ``runtime.TAKEOVER_GRACE`` to subscribe again; a refusal costs a standby next to nothing.
+FOLLOW_CAP = 0.25
 
 #: Answers meaning "this controller does not know the job or agent" (it lost
 #: its state, or restarted without any): joining again fixes them.
@@ -136,6 +143,9 @@ class DLRecoverManager:
         ``TASKD_TLS_CA``/``TASKD_TLS_CERT``/``TASKD_TLS_KEY``/``TASKD_JOB_TOKEN``.
     :param health_note: TaskD extension: a line every HealthCheck carries
         (the agent's hang timeouts, which ``taskd status`` shows).
+    :param leader_hint: TaskD extension: the leading replica's address as a
+        controller replica in this process knows it ("" unknown); the client
+        follows it within :data:`HINT_POLL` seconds, its signal stream too.
     """
 
     def __init__(
@@ -155,6 +165,7 @@ class DLRecoverManager:
         backoff: Backoff | None = None,
         credentials: Credentials | None = None,
         health_note: Callable[[], str] | None = None,
+        leader_hint: Callable[[], str] | None = None,
     ) -> None:
         if not info.jobId:
             raise TaskdError("DLRecoverManager needs info.jobId: the job to recover")
@@ -179,11 +190,14 @@ class DLRecoverManager:
         self._rpc_timeout = rpc_timeout
         self._health_interval = health_interval
         self._health_note = health_note
+        self._leader_hint = leader_hint
         self._backoff = backoff or Backoff()
         self._closed = threading.Event()
         self._killed = threading.Event()
         self._health_stop = threading.Event()
         self._stream: Any = None
+        #: the replica the signal stream is with (while there is one).
+        self._stream_address = ""
         self._stream_lock = threading.Lock()
         self._last_seq = 0
         self._last_uuid = ""
@@ -366,13 +380,18 @@ class DLRecoverManager:
         handler = self._handler_for(frame)
         logger.info("job %s follows the controller's signals for frame %s", self.job_id, frame)
         self._health_stop.clear()
-        health = threading.Thread(target=self._health_loop, name=f"taskd-health-{self.job_id}", daemon=True)
-        health.start()
+        loops = [threading.Thread(target=self._health_loop, name=f"taskd-health-{self.job_id}", daemon=True)]
+        if self._leader_hint is not None:
+            name = f"taskd-follow-{self.job_id}"
+            loops.append(threading.Thread(target=self._follow_loop, name=name, daemon=True))
+        for loop in loops:
+            loop.start()
         try:
             self._subscribe_loop(handler)
         finally:
             self._health_stop.set()
-            health.join(timeout=self._rpc_timeout + self._health_interval)
+            for loop in loops:
+                loop.join(timeout=self._rpc_timeout + self._health_interval)
 
     def _handler_for(self, frame: str) -> SignalHandler:
         if self._handler is not None:
@@ -397,7 +416,7 @@ class DLRecoverManager:
                 address, stub = self._endpoints.pick()
                 stream = stub.SubscribeProcessManageSignal(self.client_info())
                 with self._stream_lock:
-                    self._stream = stream
+                    self._stream, self._stream_address = stream, address
                 if self._closed.is_set():
                     stream.cancel()
                 # TaskD's controller answers with its headers once it took the stream; others at
@@ -427,7 +446,7 @@ class DLRecoverManager:
                 ) from None
             finally:
                 with self._stream_lock:
-                    self._stream = None
+                    self._stream, self._stream_address = None, ""
             if attempt == 0:
                 lost_since = time.monotonic()
             # Not bounded by the deadline: rejoin() enforces it, and a controller
@@ -484,10 +503,33 @@ class DLRecoverManager:
             info.progress = self._health_note()
         address, stub = self._endpoints.pick()
         try:
-            stub.HealthCheck(info, timeout=self._rpc_timeout)
+            # Bounded by the beat: a replica that cannot answer within it is as good as gone for this
+            # client, which then tries another (a hung leader would otherwise hold it for rpc_timeout).
+            deadline = min(self._rpc_timeout, max(HEALTH_DEADLINE, 2 * self._health_interval))
+            stub.HealthCheck(info, timeout=deadline)
         except grpc.RpcError as exc:
             self._endpoints.failed(exc, address)
             raise
+
+    def _follow_leader(self) -> None:
+        """Move to the leader the replica beside this client names, and end a stream held elsewhere.
+
+        A leader that hangs (SIGSTOP, a partition) keeps its streams open: without this the
+        client would notice only when its calls time out, long after a new leader, which
+        expects the job's agents to subscribe within seconds, took over.
+        """
+        leader = self._leader_hint() if self._leader_hint is not None else ""
+        if not leader or not self._endpoints.follow(leader):
+            return
+        with self._stream_lock:
+            stream = self._stream if self._stream_address not in ("", leader) else None
+        if stream is not None:
+            logger.info("job %s: the leader is %s now; subscribing there", self.job_id, leader)
+            stream.cancel()
+
+    def _follow_loop(self) -> None:
+        while not self._health_stop.wait(HINT_POLL) and not self._closed.is_set():
+            self._follow_leader()
 
     def _health_loop(self) -> None:
         healthy = True

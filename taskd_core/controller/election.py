@@ -19,7 +19,15 @@ A leader stops leading when:
 
 Standbys watch ``P/leader`` and campaign when it is deleted (the lease
 expired or was revoked at a graceful stop); they know the leader's address
-from the key, which is how they redirect clients. The SQLite state has no
+from the key, which is how they redirect clients. Beside the watch each
+standby holds a TCP connection to that address
+(:mod:`~taskd_core.controller.leader_probe`): once the leader's process is
+gone (its connections were reset and a new one is refused), the standby
+revokes the leader's lease itself and campaigns at once, instead of waiting
+for the lease to run out. That is safe even were the proof wrong (a leader
+alive but unreachable on that address): revoking deletes the leader key, so
+the old leader's next write finds its fence broken and its next renewal
+finds the lease gone; it steps down without having changed anything. The SQLite state has no
 election: :class:`SoleElection` makes its one controller the leader for good.
 """
 
@@ -35,9 +43,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from taskd_core.controller.etcd_client import EtcdClient, EtcdTarget, created_at, get, modified_at, put
+from taskd_core.controller.leader_probe import nothing_listens
 from taskd_core.controller.store import StateStore
 from taskd_core.controller.store_etcd import EtcdStore, Fence, Layout
 from taskd_core.errors import ConfigError, StateStoreError
@@ -61,6 +70,8 @@ class Term(Protocol):
     generation: int
     #: done, with the reason, when the term is over.
     lost: asyncio.Future[str]
+    #: agents that ran in the previous leader's process, found gone as this term began.
+    departed: tuple[str, ...]
 
     def valid(self) -> bool:
         """Whether this replica may still act as leader now."""
@@ -97,6 +108,7 @@ class SoleTerm:
         self.store = store
         self.generation = 0
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.departed: tuple[str, ...] = ()
 
     def valid(self) -> bool:
         return True
@@ -135,16 +147,22 @@ class SoleElection:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaIdentity:
-    """What a leader writes into the leader key (and a standby tells clients)."""
+    """What a leader writes into the leader key (and a standby tells clients).
+
+    ``beside``: the agent that runs in the replica's process (a launcher's own), which ends
+    with it; a standby that finds the process gone tells the next term so.
+    """
 
     address: str
     replica: str
+    beside: str = ""
 
     def value(self) -> bytes:
         return json.dumps(
             {
                 "address": self.address,
                 "replica": self.replica,
+                "beside": self.beside,
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "since": time.time(),
@@ -155,7 +173,7 @@ class ReplicaIdentity:
     def of(value: bytes) -> ReplicaIdentity:
         try:
             data = json.loads(value)
-            return ReplicaIdentity(str(data["address"]), str(data["replica"]))
+            return ReplicaIdentity(str(data["address"]), str(data["replica"]), str(data.get("beside", "")))
         except (ValueError, TypeError, KeyError):
             return ReplicaIdentity("", "")
 
@@ -246,10 +264,12 @@ class EtcdTerm:
         granted_at: float,
         generation: int,
         policy_revision: int,
+        departed: tuple[str, ...] = (),
     ) -> None:
         self._client = client
         self._lease = lease
         self.generation = generation
+        self.departed = departed
         self.ttl = ttl
         loop = asyncio.get_running_loop()
         self.lost: asyncio.Future[str] = loop.create_future()
@@ -297,6 +317,12 @@ class EtcdTerm:
             )
 
 
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` (if still running) and wait until it has ended."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
 class EtcdElection:
     """Campaigns for the leader key of one prefix; :meth:`campaign` returns when this replica leads."""
 
@@ -308,13 +334,18 @@ class EtcdElection:
         *,
         ttl: int,
         policy_revision: int,
+        beside: str = "",
     ) -> None:
         self._client = client
         self._layout = layout
-        self._me = ReplicaIdentity(address, uuid.uuid4().hex)
+        self._me = ReplicaIdentity(address, uuid.uuid4().hex, beside)
         self._ttl = ttl
         self._policy_revision = policy_revision
         self._leader = ReplicaIdentity("", "")
+        #: the lease the leader key was last seen on (0 unknown).
+        self._leader_lease = 0
+        #: the leader whose process this replica found gone and whose lease it ended, until the next campaign.
+        self._vacated: ReplicaIdentity | None = None
         #: revision at which the leader key was last seen (watched from the next one).
         self._seen = 0
         self.standing_by = asyncio.Event()
@@ -358,6 +389,7 @@ class EtcdElection:
             [put(layout.leader, self._me.value(), lease)],
             [get(layout.leader), get(layout.policy)],
         )
+        vacated, self._vacated = self._vacated, None
         if answer.succeeded:
             self._leader = self._me
             logger.info(
@@ -368,8 +400,16 @@ class EtcdElection:
                 lease,
                 ttl,
             )
+            departed = (vacated.beside,) if vacated is not None and vacated.beside else ()
             return EtcdTerm(
-                self._client, layout, lease, ttl, granted_at, answer.header.revision, self._policy_revision
+                self._client,
+                layout,
+                lease,
+                ttl,
+                granted_at,
+                answer.header.revision,
+                self._policy_revision,
+                departed,
             )
         leader, policy = (r.response_range.kvs for r in answer.responses)
         await self._client.revoke(lease)
@@ -381,6 +421,7 @@ class EtcdElection:
             )
         self._seen = answer.header.revision
         self._leader = ReplicaIdentity.of(leader[0].value) if leader else ReplicaIdentity("", "")
+        self._leader_lease = leader[0].lease if leader else 0
         if self._leader.replica == self._me.replica:
             # Our own key from a campaign whose answer was lost: free it and campaign again.
             await self._client.revoke(leader[0].lease)
@@ -388,23 +429,70 @@ class EtcdElection:
         return None
 
     async def _await_vacancy(self) -> None:
-        """Watch the leader key until it is deleted (or for one slice, then look again)."""
+        """Watch the leader key until it is deleted (or for one slice, then look again).
+
+        Beside the watch, :func:`~taskd_core.controller.leader_probe.nothing_listens`
+        holds a connection to the leader's address: once nothing listens there, this
+        standby ends the leader's lease instead of waiting for it to run out.
+        """
         deadline = time.monotonic() + WATCH_SLICE
-        while (left := deadline - time.monotonic()) > 0:
-            events = await self._client.watch(self._layout.leader, self._seen + 1, left)
-            if not events:
-                return
-            for event in events:
-                self._seen = max(self._seen, event.kv.mod_revision)
-                if event.type == epb.Event.DELETE:
-                    logger.info(
-                        "%s: the leader (%s) is gone; campaigning",
-                        self._client.target.url,
-                        self._leader.address,
-                    )
-                    self._leader = ReplicaIdentity("", "")
+        probe: tuple[str, asyncio.Task[str]] | None = None
+        watch: asyncio.Future[list[epb.Event]] | None = None
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                probe = self._probe(probe)
+                watch = asyncio.ensure_future(self._client.watch(self._layout.leader, self._seen + 1, left))
+                await asyncio.wait((watch, probe[1]), return_when=asyncio.FIRST_COMPLETED)
+                if not watch.done():
+                    await _cancelled(watch)
+                    await self._vacate(probe[1].result())
                     return
-                self._leader = ReplicaIdentity.of(event.kv.value)
+                events = watch.result()
+                if not events:
+                    return
+                for event in events:
+                    self._seen = max(self._seen, event.kv.mod_revision)
+                    if event.type == epb.Event.DELETE:
+                        logger.info(
+                            "%s: the leader (%s) is gone; campaigning",
+                            self._client.target.url,
+                            self._leader.address,
+                        )
+                        self._leader, self._leader_lease = ReplicaIdentity("", ""), 0
+                        return
+                    self._leader, self._leader_lease = ReplicaIdentity.of(event.kv.value), event.kv.lease
+        finally:
+            for task in (watch, probe[1] if probe is not None else None):
+                if task is not None:
+                    await _cancelled(task)
+
+    def _probe(self, running: tuple[str, asyncio.Task[str]] | None) -> tuple[str, asyncio.Task[str]]:
+        """The probe of the leader known now (the running one while the leader is the same)."""
+        address = self._leader.address if self._leader.replica != self._me.replica else ""
+        if running is not None and running[0] == address:
+            return running
+        if running is not None:
+            running[1].cancel()
+        # No leader known (or only this replica's own stale key): nothing to probe, the watch decides.
+        return address, asyncio.ensure_future(nothing_listens(address))
+
+    async def _vacate(self, why: str) -> None:
+        """End the lease of a leader whose process is gone, so that a standby leads now.
+
+        Safe even were the proof wrong: every write of the old leader is fenced on
+        its leader key, which the revocation deletes (see the module's docstring).
+        """
+        logger.warning(
+            "%s: the leader (%s) is gone: %s; ending its lease %x",
+            self._client.target.url,
+            self._leader.address,
+            why,
+            self._leader_lease,
+        )
+        if self._leader_lease:
+            await self._client.revoke(self._leader_lease)
+        self._vacated = self._leader
+        self._leader, self._leader_lease = ReplicaIdentity("", ""), 0
 
     async def close(self) -> None:
         await self._client.close()

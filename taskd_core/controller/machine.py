@@ -16,6 +16,8 @@ diagram against it)::
     IDLE --fault, no flush window--> WAIT_STOP                  (stopTrain sent)
     IDLE --fault, cycle budget used--> GIVEN_UP                 (killMaster sent)
     IDLE --node lost, a spare takes its place--> FLUSHING / WAIT_STOP / GIVEN_UP   (as a fault)
+    IDLE --a spare comes, the job below MAX nodes--> FLUSHING / WAIT_STOP / GIVEN_UP   (it grows)
+    WAIT_STATUS --node lost in a live round, a spare ready--> FLUSHING / WAIT_STOP / GIVEN_UP   (a new round)
     FLUSHING --flush deadline--> WAIT_STOP                      (stopTrain sent)
     WAIT_STOP --all stopped--> WAIT_STRATEGIES                  (globalFault sent)
     WAIT_STRATEGIES --all reported / deadline--> WAIT_STATUS    (changeStrategy sent)
@@ -41,7 +43,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from taskd_core.controller.membership import SHRUNK, NodeLossKind, decide_node_loss, is_node, shrunk_layout
+from taskd_core.controller.membership import (
+    SHRUNK,
+    NodeLossKind,
+    decide_node_loss,
+    growing_spare,
+    grown_layout,
+    is_node,
+    live_nodes,
+    shrunk_layout,
+)
 from taskd_core.errors import IllegalTransition
 from taskd_core.models import (
     EXTRA_DUMP_EXIT,
@@ -178,6 +189,13 @@ class AgentLost:
     why: str = "its signal stream ended"
 
 
+@dataclass(frozen=True, slots=True)
+class SpareJoined:
+    """A spare registered: a job with fewer than its policy's ``max_nodes`` nodes takes it as a new node."""
+
+    agent: str
+
+
 Event = (
     FaultReported
     | StopReported
@@ -186,6 +204,7 @@ Event = (
     | DeadlinePassed
     | AgentExited
     | AgentLost
+    | SpareJoined
 )
 Report = StopReported | StrategiesReported | StatusReported
 
@@ -197,6 +216,7 @@ _EVENT_NAMES: dict[type, str] = {
     DeadlinePassed: "deadline",
     AgentExited: "ReportAgentExit",
     AgentLost: "stream lost",
+    SpareJoined: "a spare registered",
 }
 
 
@@ -306,7 +326,7 @@ class JobMachine:
     def handle(self, event: Event, now: float) -> Reaction:
         handler = _TABLE.get((self.snap.state, type(event)))
         if handler is None:
-            if isinstance(event, (DeadlinePassed, AgentLost)):
+            if isinstance(event, (DeadlinePassed, AgentLost, SpareJoined)):
                 return Reaction(Reply())
             return Reaction(self._order_mix(f"{_EVENT_NAMES[type(event)]} does not fit the job's state"))
         fx = _Effects(now)
@@ -626,8 +646,11 @@ class JobMachine:
             if s.resize:
                 s.outcome += f" on {s.nodes} nodes"
                 s.resize = ""
+            # A spare that registered while this cycle ran was not offered growth then: now it is.
+            grown = self._grow(fx)
             if s.pending:
                 s.faults, s.pending = s.pending, {}
+            if grown or s.faults:
                 self._begin(fx)
 
     # --- strategy choice and the end of the road --------------------------------
@@ -781,11 +804,19 @@ class JobMachine:
                     return Reply()
             else:
                 self._replace(event.agent, decision.spare, fx)
-            if s.state is State.WAIT_STATUS:
+            if s.state is State.WAIT_STATUS and s.strategy != Strategy.RECOVER_LIVE.value:
                 # The strategy in flight restarts every rank (the spare joins its restart):
                 # the lost ranks are already covered by it.
                 return Reply()
             merge_faults(s.faults, ranks)
+            if s.state is State.WAIT_STATUS:
+                # The live round in flight has the lost node's ranks in it and cannot form (its
+                # state hand-over may have been under way): the next cycle's round, with the spare.
+                self._journal(fx, "strategy failed", strategy=s.strategy, failed=[event.agent])
+                self._enter(fx, State.IDLE, None)
+                s.uuid, s.strategy, s.last_signal = "", "", None
+                self._begin(fx)
+                return Reply()
             if s.state is State.IDLE:
                 self._begin(fx)
             return Reply()
@@ -794,6 +825,26 @@ class JobMachine:
             self._lost.add(event.agent)
             self._settle_gone(event.agent, fx)
         return Reply()
+
+    def _on_spare_joined(self, event: SpareJoined, fx: _Effects) -> Reply:
+        """A job below its ``max_nodes`` grows by a ready spare: a whole restart with one more node."""
+        if self._grow(fx):
+            self._begin(fx)
+        return Reply()
+
+    def _grow(self, fx: _Effects) -> bool:
+        """Give the spare that grows the job (if any) the next node rank; the next cycle's ``recover``
+        carries the layout. Only between cycles: no recover in flight has the old layout."""
+        s = self.snap
+        spare = growing_spare(self.agents, fx.now, self.policy)
+        if spare is None:
+            return False
+        kept = tuple(range(len(live_nodes(self.agents))))
+        node_rank, rank_ids = grown_layout(self.agents)
+        self.agents[spare].node_rank, self.agents[spare].rank_ids = node_rank, rank_ids
+        s.nodes, s.resize = len(kept) + 1, Resize(kept, added=1).encode()
+        self._journal(fx, "job grown", agent=spare, nodes=s.nodes, node_rank=node_rank, ranks=list(rank_ids))
+        return True
 
     def awaiting_spare(self) -> dict[str, float]:
         """Lost nodes whose place waits for a spare, and since when (the runtime offers them new spares)."""
@@ -826,7 +877,8 @@ class JobMachine:
             kept = tuple(previous.kept[rank] for rank in kept)
         for agent, (node_rank, rank_ids) in layout.items():
             self.agents[agent].node_rank, self.agents[agent].rank_ids = node_rank, rank_ids
-        self.agents[lost].replaced_by = SHRUNK
+        # Fenced, and counted as ended: the job's end waits for the nodes left only.
+        self.agents[lost].replaced_by, self.agents[lost].exit_code = SHRUNK, int(Code.NODE_REPLACED)
         s.nodes, s.resize = len(layout), Resize(kept).encode()
         self._journal(
             fx,
@@ -907,6 +959,7 @@ _TABLE: dict[tuple[State, type], Handler] = {
     (State.WAIT_STATUS, DeadlinePassed): JobMachine._on_deadline,
     **{(state, AgentExited): JobMachine._on_agent_exit for state in State},
     **{(state, AgentLost): JobMachine._on_agent_lost for state in (State.IDLE, State.FLUSHING, *_CONCLUDE)},
+    (State.IDLE, SpareJoined): JobMachine._on_spare_joined,
 }
 
 _CYCLE_START = frozenset({State.FLUSHING, State.WAIT_STOP, State.GIVEN_UP})
@@ -926,8 +979,9 @@ _TARGETS: dict[tuple[State, type], frozenset[State]] = {
     (State.WAIT_STATUS, StatusReported): _AFTER_STATUS,
     (State.WAIT_STATUS, DeadlinePassed): _AFTER_STATUS,
     (State.IDLE, AgentExited): frozenset({State.FINISHED}),
-    # A node replaced by a spare while no cycle runs starts one.
+    # A node replaced by a spare while no cycle runs starts one; so does a spare the job grows by.
     (State.IDLE, AgentLost): _CYCLE_START,
+    (State.IDLE, SpareJoined): _CYCLE_START,
     # An agent gone during a wait settles its answer, which may end the wait.
     **{
         (wait, gone): targets

@@ -105,6 +105,26 @@ def shrunk_layout(lost: str, agents: Mapping[str, AgentInfo]) -> dict[str, tuple
     return layout
 
 
+def can_shrink(agents: Mapping[str, AgentInfo], policy: JobPolicy) -> bool:
+    """The job has a node more than the policy's ``min_nodes``: losing one shrinks it."""
+    return bool(policy.min_nodes) and len(live_nodes(agents)) > policy.min_nodes
+
+
+def growing_spare(agents: Mapping[str, AgentInfo], now: float, policy: JobPolicy) -> str | None:
+    """The ready spare that joins the job as a new node while it has fewer than the policy's ``max_nodes``."""
+    if not policy.max_nodes or len(live_nodes(agents)) >= policy.max_nodes:
+        return None
+    spares = ready_spares(agents, now, policy.node_lost_timeout)
+    return spares[0] if spares else None
+
+
+def grown_layout(agents: Mapping[str, AgentInfo]) -> tuple[int, tuple[int, ...]]:
+    """The node rank and global ranks of a node that joins after the job's nodes (each has as many ranks)."""
+    nodes = live_nodes(agents)
+    size = len(agents[nodes[0]].rank_ids) if nodes else 0
+    return len(nodes), tuple(range(len(nodes) * size, (len(nodes) + 1) * size))
+
+
 def decide_node_loss(
     lost: str, agents: Mapping[str, AgentInfo], now: float, policy: JobPolicy, waited: float = 0.0
 ) -> NodeLossDecision:
@@ -118,7 +138,7 @@ def decide_node_loss(
     if spares:
         return NodeLossDecision(NodeLossKind.REPLACE, lost, spares[0], "a spare stands by")
     left = len([a for a in live_nodes(agents) if a != lost])
-    if policy.min_nodes and left >= policy.min_nodes:
+    if can_shrink(agents, policy):
         return NodeLossDecision(
             NodeLossKind.SHRINK,
             lost,

@@ -12,6 +12,7 @@ per job that differs::
     cycle_window = 3600       # seconds over which max_cycles counts; 0: the job's whole life
     expected_agents = 0       # 0: whoever registered
     min_nodes = 0             # fewest nodes a job shrinks to on a node loss with no spare; 0: never shrinks
+    max_nodes = 0             # most nodes a job grows to by a spare that comes; 0: never grows
     slow_rank = "warn"        # "warn" (journal, metric, status) or "replace" (a spare takes its node)
     slow_rank_bound = 1.6     # its work per step over its peers' median that makes it slow...
     slow_rank_window = 20     # ...over this many steps (held for three tenths of them)
@@ -51,6 +52,7 @@ _FILE_KEYS = {
     "cycle_window": "cycle_window",
     "expected_agents": "expected_agents",
     "min_nodes": "min_nodes",
+    "max_nodes": "max_nodes",
     "node_lost_timeout": "node_lost_timeout",
     "spare_wait": "spare_wait",
     "slow_rank": "slow_rank",
@@ -125,7 +127,7 @@ def updated_policy(
             clean[name] = _number(key, value, minimum=0, integer=False, exclusive=True)
         elif name in ("flush_seconds", "cycle_window", "spare_wait"):
             clean[name] = _number(key, value, minimum=0, integer=False)
-        elif name in ("max_cycles", "expected_agents", "min_nodes"):
+        elif name in ("max_cycles", "expected_agents", "min_nodes", "max_nodes"):
             clean[name] = int(_number(key, value, minimum=0, integer=True))
         elif name == "slow_rank":
             clean[name] = parse_slow_rank(value, key)
@@ -174,6 +176,7 @@ def policy_to_dict(policy: JobPolicy) -> dict[str, Any]:
         "cycle_window": policy.cycle_window,
         "expected_agents": policy.expected_agents,
         "min_nodes": policy.min_nodes,
+        "max_nodes": policy.max_nodes,
         "node_lost_timeout": policy.node_lost_timeout,
         "spare_wait": policy.spare_wait,
         "slow_rank": policy.slow_rank.value,

@@ -59,6 +59,7 @@ async def open_election(
     lease_ttl: int = 2,
     replace_policy: bool = False,
     timeout: float = 5.0,
+    beside: str = "",
 ) -> Election:
     """The election behind ``state``; checks an etcd prefix before anything serves.
 
@@ -89,7 +90,7 @@ async def open_election(
     except BaseException:
         await client.close()
         raise
-    return EtcdElection(client, layout, address, ttl=lease_ttl, policy_revision=revision)
+    return EtcdElection(client, layout, address, ttl=lease_ttl, policy_revision=revision, beside=beside)
 
 
 class Replica:
@@ -184,7 +185,7 @@ class Replica:
                 self._term = term
                 controller = self._make(term.store)
                 try:
-                    await controller.start()
+                    await controller.start(departed=term.departed)
                 except (LeadershipLostError, StateStoreError) as exc:
                     logger.warning("replica %s could not take over: %s; standing by", self.address, exc)
                     await controller.close()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -53,10 +53,11 @@ from taskd_core.controller.machine import (
     JournalEntry,
     Reply,
     Snapshot,
+    SpareJoined,
     State,
     brief,
 )
-from taskd_core.controller.membership import SHRUNK, is_node, ready_spares
+from taskd_core.controller.membership import SHRUNK, can_shrink, is_node, is_spare, ready_spares
 from taskd_core.controller.policy import PolicyBook, policy_from_dict, policy_to_dict, updated_policy
 from taskd_core.controller.quotas import Quotas, RateLimits
 from taskd_core.controller.slowrank import (
@@ -128,9 +129,10 @@ _TERMINAL = (State.FINISHED, State.GIVEN_UP)
 #: client re-subscribes within its first backoff step, a machine that died does not at all.
 STREAM_CLOSED_GRACE = 0.5
 #: Seconds a node loaded from the state (a new leader took over) has to subscribe while a spare
-#: stands by: its agent retries a standby at most a second apart (``FOLLOW_CAP``) and follows the
-#: leader it names at once; one lost with the previous leader never comes.
-TAKEOVER_GRACE = 2.0
+#: stands by: its agent retries a standby at most 0.25 s apart (``client.manager.FOLLOW_CAP``) and
+#: follows the leader it names at once (three RPCs: Init, Register, Subscribe), so four of those
+#: gaps leave room for a loaded machine; one lost with the previous leader never comes.
+TAKEOVER_GRACE = 1.0
 #: How often the runtime looks for nodes whose HealthChecks stopped (a hung or cut-off machine).
 NODE_WATCH_INTERVAL = 0.25
 _ANONYMOUS = Caller()
@@ -331,11 +333,15 @@ class Controller:
 
     # --- life cycle -------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Load stored jobs, re-arm their deadlines and start keep-alives."""
+    async def start(self, departed: Collection[str] = ()) -> None:
+        """Load stored jobs, re-arm their deadlines and start keep-alives.
+
+        ``departed``: agents known to have ended with the previous leader's process (they ran in
+        it); with a spare ready they are declared lost at once instead of after the takeover grace.
+        """
         for stored in await self._store.load():
             try:
-                job = self._restore(stored)
+                job = self._restore(stored, departed)
             except (TaskdError, KeyError, ValueError, TypeError, AttributeError) as exc:
                 self._jobs.pop(stored.row.job_id, None)
                 await self._store.set_aside(stored.row.job_id, f"{type(exc).__name__}: {exc}")
@@ -350,7 +356,7 @@ class Controller:
         self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
         self._node_watch_task = asyncio.get_running_loop().create_task(self._watch_nodes())
 
-    def _restore(self, stored: StoredJob) -> _Job:
+    def _restore(self, stored: StoredJob, departed: Collection[str] = ()) -> _Job:
         row = stored.row
         job = _Job(row.job_id, policy_from_dict(row.policy), snapshot_from_dict(row.snapshot))
         job.inited = row.inited
@@ -364,14 +370,22 @@ class Controller:
         # Their streams were with the controller before this one (or none): one that does not
         # subscribe here within the grace is lost as if its stream had ended here, the way a node
         # lost together with the previous leader would otherwise be waited for forever. With a
-        # spare standing by, a surviving agent follows the new leader within a second or two.
-        grace = min(self._stream_grace, TAKEOVER_GRACE) if self._spare_ready(job) else self._stream_grace
+        # spare standing by (or room to shrink), a surviving agent follows the new leader within a second.
+        replaceable = self._node_replaceable(job)
+        grace = min(self._stream_grace, TAKEOVER_GRACE) if replaceable else self._stream_grace
         loop = asyncio.get_running_loop()
         for agent in job.agents.values():
-            if agent.exit_code is None:
-                job.lost[agent.agent_id] = loop.call_later(
-                    grace, self._on_stream_lost, job, agent.agent_id, grace
-                )
+            # A spare standing by holds no stream (its HealthChecks say it is there); a timer of its
+            # own would fire on it once promoted, before it could subscribe as the node.
+            if agent.exit_code is not None or is_spare(agent):
+                continue
+            if replaceable and agent.agent_id in departed:
+                why = "it ran in the previous leader's process, which a standby found gone"
+                loop.call_soon(self.node_lost, job.job_id, agent.agent_id, why)
+                continue
+            job.lost[agent.agent_id] = loop.call_later(
+                grace, self._on_stream_lost, job, agent.agent_id, grace
+            )
         self._jobs[row.job_id] = job
         self._arm(job)
         return job
@@ -467,6 +481,8 @@ class Controller:
                 asyncio.get_running_loop().call_soon(
                     self.node_lost, job.job_id, waiting, "a spare registered"
                 )
+            # A job below its most nodes (--nnodes=MIN:MAX) may grow by it instead.
+            asyncio.get_running_loop().call_soon(self._offer_spare, job, who.key)
         if agent is None or (agent.role, agent.node_rank, agent.rank_ids, agent.exit_code) != (
             fresh.role,
             fresh.node_rank,
@@ -522,10 +538,13 @@ class Controller:
             logger.info("job %s: agent %s stream ended", sub.job_id, sub.agent_id)
             # A wait must not sit out its report timeout for an agent that is gone; one that
             # comes back within the grace rejoins the cycle instead. With a spare standing by,
-            # a node whose stream closed is replaced unless it re-subscribes at once.
+            # a node whose stream closed is replaced unless it re-subscribes at once (and so is a
+            # job that can shrink without it).
             if sub.agent_id not in job.lost:
                 grace = self._stream_grace
-                if self._spare_ready(job):
+                if self._node_replaceable(job) or _in_live_round(job):
+                    # In a live round, too: its processes are in the round, which cannot form without
+                    # them; an agent that came back later would only start new ones.
                     grace = min(grace, STREAM_CLOSED_GRACE)
                 job.lost[sub.agent_id] = asyncio.get_running_loop().call_later(
                     grace, self._on_stream_lost, job, sub.agent_id, grace
@@ -1037,6 +1056,10 @@ class Controller:
 
     # --- lost nodes -----------------------------------------------------------------------
 
+    def _offer_spare(self, job: _Job, agent_id: str) -> None:
+        if self._jobs.get(job.job_id) is job and agent_id in job.agents:
+            self._spawn(self._apply(job, SpareJoined(agent_id)))
+
     def node_lost(self, job_id: str, agent_id: str, why: str) -> None:
         """Declare node ``agent_id`` of ``job_id`` lost, whatever found it (the one way a node is replaced).
 
@@ -1124,6 +1147,10 @@ class Controller:
     def _spare_ready(self, job: _Job) -> bool:
         return bool(ready_spares(job.agents, self._clock(), job.machine.policy.node_lost_timeout))
 
+    def _node_replaceable(self, job: _Job) -> bool:
+        """A lost node of the job would not end it: a spare takes its place, or the job shrinks."""
+        return self._spare_ready(job) or can_shrink(job.agents, job.machine.policy)
+
     @staticmethod
     def _check_fence(job: _Job, agent: AgentInfo) -> None:
         """Refuse a node a spare replaced: it must neither train nor steer the job any more."""
@@ -1163,7 +1190,7 @@ class Controller:
                     if now - since >= policy.spare_wait:
                         self.node_lost(job.job_id, agent_id, f"no spare came within {policy.spare_wait:g}s")
                 in_cycle = state in (State.WAIT_STOP, State.WAIT_STRATEGIES, State.WAIT_STATUS)
-                if not (self._spare_ready(job) or (in_cycle and job.had_spares)):
+                if not (self._node_replaceable(job) or (in_cycle and job.had_spares)):
                     continue
                 timeout = policy.node_lost_timeout
                 for agent in list(job.agents.values()):
@@ -1185,6 +1212,12 @@ class Controller:
             for job in list(self._jobs.values()):
                 if job.subscribers:
                     self._broadcast(job, Signal(SignalType.KEEP_ALIVE.value, job_id=job.job_id))
+
+
+def _in_live_round(job: _Job) -> bool:
+    """The job's agents carry out ``recover-live``: every node's workers are forming one live round."""
+    snap = job.machine.snap
+    return snap.state is State.WAIT_STATUS and snap.strategy == Strategy.RECOVER_LIVE.value
 
 
 def _consume(done: asyncio.Future[None]) -> None:

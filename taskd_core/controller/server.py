@@ -137,6 +137,8 @@ class ControllerConfig:
     quotas: Quotas = field(default_factory=Quotas)
     #: the one job token this controller serves (a launch's embedded controller); "": any.
     job_token: str = field(default="", repr=False)
+    #: etcd: the agent that runs in this replica's process (a launcher's), which ends with it; "": none.
+    beside: str = ""
 
     def access(self) -> AccessRules:
         """The authorisation rules; checks the listener's security (:class:`ConfigError`)."""
@@ -293,6 +295,7 @@ class ControllerServer:
             lease_ttl=self.config.lease_ttl,
             replace_policy=self.config.replace_policy,
             timeout=self.config.state_timeout,
+            beside=self.config.beside,
         )
         replica = self._replica = Replica(election, self._new_controller, self._health, self.advertised)
         if metrics is not None and self.config.metrics_port is not None:
@@ -382,7 +385,8 @@ class EmbeddedController:
     With ``state="etcd://HOSTS/PREFIX"`` it is one replica among any number on
     that prefix (in this process or others): it returns once it leads or stands
     by; ``advertise`` is the address the others send clients to, ``lease_ttl``
-    how long a lost leader holds on, ``etcd_tls`` the files etcd wants.
+    how long a lost leader holds on, ``etcd_tls`` the files etcd wants, ``beside`` the agent that
+    runs in this process (it ends with this replica; a launcher's own agent).
     ``job_token`` makes it serve that one job token only (a launch's own controller).
     """
 
@@ -410,6 +414,7 @@ class EmbeddedController:
         state_timeout: float = 5.0,
         quotas: Quotas | None = None,
         job_token: str = "",
+        beside: str = "",
     ) -> None:
         book = policies or PolicyBook(validated(defaults or JobPolicy(), "defaults: "))
         self._config = ControllerConfig(
@@ -432,6 +437,7 @@ class EmbeddedController:
             state_timeout=state_timeout,
             quotas=quotas or Quotas(),
             job_token=job_token,
+            beside=beside,
         )
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None

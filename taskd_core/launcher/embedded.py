@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +57,8 @@ class ControllerEndpoint:
 
     address: str
     embedded: bool
+    #: the leading replica's address as this process's replica knows it (a replicated controller only).
+    leader: Callable[[], str] | None = None
 
 
 def bind_host(master_addr: str) -> str:
@@ -107,6 +109,7 @@ def controller_address(
     nnodes: int = 1,
     job_id: str = "",
     etcd_tls: EtcdTls | None = None,
+    agent_id: str = "",
 ) -> Iterator[ControllerEndpoint]:
     """Yield the controller this node's agent must use (``HOST:PORT``, and whether it is embedded here).
 
@@ -129,6 +132,8 @@ def controller_address(
     :param nnodes: the job's nodes; with an etcd state, the replicas an agent waits to know.
     :param job_id: the job, whose token signs the replicas' addresses.
     :param etcd_tls: TLS files for an etcd that requires them.
+    :param agent_id: the id of the agent this process runs beside an etcd replica (see
+        :func:`replicated_controller`).
     :raises ConfigError: for an address or port that cannot work, or plaintext beyond loopback.
     """
     if explicit:
@@ -147,6 +152,7 @@ def controller_address(
             job_id=job_id,
             etcd_tls=etcd_tls,
             lookup_timeout=lookup_timeout,
+            agent_id=agent_id,
         ) as endpoint:
             yield endpoint
         return
@@ -231,13 +237,16 @@ def replicated_controller(
     job_id: str,
     etcd_tls: EtcdTls | None,
     lookup_timeout: float,
+    agent_id: str = "",
 ) -> Iterator[ControllerEndpoint]:
     """This node's replica of the job's controller on the etcd ``state``; yields every replica's address.
 
     The replica listens where the other nodes reach ``host`` (:func:`bind_host`), on
     ``controller_port`` (0: any free one), and is advertised at ``host``. Leaving the
     block stops it and takes it out of the roster; the last replica of the job
-    removes the job's state from etcd.
+    removes the job's state from etcd. ``agent_id`` is this node's agent, which lives and
+    dies with this process: a replica that finds this one's process gone while it led
+    declares that agent lost at once (:class:`~taskd_core.controller.election.ReplicaIdentity`).
     """
     from taskd_core.launcher.roster import Roster
 
@@ -245,7 +254,12 @@ def replicated_controller(
     tls = server_tls(credentials)
     target = parse_etcd_url(state, etcd_tls)
     # Port 0 is the bound one: on one machine the replicas' addresses differ by it alone.
-    replica = {"advertise": join_address(host, 0), "etcd_tls": etcd_tls, "job_token": credentials.token}
+    replica = {
+        "advertise": join_address(host, 0),
+        "etcd_tls": etcd_tls,
+        "job_token": credentials.token,
+        "beside": agent_id,
+    }
     with _embedded(host, controller_port, policy, state, tls, insecure, metrics_port, **replica) as served:
         advertised = join_address(host, served.port)
         logger.info(
@@ -259,7 +273,7 @@ def replicated_controller(
         try:
             roster.announce(advertised)
             addresses = roster.addresses(nnodes, lookup_timeout)
-            yield ControllerEndpoint(",".join(addresses), embedded=True)
+            yield ControllerEndpoint(",".join(addresses), embedded=True, leader=lambda: served.leader)
         finally:
             served.stop()
             roster.close(last_clears=target.prefix.encode() + b"/")

@@ -21,15 +21,17 @@ from taskd_core.errors import ControllerUnavailableError, TaskdError
 from taskd_core.launcher.embedded import controller_address
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.settings import NodeSettings
-from taskd_core.models import SPARE_ROLE, Credentials
+from taskd_core.models import SPARE_ROLE, AgentStatus, Credentials, JobState
 from taskd_core.plugins import Adapter
 
 logger = logging.getLogger(__name__)
 
 #: How often :func:`wait_for_agents` asks the controller again.
 _AGENT_POLL = 0.2
-#: Seconds since its last HealthCheck within which a spare counts as standing by.
+#: Seconds since its last HealthCheck within which a spare counts as standing by; an agent
+#: without a signal stream silent for longer once its job ended is gone (its node was lost).
 SPARE_FRESH = 5.0
+_ENDED = (JobState.FINISHED, JobState.GIVEN_UP)
 
 
 def run_node_agent(
@@ -62,8 +64,9 @@ def run_node_agent(
         nnodes=settings.nnodes,
         job_id=settings.job_id,
         etcd_tls=settings.etcd_tls,
+        agent_id=settings.agent.identity,
     ) as endpoint:
-        agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter)
+        agent = NodeAgent(replace(settings.agent, controller=endpoint.address), adapter, endpoint.leader)
         logger.info(
             "%s: job %s node %s/%s, adapter %s, controller %s%s",
             who,
@@ -106,7 +109,9 @@ def wait_for_agents(
     Node 0 calls this before its embedded controller stops with it: an agent
     on another node that is still finishing would otherwise lose the
     controller and could not report. The spares standing by (heard from within
-    :data:`SPARE_FRESH` seconds) must have seen the job end too. True when all
+    :data:`SPARE_FRESH` seconds) must have seen the job end too. A node lost for
+    good (no signal stream, silent as long, the job over) is not waited for:
+    the controller knows it will never report. True when all
     have ended, False at the deadline (logged; the caller goes on regardless)
     or as soon as ``stop`` is set.
     """
@@ -118,7 +123,7 @@ def wait_for_agents(
             with QueryClient(address, credentials or Credentials(), timeout=max(remaining, 0.1)) as client:
                 job = client.job(job_id)
             spares = [a for a in job.agents if a.role == SPARE_ROLE and a.node_rank is None]
-            ended = sum(1 for a in job.agents if a.exit_code is not None and a not in spares)
+            ended = _ended([a for a in job.agents if a not in spares], agents, job.state in _ENDED)
             standing_by = [
                 a for a in spares if a.exit_code is None and time.time() - a.last_seen < SPARE_FRESH
             ]
@@ -137,3 +142,13 @@ def wait_for_agents(
         if stop.wait(min(_AGENT_POLL, remaining)):
             logger.warning("stopped waiting for the other agents of job %s: the launcher is stopping", job_id)
             return False
+
+
+def _ended(nodes: list[AgentStatus], agents: int, over: bool) -> int:
+    """How many of the job's nodes ended; all ``agents`` when the job is over and the only ones
+    that did not report their end are gone (no signal stream, silent for :data:`SPARE_FRESH`
+    seconds): a lost node never reports, and waiting out the linger for it changes nothing."""
+    ended = sum(1 for a in nodes if a.exit_code is not None)
+    silent = [a for a in nodes if a.exit_code is None]
+    gone = over and all(not a.subscribed and time.time() - a.last_seen >= SPARE_FRESH for a in silent)
+    return agents if gone and len(nodes) >= agents else ended

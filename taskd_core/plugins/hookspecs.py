@@ -104,9 +104,9 @@ def taskd_monitor() -> Mapping[int, WorkerStatus] | None:
 def taskd_resize(node_rank: int, nodes: int) -> bool | None:
     """The nodes change with the next :func:`taskd_restart_all`: this node is ``node_rank`` of ``nodes``.
 
-    Called (only for jobs that may shrink, ``taskdrun --nnodes=MIN:MAX``) when
-    the controller dropped a lost node and the others restart together with a
-    smaller world: the workers the next restart starts get this node's new
+    Called (only for jobs that may shrink or grow, ``taskdrun --nnodes=MIN:MAX``)
+    when the controller dropped a lost node, or took a spare as a new node, and
+    the nodes restart together with the new world: the workers the next restart starts get this node's new
     ranks, contiguous (node rank × local world size + local rank), and the new
     world size. An adapter that cannot do this leaves the hook out: the
     restart then fails and the controller moves down its ladder.

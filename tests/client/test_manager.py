@@ -420,6 +420,28 @@ def test_a_manager_given_every_replica_follows_the_leader(replica_pair) -> None:
             thread.join(timeout=30)
 
 
+def test_a_manager_follows_the_leader_its_own_replica_names_and_moves_its_stream_there() -> None:
+    """The stream held with a replica that no longer leads (hung: it would stay open) moves to the new one."""
+    with (
+        EmbeddedController(listen="127.0.0.1:0", state=":memory:", defaults=FAST) as old,
+        EmbeddedController(listen="127.0.0.1:0", state=":memory:", defaults=FAST) as new,
+    ):
+        leader = [old.address]
+        manager, _ = make_manager(f"{old.address},{new.address}", "job-hint", leader_hint=lambda: leader[0])
+        thread = subscribe(manager)
+        try:
+            wait_until(lambda: subscribed(old.address, "job-hint"), "the stream with the first leader", 30)
+            # A HealthCheck that timed out may have moved the client first: its stream must move all the same.
+            manager._endpoints.follow(new.address)
+            leader[0] = new.address
+            wait_until(lambda: subscribed(new.address, "job-hint"), "the stream with the new leader", 30)
+            assert manager.controller == new.address
+            wait_until(lambda: not subscribed(old.address, "job-hint"), "the old stream to end", 30)
+        finally:
+            manager.close()
+            thread.join(timeout=30)
+
+
 def test_a_fail_over_mid_cycle_looks_like_an_outage(replica_pair) -> None:
     """The leader goes while an agent carries out stopTrain: its report waits and goes to the new leader.
 

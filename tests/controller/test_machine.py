@@ -12,6 +12,7 @@ from taskd_core.controller.machine import (
     _TARGETS,
     AgentExited,
     AgentInfo,
+    AgentLost,
     DeadlinePassed,
     FaultReported,
     JobMachine,
@@ -22,7 +23,7 @@ from taskd_core.controller.machine import (
 )
 from taskd_core.controller.store import snapshot_from_dict, snapshot_to_dict
 from taskd_core.errors import IllegalTransition
-from taskd_core.models import Code, FaultRank, FaultType, JobPolicy, Strategy
+from taskd_core.models import SPARE_ROLE, Code, FaultRank, FaultType, JobPolicy, Strategy
 
 NOW = 1_000.0
 ALL = tuple(Strategy)
@@ -375,3 +376,36 @@ def test_a_zero_cycle_window_counts_over_the_jobs_life():
     _one_cycle(m, NOW)
     r = _one_cycle(m, NOW + 10**6)
     assert kinds(r) == ["killMaster"] and "1 of 1 cycles over the job's life" in m.snap.outcome
+
+
+def test_a_node_replaced_during_a_live_round_starts_the_next_cycle_with_the_spare():
+    """The round in flight holds the lost node's ranks (its state hand-over may be under way): it cannot
+    form, so a new cycle's round takes the spare in, instead of waiting for reports that cannot succeed."""
+    m = machine("a", "b", "spare")
+    for name, node, ranks in (("a", 0, (0, 1)), ("b", 1, (2, 3))):
+        m.agents[name].node_rank, m.agents[name].rank_ids = node, ranks  # type: ignore[index]
+    m.agents["spare"].role, m.agents["spare"].last_seen = SPARE_ROLE, NOW  # type: ignore[index]
+    to_decision(m, strategies=("recover-live", "recover", "dump", "exit"), faults=((3, "1"),))
+    assert (m.state, m.snap.strategy, m.snap.cycle) == (State.WAIT_STATUS, "recover-live", 1)
+    old = m.snap.uuid
+    r = m.handle(AgentLost("b", "its signal stream ended"), NOW)
+    assert (m.state, m.snap.cycle, m.snap.members) == (State.WAIT_STOP, 2, ["a", "spare"])
+    (stop,) = r.signals
+    assert stop.signal_type == "stopTrain" and [f.rank for f in stop.fault_ranks] == [2, 3]
+    assert [e.kind for e in r.journal if e.kind in ("node replaced", "strategy failed")] == [
+        "node replaced",
+        "strategy failed",
+    ]
+    # The survivor's answer to the broken round belongs to the cycle left behind.
+    late = m.handle(StatusReported("a", int(Code.RECOVERABLE_RETRY_ERROR), "recover-live", old), NOW)
+    assert late.reply.code == Code.ORDER_MIX and m.state is State.WAIT_STOP
+
+
+def test_a_node_replaced_during_a_whole_restart_joins_it_in_the_cycle_in_flight():
+    m = machine("a", "b", "spare")
+    for name, node, ranks in (("a", 0, (0, 1)), ("b", 1, (2, 3))):
+        m.agents[name].node_rank, m.agents[name].rank_ids = node, ranks  # type: ignore[index]
+    m.agents["spare"].role, m.agents["spare"].last_seen = SPARE_ROLE, NOW  # type: ignore[index]
+    to_decision(m, faults=((3, "1"),))
+    r = m.handle(AgentLost("b"), NOW)
+    assert (m.state, m.snap.cycle, m.snap.members) == (State.WAIT_STATUS, 1, ["a", "spare"]) and not r.signals

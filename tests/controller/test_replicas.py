@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,15 +29,16 @@ from taskd_core.controller.etcd_client import EtcdClient, EtcdTls, parse_etcd_ur
 from taskd_core.controller.machine import JournalEntry
 from taskd_core.controller.policy import PolicyBook
 from taskd_core.controller.replica import open_election
+from taskd_core.controller.runtime import TAKEOVER_GRACE
 from taskd_core.controller.server import REPLICA_HEALTH, EmbeddedController
 from taskd_core.controller.store import Commit, JobRow
 from taskd_core.controller.store_etcd import Layout
 from taskd_core.errors import LeadershipLostError
-from taskd_core.models import JobPolicy, Strategy
+from taskd_core.models import SPARE_ROLE, JobPolicy, Strategy
 from taskd_core.rpc import LEADER_METADATA
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.testing import free_port, wait_until
-from tests.conftest import TEST_POLICY, WAIT, ControllerProcess
+from tests.conftest import ROOT, TEST_POLICY, WAIT, ControllerProcess
 from tests.etcd_server import EtcdServer
 
 JOB = "job-r"
@@ -229,6 +234,77 @@ def test_a_killed_leader_is_replaced_and_the_agent_follows(processes, etcd, make
     assert agent.fault({0: 1}).code == 0
     assert agent.expect("stopTrain").signalSeq == 1
     assert "Traceback" not in group[1].log.read_text()
+
+
+def test_a_killed_leaders_lease_is_ended_by_the_standby_which_leads_without_waiting_it_out(
+    processes, etcd, make_agent
+) -> None:
+    # A lease far longer than the wait below: only the standby's probe can make it lead in time.
+    state = etcd.url()
+    group = [processes(state, "--lease-ttl", "300").wait_serving(), processes(state, "--lease-ttl", "300")]
+    agent = make_agent(group[0].address, JOB, "n0").join()
+    group[0].kill()
+    group[1].wait_serving(timeout=3 * WAIT)
+    log = group[1].log.read_text()
+    assert f"the leader ({group[0].address}) is gone: nothing listens at {group[0].address}" in log
+    agent.close()
+    agent = make_agent(group[1].address, JOB, "n0").join()
+    assert agent.fault({0: 1}).code == 0
+    assert agent.expect("stopTrain").signalSeq == 1
+
+
+#: A leader in a process of its own that runs beside agent node-1 (as a launcher's replica runs beside its agent).
+_LEADER_BESIDE_NODE_1 = """
+import dataclasses, sys, time
+from taskd_core.controller.server import EmbeddedController
+from tests.conftest import TEST_POLICY
+policy = dataclasses.replace(TEST_POLICY, report_timeout=3600.0, expected_agents=2)
+ctl = EmbeddedController(state=sys.argv[1], defaults=policy, keepalive_interval=0.5, beside="node-1")
+print(ctl.address, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_agent_beside_a_killed_leader_is_replaced_by_the_spare_as_the_new_leader_takes_over(
+    replicas, etcd, make_agent
+) -> None:
+    state = etcd.url()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _LEADER_BESIDE_NODE_1, state], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        address = child.stdout.readline().strip()
+        policy = dataclasses.replace(TEST_POLICY, report_timeout=3600.0, expected_agents=2)
+        standby = replicas(state, defaults=policy)
+        assert not standby.leading
+        node0 = make_agent(address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+        make_agent(address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
+        spare = make_agent(address, JOB, agent_id="spare-x", role=SPARE_ROLE)
+        assert spare.stub.Init(spare.info, timeout=WAIT).code == 0
+        assert spare.stub.Register(spare.info, timeout=WAIT).code == 0
+        child.kill()  # node 1's process: its agent and the leading replica together
+        child.wait(WAIT)
+        wait_until(lambda: standby.leading, "the standby to lead", WAIT)
+        node0.close()
+        view = make_agent(standby.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+
+        def lost() -> list[Any]:
+            return [e for e in view.job(events=200).events if e.kind == "agent lost" and "node-1" in e.detail]
+
+        (entry,) = wait_until(lost, "node-1 to be declared lost", WAIT)
+        # At once, for the reason the standby proved, not after the grace a surviving node gets.
+        assert "node-1" in entry.detail and "previous leader's process" in entry.detail
+        assert any(a.agentId == "spare-x" and a.nodeRank == 1 for a in view.job().agents)
+        # The promoted spare may take longer than a surviving node's grace to start as the node:
+        # it was standing by when the new leader loaded the job, and has no stream to come back.
+        time.sleep(TAKEOVER_GRACE + 0.5)
+        job = view.job(events=200)
+        assert not [e for e in job.events if e.kind == "agent lost" and "spare-x" in e.detail]
+        assert job.state not in ("given-up", "finished")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(WAIT)
 
 
 # --- bad starts -------------------------------------------------------------------------------------

@@ -28,6 +28,16 @@ def controller() -> Iterator[EmbeddedController]:
     ctl.stop()
 
 
+def two_nodes_and_a_spare(make_agent: Callable[..., RawAgent], address: str) -> tuple[RawAgent, RawAgent, RawAgent]:
+    """Nodes 0 (ranks 0, 1) and 1 (ranks 2, 3) of the job, joined, and a spare standing by."""
+    a = make_agent(address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
+    b = make_agent(address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
+    spare = make_agent(address, JOB, agent_id="spare-x", role=SPARE_ROLE)
+    assert spare.stub.Init(spare.info, timeout=WAIT).code == 0
+    assert spare.stub.Register(spare.info, timeout=WAIT).code == 0
+    return a, b, spare
+
+
 def report_work(agent: RawAgent, ranks: dict[int, tuple[int, float]], steps: range) -> list[int]:
     """Each rank's (pid, seconds of work per step) over ``steps``, 5 steps a report; the codes answered."""
     codes = []
@@ -48,11 +58,7 @@ def slow_events(agent: RawAgent) -> list[dict[str, object]]:
 def test_a_slow_ranks_node_is_replaced_by_the_spare_once_and_reported_when_slow_again(
     controller: EmbeddedController, make_agent: Callable[..., RawAgent]
 ) -> None:
-    a = make_agent(controller.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
-    b = make_agent(controller.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
-    spare = make_agent(controller.address, JOB, agent_id="spare-x", role=SPARE_ROLE)
-    assert spare.stub.Init(spare.info, timeout=WAIT).code == 0
-    assert spare.stub.Register(spare.info, timeout=WAIT).code == 0
+    a, b, spare = two_nodes_and_a_spare(make_agent, controller.address)
     steps = range(5, 101, 5)
     for end in steps:  # both nodes report, rank 3 at 2x from step 40 on
         assert report_work(a, {0: (10, 0.1), 1: (11, 0.1)}, range(end, end + 1)) == [Code.OK]
@@ -104,6 +110,26 @@ def test_without_a_spare_the_slow_rank_is_reported_and_replaced_once_a_spare_sta
     assert "node replaced" in [e.kind for e in a.job(events=500).events]
 
 
+def test_a_slow_node_is_drained_once_for_both_its_ranks(
+    controller: EmbeddedController, make_agent: Callable[..., RawAgent]
+) -> None:
+    a, b, spare = two_nodes_and_a_spare(make_agent, controller.address)
+    for end in range(5, 101, 5):
+        report_work(a, {0: (10, 0.1), 1: (11, 0.1)}, range(end, end + 1))
+        slow = 0.25 if end > 40 else 0.1
+        if report_work(b, {2: (12, slow), 3: (13, slow * 0.8 if end > 40 else 0.1)}, range(end, end + 1)) != [Code.OK]:
+            break  # replaced and fenced
+    assert [(d["ranks"], d["action"], d.get("node")) for d in slow_events(a)] == [([2, 3], "replace", "node-1")]
+    replaced = [json.loads(e.detail) for e in a.job(events=500).events if e.kind == "node replaced"]
+    assert [(d["lost"], d["ranks"]) for d in replaced] == [("node-1", [2, 3])], replaced
+    promoted(spare)
+    # Both ranks slow again on the spare: reported once, together, not bounced.
+    for end in range(105, 201, 5):
+        assert report_work(a, {0: (20, 0.1), 1: (21, 0.1)}, range(end, end + 1)) == [Code.OK]
+        assert report_work(spare, {2: (22, 0.25), 3: (23, 0.25)}, range(end, end + 1)) == [Code.OK]
+    assert [(d["ranks"], d["action"]) for d in slow_events(a)[1:]] == [([2, 3], "warn")]
+
+
 def test_a_restarted_controller_remembers_the_rank_it_replaced_and_only_reports_it_when_slow_again(
     controller_factory: Callable[..., EmbeddedController],
     make_agent: Callable[..., RawAgent],
@@ -112,11 +138,7 @@ def test_a_restarted_controller_remembers_the_rank_it_replaced_and_only_reports_
     """The detector's windows are rebuilt from fresh reports; "replaced once" is stored with the job."""
     policy = {"report_timeout": NEVER, "expected_agents": 2, "slow_rank": SlowRankPolicy.REPLACE}
     ctl = controller_factory(state=state_url, **policy)
-    a = make_agent(ctl.address, JOB, agent_id="node-0", node_rank=0, rank_ids=(0, 1)).join()
-    b = make_agent(ctl.address, JOB, agent_id="node-1", node_rank=1, rank_ids=(2, 3)).join()
-    spare = make_agent(ctl.address, JOB, agent_id="spare-x", role=SPARE_ROLE)
-    assert spare.stub.Init(spare.info, timeout=WAIT).code == 0
-    assert spare.stub.Register(spare.info, timeout=WAIT).code == 0
+    a, b, spare = two_nodes_and_a_spare(make_agent, ctl.address)
     for end in range(5, 101, 5):
         report_work(a, {0: (10, 0.1), 1: (11, 0.1)}, range(end, end + 1))
         if report_work(b, {2: (12, 0.1), 3: (13, 0.3)}, range(end, end + 1)) != [Code.OK]:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
 
 from taskd_core.errors import ConfigError, ControllerUnavailableError
 from taskd_core.launcher.embedded import ControllerEndpoint, controller_address
-from taskd_core.launcher.node import wait_for_agents
-from taskd_core.models import JobPolicy
+from taskd_core.launcher.node import SPARE_FRESH, _ended, wait_for_agents
+from taskd_core.models import AgentStatus, JobPolicy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
 from taskd_core.values import parse_address
@@ -104,3 +105,16 @@ def test_bad_addresses(address: str) -> None:
 
 def test_ipv6_address() -> None:
     assert parse_address("[::1]:8899") == ("::1", 8899)
+
+
+def test_node_0_stops_waiting_for_a_node_that_is_gone_once_the_job_is_over() -> None:
+    """A lost node never reports its end: no signal stream, silent for SPARE_FRESH seconds, the job over."""
+    now = time.time()
+    done = AgentStatus("node-0", "", subscribed=False, node_rank=0, exit_code=0, last_seen=now)
+    lost = AgentStatus("node-1", "", subscribed=False, node_rank=1, exit_code=None, last_seen=now - SPARE_FRESH - 1)
+    finishing = AgentStatus("node-1", "", subscribed=True, node_rank=1, exit_code=None, last_seen=now - 60)
+    quiet = AgentStatus("node-1", "", subscribed=False, node_rank=1, exit_code=None, last_seen=now)
+    assert _ended([done, lost], 2, over=True) == 2
+    assert _ended([done, lost], 2, over=False) == 1  # the job still runs: the node may come back
+    assert _ended([done, finishing], 2, over=True) == 1  # still holds its stream: it is finishing
+    assert _ended([done, quiet], 2, over=True) == 1  # its stream just ended: its report may be on the way

@@ -41,5 +41,18 @@ def test_the_snapshot_writer_outside_taskdrun_says_to_run_under_it(monkeypatch: 
     from taskd_pytorch.snapshot import SnapshotWriter
 
     monkeypatch.delenv("TASKD_SNAPSHOT_NODE_DIR", raising=False)
+    monkeypatch.delenv("TASKD_PROGRESS_SOCKET", raising=False)
     with pytest.raises(SnapshotError, match="run the script under taskdrun"):
         SnapshotWriter(3)
+
+
+def test_under_taskdrun_without_snapshots_the_reader_says_they_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    from taskd_pytorch.snapshot import SnapshotReader
+
+    # What a worker of `taskdrun --taskd-no-snapshots` has: its agent's socket, no keeper directory.
+    monkeypatch.delenv("TASKD_SNAPSHOT_NODE_DIR", raising=False)
+    monkeypatch.setenv("TASKD_PROGRESS_SOCKET", "/tmp/agent.sock")
+    with pytest.raises(SnapshotError, match=r"memory snapshots are off .*--taskd-no-snapshots") as caught:
+        SnapshotReader()
+    assert "run the script under taskdrun" not in str(caught.value)

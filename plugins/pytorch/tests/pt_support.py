@@ -46,11 +46,16 @@ class Launcher:
         self.started: list[subprocess.Popen[bytes]] = []
 
     def __call__(
-        self, *argv: str, log: str = "taskdrun", env: dict[str, str] | None = None
+        self,
+        *argv: str,
+        log: str = "taskdrun",
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> subprocess.Popen[bytes]:
+        """``taskdrun ARGV`` (run through ``prefix``, e.g. ``ip netns exec NS``, which execs it)."""
         with open(self.root / f"{log}.{len(self.started)}.log", "wb") as out:
             proc = subprocess.Popen(
-                [taskdrun_exe(), "--taskd-log-level", "INFO", *argv],
+                [*prefix, taskdrun_exe(), "--taskd-log-level", "INFO", *argv],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

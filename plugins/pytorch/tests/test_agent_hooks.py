@@ -88,6 +88,11 @@ def test_live_recovery_is_offered_once_every_local_worker_joined_a_round(make_ag
     channel.mark_joined(0, 3)
     channel.mark_joined(1, 3)
     assert adapter.await_round(3, timeout=5)
+    # A worker that could not join a round (a peer lost as it formed) fails the wait at once.
+    adapter.begin_round(4)
+    channel.mark_joined(0, 4)
+    channel.mark_failed(1, 4)
+    assert not adapter.await_round(4, timeout=600)  # not its timeout: a broken wait would hang the test
     adapter.restart_all()
     assert channel.current_round() == 0 and "recover-live" not in [s.value for s in adapter.strategies()]
 

@@ -128,6 +128,9 @@ def test_losing_the_leaders_node_leaves_the_job_a_leader_the_other_agents_follow
     )
     new_host, new_leader = leader_of(tmp_path, "lose", survivors)
     assert new_leader != leader
+    # Found gone at once (its connections were reset), not once its lease ran out.
+    gone = f"the leader ({leader}) is gone: nothing listens at {leader}"
+    assert any(gone in logs(tmp_path, "lose")[n] for n in survivors)
     for n in survivors:
         wait_until(
             lambda n=n: f"follows the signals of controller {new_leader} again" in logs(tmp_path, "lose")[n],

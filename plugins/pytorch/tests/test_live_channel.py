@@ -41,3 +41,12 @@ def test_an_unreadable_file_counts_as_absent(tmp_path: Path) -> None:
     (tmp_path / "rank0.joined").write_text("")
     channel = LiveChannel(tmp_path)
     assert channel.current_round() == 0 and channel.joined(0) is None
+
+
+def test_a_round_a_worker_could_not_join_is_seen_by_the_agent_and_forgotten_by_a_reset(tmp_path: Path) -> None:
+    agent, worker = LiveChannel(tmp_path), LiveChannel(tmp_path)
+    assert agent.failed(1) is None
+    worker.mark_failed(1, 4)
+    assert agent.failed(1) == 4 and agent.joined(1) is None
+    agent.reset()
+    assert agent.failed(1) is None

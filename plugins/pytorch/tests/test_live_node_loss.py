@@ -97,6 +97,18 @@ def starts(job: Job) -> dict[int, int]:
     return {int(e["rank"]): int(e["pid"]) for e in events(job.progress) if e["event"] == "start"}
 
 
+def holding(job: Job) -> int:
+    """Wait until every rank holds at the job's hold step (its committed step while held); returns it."""
+    held = STEPS // 2
+    wait_until(
+        lambda: {e["rank"] for e in events(job.progress) if e["event"] == "step" and e["step"] == held}
+        == {0, 1, 2, 3},
+        f"every rank to hold after step {held}",
+        WAIT,
+    )
+    return held
+
+
 @pytest.mark.parametrize("loss", ["killed", "hung"])
 def test_a_lost_node_is_replaced_live_by_the_spare_and_no_committed_step_is_lost(
     launch: Launcher, tmp_path: Path, fault_free: dict[str, Any], loss: str
@@ -115,13 +127,7 @@ def test_a_lost_node_is_replaced_live_by_the_spare_and_no_committed_step_is_lost
     )
     node0, node1, spare = start_nodes(job)
     before = starts(job)
-    held = STEPS // 2
-    wait_until(
-        lambda: {e["rank"] for e in events(job.progress) if e["event"] == "step" and e["step"] == held}
-        == {0, 1, 2, 3},
-        f"every rank to hold after step {held}",
-        WAIT,
-    )
+    held = holding(job)
     tree = {node1.pid, *descendants(node1.pid)}
     if loss == "killed":
         kill_tree(node1.pid)
@@ -185,3 +191,42 @@ def test_a_slow_ranks_node_replaced_by_the_spare_loses_no_committed_step(launch:
     # The spare's ranks go on from the survivors' committed step, which the old ranks reached too.
     assert [rank for rank, _ in resumed] == [2, 3] and resumed[0][1] == resumed[1][1] >= reached, resumed
     no_leftovers(job, {node1.pid})
+
+
+def test_a_node_lost_during_the_hand_over_is_replaced_by_the_spare_and_the_hand_over_starts_again(
+    launch: Launcher, tmp_path: Path, fault_free: dict[str, Any]
+) -> None:
+    """Rank 3 dies, its replacement on node 1 receives the state from node 0's replica, and node 1 is
+    lost in the middle of it: the next cycle's round takes the spare in, and the replica hands the state
+    over again, to the spare's ranks; no committed step is lost."""
+    job = Job(
+        launch,
+        tmp_path / "again",
+        "--taskd-no-hang-detection",
+        script="train_live.py",
+        env=TOKEN,
+        steps=STEPS,  # the fault-free run's job
+        hold_at=STEPS // 2,
+    )
+    job.argv += ["--ballast-mb", "256"]
+    node0, node1, spare = start_nodes(job)
+    held = holding(job)
+    found = re.search(r"restart round 0: workers meet at (\S+):(\d+)", job.log(0))
+    assert found is not None
+    store = TCPStore(found.group(1), int(found.group(2)), is_master=False, timeout=timedelta(seconds=30))
+    before = starts(job)
+    os.kill(before[3], signal.SIGKILL)  # its replacement, on node 1, will receive the state ...
+    job.release()
+    wait_until(lambda: store.check([TRANSFER_KEY]), "the replica to publish where it serves the state", WAIT)
+    tree = kill_tree(node1.pid)  # ... and node 1 goes while the state is on its way
+    assert node0.wait(timeout=WAIT) == 0, job.log(0)[-3000:]
+    assert spare.wait(timeout=WAIT) == 0, job.log(2)[-3000:]
+    final = json.loads(job.result.read_text())
+    assert final["steps"] == STEPS and final["sha256"] == fault_free["sha256"]
+    after = starts(job)
+    assert {r: after[r] for r in (0, 1)} == {r: before[r] for r in (0, 1)}
+    assert not {after[2], after[3]} & tree
+    resumed = {(e["rank"], e["step"]) for e in events(job.progress) if e["event"] == "resumed"}
+    assert {(2, held), (3, held)} <= resumed, resumed
+    assert "takes the place of lost node 1" in job.log(2)
+    no_leftovers(job, tree)

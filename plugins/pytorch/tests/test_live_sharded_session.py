@@ -8,10 +8,13 @@ under ``taskdrun``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ import pytest
 from pt_support import WORKERS
 
 from taskd_core.snapshots.keeper import BUDGET_ENV, COPIES_ENV, DIR_ENV
+from taskd_core.snapshots.store import SnapshotStore
 from taskd_core.testing import free_port
 
 pytestmark = pytest.mark.slow
@@ -54,6 +58,19 @@ def test_every_kth_committed_step_is_snapshotted_and_the_next_life_resumes_from_
 
     again = run(tmp_path, "again", 8, 2, snapshots)
     assert (again["source"], again["resumed"], again["done"]) == ("memory", 4, 8)
+
+    # The newest copy, as code of another layout version would have kept it (sealed, checksums
+    # right): refused with one warning naming it, the older step restored instead.
+    store = SnapshotStore(snapshots)
+    assert store.steps(0) == [6, 8]
+    seal = store.seal(0, 8)
+    foreign = pickle.dumps({"step": 8, "spans": {}})
+    store.commit(dataclasses.replace(seal, meta_size=len(foreign), meta_crc=zlib.crc32(foreign)), foreign)
+    upgraded = run(tmp_path, "upgraded", 8, 2, snapshots)
+    assert (upgraded["source"], upgraded["resumed"], upgraded["done"]) == ("memory", 6, 8)
+    refusals = [line for line in upgraded["stderr"].splitlines() if "another snapshot layout" in line]
+    assert len(refusals) == 1 and "snapshot of step 8" in refusals[0], upgraded["stderr"][-3000:]
+    assert upgraded["weight"] == again["weight"]
 
     # The same 8 steps in one life end with the same parameters.
     whole = run(tmp_path, "whole", 8, 2, None)

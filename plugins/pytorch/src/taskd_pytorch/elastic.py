@@ -191,17 +191,18 @@ class TaskdElasticAgent(LocalElasticAgent):
             logger.info("taking the seat of node %s", group_rank)
 
     def resize(self, group_rank: int, group_world_size: int) -> None:
-        """The job shrank (``--nnodes=MIN:MAX``): the next restart makes this node ``group_rank`` of
-        ``group_world_size``.
+        """The job shrank or grew (``--nnodes=MIN:MAX``): the next restart makes this node ``group_rank``
+        of ``group_world_size``.
 
-        The round is kept when the other nodes left restart too (the agreement
-        of :mod:`taskd_pytorch.rendezvous_reuse`, over the new number of
-        nodes): the lost node's keep-alive in torch's round never has to expire.
+        The round is kept when the other nodes restart too (the agreement of
+        :mod:`taskd_pytorch.rendezvous_reuse`, over the new number of nodes):
+        a lost node's keep-alive in torch's round never has to expire, and a
+        node that joins takes a seat as a spare does (:meth:`stand_in`).
         """
         with self._taskd_lock:
             self._seat(group_rank, group_world_size)
             logger.info(
-                "the job shrank to %s nodes: this node restarts as node %s", group_world_size, group_rank
+                "the job has %s nodes now: this node restarts as node %s", group_world_size, group_rank
             )
 
     def _seat(self, group_rank: int, group_world_size: int) -> None:
@@ -329,13 +330,18 @@ class TaskdElasticAgent(LocalElasticAgent):
         self._taskd_live.begin_round(round_no)
 
     def await_round(self, round_no: int, timeout: float) -> bool:
-        """True once every local worker joined ``round_no``; False if one ended or ``timeout`` passed."""
+        """True once every local worker joined ``round_no``; False if one ended, could not join it
+        (a peer lost as it formed), or ``timeout`` passed."""
         deadline = time.monotonic() + timeout
         size = self.get_worker_group().spec.local_world_size
         while time.monotonic() < deadline:
             joined = [self._taskd_live.joined(rank) or 0 for rank in range(size)]
             if all(r >= round_no for r in joined):
                 return True
+            broke = [r for r in range(size) if (self._taskd_live.failed(r) or 0) >= round_no]
+            if broke:
+                logger.warning("live round %s: local ranks %s could not join it", round_no, broke)
+                return False
             with self._taskd_lock:
                 ended = [
                     r for r in range(size) if self._taskd_procs.status(r).state is not WorkerState.RUNNING

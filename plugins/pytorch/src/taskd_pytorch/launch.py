@@ -50,6 +50,7 @@ from taskd_core.forkserver.lifeline import Lifeline
 from taskd_core.launcher.interrupt import StopRequest, forward_stop_signals
 from taskd_core.launcher.node import run_node_agent
 from taskd_core.launcher.roster import replica_addresses
+from taskd_core.launcher.settings import NodeSettings
 from taskd_core.plugins import load_adapter
 from taskd_core.snapshots.keeper import Keeper
 from taskd_core.values import LOCALHOST, is_loopback, join_address
@@ -393,23 +394,19 @@ def run_agent(
         # Every round (and a spare) reads the controller's address from the job's own keys.
         store = members.store
         if group_rank == 0:
-            members.formed(job.command())
+            members.formed(job.command(), nodes)
     logger.info(
-        "job %s node %s of %s: %s workers of %s",
+        "job %s node %s: %s workers of %s (%s nodes)",
         job.options.node.job_id,
         group_rank,
-        nodes,
         job.config.nproc_per_node,
         elastic.get_worker_group().spec.get_entrypoint_name(),  # type: ignore[no-untyped-call]
+        nodes,
     )
     config = job.config
-    # The rendezvous, not --node-rank, says which node this is (torch's c10d ignores --node-rank too),
-    # and how many nodes the first round admitted (MIN to MAX): every one must answer each cycle.
-    elastic_min = config.min_nodes if config.min_nodes != config.max_nodes else 0
+    # The rendezvous, not --node-rank, says which node this is (torch's c10d ignores --node-rank too).
     settings = replace(
-        job.options.node,
-        nnodes=nodes,
-        policy=replace(job.options.node.policy, expected_agents=nodes, min_nodes=elastic_min),
+        job_nodes(job, nodes),
         agent=replace(job.options.node.agent, node_rank=group_rank),
         master_addr=controller_host(config.rdzv_backend, job.master_host, config.local_addr),
         board=StoreBoard(store, stop),
@@ -418,13 +415,31 @@ def run_agent(
     return run_node_agent(adapter, settings, who="taskdrun", stop=stop)
 
 
+def job_nodes(job: NodeJob, nodes: int) -> NodeSettings:
+    """The node's settings for a job whose first round admitted ``nodes`` nodes (MIN to MAX).
+
+    Every one of them must answer each cycle; a job of ``--nnodes=MIN:MAX`` may shrink down to MIN
+    and grow up to MAX.
+    Every node derives the same policy (the etcd-v2 controller replicas must agree on it).
+    """
+    config, settings = job.config, job.options.node
+    elastic = config.min_nodes != config.max_nodes
+    policy = replace(
+        settings.policy,
+        expected_agents=nodes,
+        min_nodes=config.min_nodes if elastic else 0,
+        max_nodes=config.max_nodes if elastic else 0,
+    )
+    return replace(settings, nnodes=nodes, policy=policy)
+
+
 def run_spare(job: NodeJob, members: JobStore, elastic: TaskdElasticAgent, stop: StopRequest) -> AgentOutcome:
     """Stand by as a spare of the job; once given a lost node's place, run that node's workers.
 
     :raises ConfigError: when this launcher's command line is not the job's.
     """
     members.check_command(job.command())
-    settings = job.options.node
+    settings = job_nodes(job, members.nodes())
     replicated = not settings.agent.controller and is_etcd_url(settings.controller_state)
     if replicated:
         # The job's controller replicas announce themselves in etcd; this spare runs one of its own

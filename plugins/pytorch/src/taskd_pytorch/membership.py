@@ -10,7 +10,9 @@ They live in the rendezvous store under ``taskd.<run id>/`` (:class:`JobStore`):
 * ``job``: the job's command line as it matters to every node
   (:data:`Command`), written by group rank 0 once the first round formed: a
   launcher that finds it started after the job had all its nodes, so it
-  stands by as a spare, and its command line must be the job's;
+  stands by as a spare, and its command line must be the job's; ``nodes``: how
+  many nodes that round admitted (``--nnodes=MIN:MAX``: MIN to MAX), which
+  every node's controller policy counts on;
 * ``controller``: the embedded controller's address (the
   :class:`~taskd_pytorch.rendezvous.StoreBoard` of every round);
 * ``rounds`` and ``round<N>/``: TaskD's number of each torch round and the
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 Command = Mapping[str, str]
 
 _JOB = "job"
+_NODES = "nodes"
 _EPOCH = "epoch"
 _ROUNDS = "rounds"
 #: Key in torch's round store under which group rank 0 tells the others TaskD's number of the round.
@@ -78,9 +81,14 @@ class JobStore:
         """The job's first round formed before this launcher came: it stands by as a spare."""
         return bool(self.store.check([_JOB]))
 
-    def formed(self, command: Command) -> None:
-        """Group rank 0, once the first round formed: the job has all its nodes, started with ``command``."""
+    def formed(self, command: Command, nodes: int) -> None:
+        """Group rank 0, once the first round formed: the job has ``nodes`` nodes started with ``command``."""
+        self.store.set(_NODES, str(nodes))
         self.store.set(_JOB, json.dumps(dict(command), sort_keys=True))
+
+    def nodes(self) -> int:
+        """How many nodes the job's first round admitted."""
+        return int(self.store.get(_NODES).decode())
 
     def check_command(self, command: Command) -> None:
         """A spare's command line must be the job's.

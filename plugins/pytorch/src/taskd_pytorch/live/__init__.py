@@ -50,7 +50,11 @@ killed by its agent):
 
 If a round cannot be formed in time (the node's ``--taskd-live-timeout``),
 the node reports the strategy as failed and the controller falls back to a
-full restart from the checkpoint, as without this API. So does a rank that
+full restart from the checkpoint, as without this API. A round that breaks
+as it forms (a peer lost during the state's hand-over; a whole node lost:
+docs/node-loss.md) is reported failed at once: each worker it broke under
+marks it in the channel and waits for the next round (a receiver that got
+part of the state ends instead, and its replacement loads the checkpoint). So does a rank that
 dies while the round forms, after the controller chose the strategy (later
 than the controller's flush window, ``--taskd-flush-seconds``, after the
 cycle's first fault): its node reports the round failed at once, the other

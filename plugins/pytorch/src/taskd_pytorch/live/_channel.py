@@ -15,6 +15,10 @@ number:
 * ``rank<local_rank>.joined`` — written by each worker: the last round it
   joined and holds the job's state in. Its existence also tells the agent
   that the worker uses the live API, so the node can offer ``recover-live``.
+* ``rank<local_rank>.failed`` — written by a worker: the last round that broke
+  under it (a peer was lost as the round formed, during the state's hand-over,
+  or later). The agent then reports that round failed at once instead of
+  waiting for its live timeout; a replacement of that rank waits for the next round.
 
 Files, not a socket: both sides only need "the latest number", reading one is
 a few microseconds, and nothing has to be listening when the other side
@@ -66,6 +70,10 @@ class LiveChannel:
         """The last round ``local_rank`` joined, or None if it never used the live API."""
         return self._read(_joined(local_rank))
 
+    def failed(self, local_rank: int) -> int | None:
+        """The last round that broke under ``local_rank``, or None."""
+        return self._read(_failed(local_rank))
+
     def opted_in(self, local_ranks: Iterable[int]) -> bool:
         """Every given worker has joined a round at least once, so it survives a peer's loss."""
         ranks = list(local_ranks)
@@ -78,6 +86,9 @@ class LiveChannel:
 
     def mark_joined(self, local_rank: int, round_no: int) -> None:
         self._write(_joined(local_rank), round_no)
+
+    def mark_failed(self, local_rank: int, round_no: int) -> None:
+        self._write(_failed(local_rank), round_no)
 
     # --- files -------------------------------------------------------------------
 
@@ -97,3 +108,7 @@ class LiveChannel:
 
 def _joined(local_rank: int) -> str:
     return f"rank{local_rank}.joined"
+
+
+def _failed(local_rank: int) -> str:
+    return f"rank{local_rank}.failed"

@@ -312,7 +312,7 @@ class LiveSession:
         if self._channel is None:
             return 0
         current = self._channel.current_round()
-        if self._channel.joined(self._local_rank) != current:
+        if current not in (self._channel.joined(self._local_rank), self._channel.failed(self._local_rank)):
             return current
         # An earlier process of this rank was in the current round, so that round lost this
         # rank: the agent started this one before the controller chose the next round.
@@ -339,6 +339,8 @@ class LiveSession:
                 f"rank {self.rank} lost a peer ({failure}) but runs without a TaskD agent "
                 f"({LIVE_DIR_ENV} is not set); start the job with taskdrun for live recovery"
             )
+        # The round this rank was in broke: its agent need not wait for it any longer.
+        self._channel.mark_failed(self._local_rank, self.round)
         # At once, not when the next round comes: peers blocked on this rank (a ring
         # all-reduce waits on its neighbour, not on the dead rank) fail only when its
         # connections close, and would otherwise wait, silent, until the round is announced.
@@ -363,6 +365,25 @@ class LiveSession:
             time.sleep(_ROUND_POLL)
 
     def _join(self, round_no: int, *, fresh: bool) -> None:
+        """Join ``round_no``; while a peer is lost as a round forms (a node lost during the hand-over),
+        the next one the agent announces, as fresh as before (a rank that has no state yet still needs it)."""
+        while True:
+            try:
+                self._form(round_no, fresh=fresh)
+                return
+            except Exception as exc:
+                if self._channel is None or not (isinstance(exc, StateTransferError) or _peer_failure(exc)):
+                    raise
+                # Tells the agent at once that this rank will not be in the round (it reports it failed).
+                self._channel.mark_failed(self._local_rank, round_no)
+                logger.warning("rank %s: round %s broke as it formed (%s)", self.rank, round_no, exc)
+                self._leave()
+                new = self._await_round(f"round {round_no} breaking ({exc})")
+                if new is None:
+                    return
+                round_no = new
+
+    def _form(self, round_no: int, *, fresh: bool) -> None:
         began = time.monotonic()
         store = PrefixStore(f"{self._prefix}{round_no}/", self._store)
         dist.init_process_group(
@@ -404,7 +425,7 @@ class LiveSession:
             if self.rank == source:
                 began = time.monotonic()
                 outgoing = prepare(capture(self._state))
-                publish = partial(store.set, _TRANSFER_KEY)
+                publish = partial(self._publish, store)
                 serve(outgoing, needy, self._master_addr, publish, timeout, key, context)
                 logger.info(
                     "rank %s sent the state of step %s (%d bytes) to ranks %s in %.3fs",
@@ -415,9 +436,25 @@ class LiveSession:
                     time.monotonic() - began,
                 )
             elif self.rank in needy:
-                address = _replica_address(store, key, context, timeout)
-                restore(self._state, fetch(address, self.rank, capture(self._state), timeout, key, context))
+                try:
+                    address = _replica_address(store, key, context, timeout)
+                    values = fetch(address, self.rank, capture(self._state), timeout, key, context)
+                    restore(self._state, values)
+                except StateTransferError as exc:
+                    # Part of the state may be in place: this process ends, its replacement loads the
+                    # checkpoint and (the round marked failed) waits for the next round.
+                    if self._channel is not None:
+                        self._channel.mark_failed(self._local_rank, self.round)
+                    raise LiveRecoveryError(f"rank {self.rank}: receiving the state failed: {exc}") from exc
         self.step = target
+
+    def _publish(self, store: PrefixStore, address: str) -> None:
+        """Where this replica serves the state; a hand-over the job moved on from (a receiver's node
+        lost, a new round announced) ends here instead of at its timeout."""
+        new = self._new_round()
+        if new is not None:
+            raise PeerLost(f"rank {self.rank}: round {new} was announced while it handed the state over")
+        store.set(_TRANSFER_KEY, address)
 
     def _hand_over_key(self) -> bytes:
         if not self._token:

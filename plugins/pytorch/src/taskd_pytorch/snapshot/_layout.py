@@ -6,7 +6,10 @@ gave them; pickled objects' bytes (small: the step, param groups) sit in the
 meta blob. The meta blob (pickled: it only ever comes from this job's own
 processes, through files only they can write or an authenticated stream)
 holds the rank's own DCP ``Metadata`` (only its items: the rank restores
-without reading any other rank's snapshot) and where each item sits.
+without reading any other rank's snapshot) and where each item sits. It
+starts with a line naming the layout's version (:data:`HEADER`), checked
+before anything is unpickled: a snapshot kept by other code (the job's code
+changed under a running job, or another TaskD) is refused like a damaged one.
 """
 
 from __future__ import annotations
@@ -25,6 +28,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.tensor import DTensor
 
 from taskd_core.errors import SnapshotError
+
+#: The meta blob's first line: change the number whenever :class:`Layout` or :class:`Span` changes.
+VERSION = 2
+HEADER = b"taskd-snapshot-layout %d\n" % VERSION
+_PREFIX = b"taskd-snapshot-layout "
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +103,31 @@ def index(
     mappings = getattr(planner, "mappings", None)
     if mappings is not None:
         metadata = dataclasses.replace(metadata, planner_data=mappings)
-    return pickle.dumps(Layout(step, metadata, spans), protocol=pickle.HIGHEST_PROTOCOL)
+    return dump(Layout(step, metadata, spans))
 
 
-def parse(meta: bytes) -> Layout:
-    layout = pickle.loads(meta)  # noqa: S301  # written by this job's own processes only (module docstring)
-    if not isinstance(layout, Layout):
-        raise TypeError("not a snapshot layout")
+def dump(layout: Layout) -> bytes:
+    """The meta blob of ``layout``: :data:`HEADER`, then the pickle."""
+    return HEADER + pickle.dumps(layout, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def parse(meta: bytes, what: str) -> Layout:
+    """The layout in the meta blob ``meta`` of the snapshot ``what``.
+
+    :raises SnapshotError: when another layout version wrote it, or it does not unpickle to one.
+    """
+    if not meta.startswith(HEADER):
+        first = meta[: meta.find(b"\n")] if meta.startswith(_PREFIX) else b""
+        written = first[len(_PREFIX) :].decode(errors="replace") or "an unversioned one"
+        raise SnapshotError(
+            f"{what} was written by another snapshot layout ({written}; this code reads {VERSION})"
+        )
+    try:
+        layout = pickle.loads(meta[len(HEADER) :])  # noqa: S301  # this job's own processes only (docstring)
+    except Exception as exc:  # any unpickling failure (a class that moved, bad bytes) means unusable
+        raise SnapshotError(f"{what} has an unreadable index: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(layout, Layout) or not all(isinstance(s, Span) for s in layout.spans.values()):
+        raise SnapshotError(f"{what} has an index that is not a snapshot layout")
     return layout
 
 

@@ -15,6 +15,7 @@ from taskd_core.snapshots.keeper import BUDGET_ENV, COPIES_ENV, DIR_ENV, JOB_ENV
 from taskd_core.snapshots.pairing import holders
 from taskd_core.snapshots.peer import PeerClient
 from taskd_core.snapshots.store import SnapshotStore
+from taskd_core.worker import SOCKET_ENV
 
 #: Key prefix under which each rank publishes its node keeper's address in the workers' store.
 _KEY = "taskd/snapshot/keeper/"
@@ -42,6 +43,12 @@ class Place:
         env = os.environ if env is None else env
         root = env.get(DIR_ENV, "")
         if not root:
+            if env.get(SOCKET_ENV):
+                # A taskdrun worker (its agent's progress socket) without a keeper: turned off.
+                raise SnapshotError(
+                    "memory snapshots are off for this job (taskdrun --taskd-no-snapshots: no node keeper); "
+                    "checkpoints go to disk only"
+                )
             raise SnapshotError(
                 f"memory snapshots need a node keeper: run the script under taskdrun (no {DIR_ENV} here), "
                 "or save to disk with dcp.FileSystemWriter instead"

@@ -110,8 +110,7 @@ class SnapshotReader(StorageReader):
             dist.all_gather_object(flags, got is not None, group=self._group)
             if all(flags):
                 assert got is not None
-                self._snapshot, source = got
-                self._layout = parse(self._snapshot.meta)
+                self._snapshot, self._layout, source = got
                 self._forget_after(step, nodes)
                 logger.info("rank %s: restoring step %s from %s", place.rank, step, source.value)
                 return Choice(source, step)
@@ -122,8 +121,11 @@ class SnapshotReader(StorageReader):
         logger.info("rank %s: no memory snapshot complete for every rank: restoring from disk", place.rank)
         return Choice(Source.DISK, None)
 
-    def _fetch(self, step: int, nodes: Any) -> tuple[Snapshot, Source] | None:
-        """This rank's snapshot of ``step``: its node's copy, else a peer keeper's; None if none is sound."""
+    def _fetch(self, step: int, nodes: Any) -> tuple[Snapshot, Layout, Source] | None:
+        """This rank's snapshot of ``step``: its node's copy, else a peer keeper's; None if none is sound.
+
+        Sound: its checksums match and its index is of this code's layout version.
+        """
         place = self._place
         root = str(place.store.root)
         ordered = sorted(nodes, key=lambda n: n.root != root)
@@ -132,9 +134,13 @@ class SnapshotReader(StorageReader):
                 continue
             try:
                 if node.root == root:
-                    return place.store.read(place.rank, step), Source.MEMORY
-                if node.keeper and place.token:
-                    return place.client().get(node.keeper, place.rank, step), Source.PEER
+                    snapshot, source = place.store.read(place.rank, step), Source.MEMORY
+                elif node.keeper and place.token:
+                    snapshot, source = place.client().get(node.keeper, place.rank, step), Source.PEER
+                else:
+                    continue
+                what = f"rank {place.rank}'s snapshot of step {step} ({source.value} copy)"
+                return snapshot, parse(snapshot.meta, what), source
             except (SnapshotError, StreamError) as exc:
                 logger.warning("rank %s: %s; trying the next copy", place.rank, exc)
         return None
