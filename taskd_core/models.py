@@ -400,8 +400,9 @@ class JobPolicy:
     spare_wait: float = 0.0
     #: what a slow rank gets (``taskd_core.controller.slowrank``).
     slow_rank: SlowRankPolicy = SlowRankPolicy.WARN
-    #: a rank whose work per step is at least this many times its peers' median is slow...
-    slow_rank_bound: float = 1.6
+    #: a rank whose work per step is at least this many times its peers' median is slow (0: the
+    #: bound is learned from the job's own ratios, 1.6 until then)...
+    slow_rank_bound: float = 0.0
     #: ...measured over this many steps (and held for three tenths of them).
     slow_rank_window: int = 20
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
