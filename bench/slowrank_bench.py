@@ -429,7 +429,7 @@ def report(data: dict[str, Any]) -> str:
 def bounds_seen(bounds: list[float | None]) -> str:
     """The learned bounds of runs (None: named before it was learned, on the default) in a cell."""
     known = [b for b in bounds if b is not None]
-    spread = f"{min(known):g} / {statistics.median(known):g} / {max(known):g}" if known else "none"
+    spread = " / ".join(f"{b:.2f}" for b in (min(known), statistics.median(known), max(known))) if known else "none"
     unlearned = len(bounds) - len(known)
     return f"{spread}{f' ({unlearned} of {len(bounds)} on {DEFAULT_BOUND:g}, not learned yet)' if unlearned else ''}"
 
