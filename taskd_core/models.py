@@ -400,8 +400,9 @@ class JobPolicy:
     spare_wait: float = 0.0
     #: what a slow rank gets (``taskd_core.controller.slowrank``).
     slow_rank: SlowRankPolicy = SlowRankPolicy.WARN
-    #: a rank whose work per step is at least this many times its peers' median is slow...
-    slow_rank_bound: float = 1.6
+    #: a rank whose work per step is at least this many times its peers' median is slow (0: the
+    #: bound is learned from the job's own ratios, 1.6 until then)...
+    slow_rank_bound: float = 0.0
     #: ...measured over this many steps (and held for three tenths of them).
     slow_rank_window: int = 20
     extra: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -500,6 +501,10 @@ class JobStatus:
     legacy: bool = False
     #: ranks slower than their peers now (``slow-rank`` events), by rank.
     slow_ranks: tuple[SlowRankStatus, ...] = ()
+    #: the slow-rank bound the job's detector uses now (0: not known), and whether it was learned
+    #: from the job's own ratios (the policy gives none) or is the policy's or, before learning, the default.
+    slow_rank_bound: float = 0.0
+    slow_rank_bound_learned: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form ``taskd status --json`` prints per job (docs/events.md)."""
@@ -528,6 +533,8 @@ class JobStatus:
             "outcome": self.outcome,
             "legacy": self.legacy,
             "slow_ranks": [r.to_json() for r in self.slow_ranks],
+            "slow_rank_bound": self.slow_rank_bound,
+            "slow_rank_bound_learned": self.slow_rank_bound_learned,
         }
 
 

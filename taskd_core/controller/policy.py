@@ -14,7 +14,7 @@ per job that differs::
     min_nodes = 0             # fewest nodes a job shrinks to on a node loss with no spare; 0: never shrinks
     max_nodes = 0             # most nodes a job grows to by a spare that comes; 0: never grows
     slow_rank = "warn"        # "warn" (journal, metric, status) or "replace" (a spare takes its node)
-    slow_rank_bound = 1.6     # its work per step over its peers' median that makes it slow...
+    slow_rank_bound = 0       # its work per step over its peers' median that makes it slow (0: learned)...
     slow_rank_window = 20     # ...over this many steps (held for three tenths of them)
 
     [jobs."job-42"]
@@ -132,7 +132,7 @@ def updated_policy(
         elif name == "slow_rank":
             clean[name] = parse_slow_rank(value, key)
         elif name == "slow_rank_bound":
-            clean[name] = _number(key, value, minimum=1, integer=False, exclusive=True)
+            clean[name] = _slow_rank_bound(key, value)
         elif name == "slow_rank_window":
             window = int(_number(key, value, minimum=MIN_SLOW_WINDOW, integer=True))
             if window > MAX_SLOW_WINDOW:
@@ -141,6 +141,16 @@ def updated_policy(
         else:
             raise ConfigError(f"{key}: unknown policy setting; known: {', '.join(_FILE_KEYS)}")
     return dataclasses.replace(base, **clean)
+
+
+def _slow_rank_bound(key: str, value: object) -> float:
+    """A slow rank's bound: above 1, or 0 (the default): learned from the job's own ratios."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and value == 0:
+        return 0.0
+    if number and value <= 1:  # type: ignore[operator]
+        raise ConfigError(f"{key}: must be greater than 1, or 0 to learn it from the job, got {value!r}")
+    return _number(key, value, minimum=1, integer=False, exclusive=True)
 
 
 def parse_slow_rank(value: object, key: str = "slow_rank") -> SlowRankPolicy:

@@ -741,6 +741,8 @@ class Controller:
             outcome=snap.outcome or f"waiting for {job.machine.expects()}",
             legacy=job.claim is not None and job.claim.legacy,
             slow_ranks=job.slow.slow(),
+            slow_rank_bound=round(job.slow.bound, 3),
+            slow_rank_bound_learned=job.slow.bound_learned,
         )
 
     # --- internals ---------------------------------------------------------------------

@@ -16,6 +16,14 @@ active rank has completed compares each rank with its peers:
   is slow: one :class:`SlowRankFound`, with its figures and its peers'. It is
   slow until its ratio has stayed below the bound for a whole window; if it
   gets slow again, it is found again;
+* the bound is the job's policy's, or, when the policy gives none, learned from
+  the job's own ratios (as the hang watch learns its timeouts): after a warm-up
+  of three windows of evaluated steps it is ``LEARN_MARGIN`` x the
+  ``LEARN_QUANTILE`` of the ratios seen below :data:`DEFAULT_BOUND`, within
+  ``LEARN_FLOOR``..``LEARN_CAP``; :data:`DEFAULT_BOUND` until then. Ratios at
+  or above it are not learned from, so a rank slow from its first step is not
+  taken for the job's noise (and is found on the default bound meanwhile); the
+  cap keeps a rank at twice its peers' work found however noisy the others are;
 * the ranks of one node (the agent that reports them) are found together: when
   one of them is found, those of its node-mates whose ratio is at or above the
   bound at that step are found with it (a slow node is one finding, not a rank
@@ -43,6 +51,14 @@ from taskd_core.models import RankWork, SlowRankPolicy, SlowRankStatus
 
 #: Work levels below this many seconds count as this much: ratios of microseconds are noise.
 WORK_FLOOR = 0.001
+#: The bound until a job's own is learned (and its figures are too few to learn from).
+DEFAULT_BOUND = 1.6
+#: A learned bound: LEARN_MARGIN x the LEARN_QUANTILE of the warm-up's ratios, in LEARN_FLOOR..LEARN_CAP.
+LEARN_QUANTILE = 0.99
+LEARN_MARGIN = 1.2
+LEARN_FLOOR = 1.5
+#: A rank at 2x its peers' work, its level jittered down a little, still crosses it (issue 27's target).
+LEARN_CAP = 1.8
 #: Steps one evaluation pass looks at most, when the job's figures jump far ahead at once.
 _MAX_EVALUATED = 256
 
@@ -51,8 +67,9 @@ _MAX_EVALUATED = 256
 class SlowRankConfig:
     """When a rank counts as slow (the job's policy: ``slow_rank_bound``, ``slow_rank_window``)."""
 
-    #: a rank's work per step over its peers' median, at or above which it is slower than them.
-    bound: float = 1.6
+    #: a rank's work per step over its peers' median, at or above which it is slower than them
+    #: (0: learned from the job's own ratios, :data:`DEFAULT_BOUND` until then).
+    bound: float = 0.0
     #: steps whose (trimmed) mean work is a rank's level.
     window: int = 20
     #: steps in a row its ratio must stay at or above the bound (0: three tenths of the window).
@@ -61,6 +78,11 @@ class SlowRankConfig:
     @property
     def steps_held(self) -> int:
         return self.hold or max(1, 3 * self.window // 10)
+
+    @property
+    def warm_up(self) -> int:
+        """Evaluated steps whose ratios a learned bound is drawn from."""
+        return 3 * self.window
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +108,8 @@ class SlowRankFound:
     window: int
     #: wall-clock seconds (the controller's) when it was found.
     at: float
+    #: the bound was learned from the job's ratios (False: the policy's, or the default before learning).
+    bound_learned: bool = False
 
     def evidence(self) -> dict[str, object]:
         """Its figures in the ``evidence`` of its ``slow-rank`` event."""
@@ -111,7 +135,8 @@ def finding_detail(found: Finding) -> dict[str, object]:
     return {
         "ranks": [f.rank for f in found],
         "step": first.step,
-        "bound": first.bound,
+        "bound": round(first.bound, 3),
+        "bound_learned": first.bound_learned,
         "window": first.window,
         "evidence": [f.evidence() for f in found],
     }
@@ -193,6 +218,12 @@ class SlowRankDetector:
         self.config = config or SlowRankConfig()
         self._ranks: dict[int, _Series] = {}
         self._evaluated = 0
+        #: the bound now: the policy's, the default while learning, or the learned one.
+        self.bound = self.config.bound or DEFAULT_BOUND
+        self.bound_learned = False
+        #: the warm-up's ratios below the bound, while it is being learned.
+        self._learning: list[float] = []
+        self._warm_steps = 0
 
     def feed(self, samples: Iterable[RankWork], now: float, node: str = "") -> list[SlowRankFound]:
         """Take figures ``node`` reported; the ranks found slow by them (at most once per streak)."""
@@ -260,7 +291,7 @@ class SlowRankDetector:
         for rank, level in levels.items():
             series = active[rank]
             series.ratio = max(level, WORK_FLOOR) / references[rank]
-            if series.ratio >= config.bound:
+            if series.ratio >= self.bound:
                 series.calm = 0
                 if series.streak_from is None:
                     series.streak_from = step
@@ -277,11 +308,26 @@ class SlowRankDetector:
             if rank in held or series.node in slow_nodes:
                 series.found = SlowRankFound(
                     rank, series.pid, series.node, step, series.streak_from or step, series.ratio,
-                    levels[rank], tuple(figures[rank]), peers[rank], references[rank], config.bound,
-                    window, now,
+                    levels[rank], tuple(figures[rank]), peers[rank], references[rank], self.bound,
+                    window, now, self.bound_learned,
                 )  # fmt: skip
                 found.append(series.found)
+        self._learn([active[r].ratio for r in levels if active[r].found is None])
         return found
+
+    def _learn(self, ratios: list[float]) -> None:
+        """Take one evaluated step's ratios (of ranks not found slow) into the bound being learned."""
+        if self.config.bound or self.bound_learned:
+            return
+        self._learning += [r for r in ratios if r < self.bound]
+        self._warm_steps += 1
+        if self._warm_steps < self.config.warm_up or not self._learning:
+            return
+        ordered = sorted(self._learning)
+        high = ordered[min(len(ordered) - 1, int(LEARN_QUANTILE * len(ordered)))]
+        self.bound = min(LEARN_CAP, max(LEARN_FLOOR, LEARN_MARGIN * high))
+        self.bound_learned = True
+        self._learning = []
 
 
 def _level(values: list[float]) -> float:

@@ -109,7 +109,9 @@ def wait_for_agents(
     Node 0 calls this before its embedded controller stops with it: an agent
     on another node that is still finishing would otherwise lose the
     controller and could not report. The spares standing by (heard from within
-    :data:`SPARE_FRESH` seconds) must have seen the job end too. A node lost for
+    :data:`SPARE_FRESH` seconds) must have seen the job end too, and so must every
+    node still running (holding its signal stream, heard from as recently): a node
+    the job grew by (``--nnodes=MIN:MAX``) is one more than ``agents``. A node lost for
     good (no signal stream, silent as long, the job over) is not waited for:
     the controller knows it will never report. True when all
     have ended, False at the deadline (logged; the caller goes on regardless)
@@ -123,16 +125,18 @@ def wait_for_agents(
             with QueryClient(address, credentials or Credentials(), timeout=max(remaining, 0.1)) as client:
                 job = client.job(job_id)
             spares = [a for a in job.agents if a.role == SPARE_ROLE and a.node_rank is None]
-            ended = _ended([a for a in job.agents if a not in spares], agents, job.state in _ENDED)
-            standing_by = [
-                a for a in spares if a.exit_code is None and time.time() - a.last_seen < SPARE_FRESH
-            ]
+            nodes = [a for a in job.agents if a not in spares]
+            ended = _ended(nodes, agents, job.state in _ENDED)
+            # A node the job grew by (``--nnodes=MIN:MAX``) is one more than the first round's count.
+            running = [a for a in nodes if a.exit_code is None and a.subscribed and _fresh(a)]
+            standing_by = [a for a in spares if a.exit_code is None and _fresh(a)]
         except ControllerUnavailableError as exc:
             logger.warning("cannot ask the controller about job %s: %s", job_id, exc)
             return False
         except TaskdError:
-            ended, standing_by = 0, []  # the job is not registered (yet): none of its agents has ended
-        if ended >= agents and not standing_by:
+            # The job is not registered (yet): none of its agents has ended.
+            ended, standing_by, running = 0, [], []
+        if ended >= agents and not standing_by and not running:
             return True
         if remaining <= 0:
             logger.warning(
@@ -142,6 +146,11 @@ def wait_for_agents(
         if stop.wait(min(_AGENT_POLL, remaining)):
             logger.warning("stopped waiting for the other agents of job %s: the launcher is stopping", job_id)
             return False
+
+
+def _fresh(agent: AgentStatus) -> bool:
+    """Heard from within :data:`SPARE_FRESH` seconds (agents send a HealthCheck every second)."""
+    return time.time() - agent.last_seen < SPARE_FRESH
 
 
 def _ended(nodes: list[AgentStatus], agents: int, over: bool) -> int:

@@ -370,6 +370,8 @@ def job_status_to_pb(job: JobStatus) -> pb.JobView:
         outcome=job.outcome,
         legacy=job.legacy,
         slowRanks=[slow_rank_to_pb(r) for r in job.slow_ranks],
+        slowRankBound=job.slow_rank_bound,
+        slowRankBoundLearned=job.slow_rank_bound_learned,
     )
 
 
@@ -389,6 +391,8 @@ def job_status_from_pb(view: pb.JobView) -> JobStatus:
         outcome=view.outcome,
         legacy=view.legacy,
         slow_ranks=tuple(slow_rank_from_pb(r) for r in view.slowRanks),
+        slow_rank_bound=view.slowRankBound,
+        slow_rank_bound_learned=view.slowRankBoundLearned,
     )
 
 

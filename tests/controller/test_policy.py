@@ -82,13 +82,18 @@ def test_slow_rank_settings_come_from_the_file_per_job(tmp_path):
         20,
     )
     assert (book.for_job("a").slow_rank_bound, book.for_job("a").slow_rank_window) == (1.8, 40)
+    # Not given, it is 0: learned from the job's own ratios.
+    assert load_policies().defaults.slow_rank_bound == 0.0
+    path.write_text("[defaults]\nslow_rank_bound = 0\n")
+    assert load_policies(path).defaults.slow_rank_bound == 0.0
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ('slow_rank = "evict"', "slow_rank: expected one of 'warn', 'replace'"),
-        ("slow_rank_bound = 1.0", "slow_rank_bound: must be greater than 1"),
+        ("slow_rank_bound = 1.0", "slow_rank_bound: must be greater than 1, or 0 to learn it from the job"),
+        ("slow_rank_bound = -1", "slow_rank_bound: must be greater than 1, or 0"),
         ('slow_rank_bound = "x"', "slow_rank_bound: expected a number"),
         ("slow_rank_window = 2", "slow_rank_window: must be at least 4"),
         ("slow_rank_window = 5000", "slow_rank_window: must be at most 1000 steps"),

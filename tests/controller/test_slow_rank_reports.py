@@ -57,6 +57,8 @@ def test_a_rank_slower_than_its_peers_on_another_node_is_journalled_counted_and_
     # Found as its level crossed the bound, from figures of both paces: its evidence says so.
     assert evidence["peers"] == {"0": 0.1, "1": 0.1, "2": 0.1} and evidence["peer_median"] == 0.1
     assert evidence["ratio"] >= 1.6 and evidence["work_per_step"] >= 0.16 and detail["bound"] == 1.6
+    # Found before the job's own bound was learned (three windows of steps): on the default.
+    assert detail["bound_learned"] is False
     assert len(evidence["figures"]) == 20 and set(evidence["figures"]) == {0.1, 0.2}
     (slow_rank,) = job.slow_ranks
     assert (slow_rank.rank, slow_rank.pid, slow_rank.since_step) == (3, 1003, evidence["since_step"])
@@ -90,6 +92,9 @@ def test_a_healthy_job_has_no_slow_rank(metered, make_agent):
     with QueryClient(metered.address) as query:
         job = query.job("job-h", events=100)
     assert [e for e in job.events if e.kind == "slow-rank"] == [] and job.slow_ranks == ()
+    # Its ratios are all 1: it learned the lowest bound, and status --json says so.
+    shown = job.to_json()
+    assert (shown["slow_rank_bound"], shown["slow_rank_bound_learned"]) == (1.5, True)
 
 
 @pytest.mark.parametrize(

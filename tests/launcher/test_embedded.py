@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 import grpc
 import pytest
 
 from taskd_core.errors import ConfigError, ControllerUnavailableError
 from taskd_core.launcher.embedded import ControllerEndpoint, controller_address
-from taskd_core.launcher.node import wait_for_agents
-from taskd_core.models import JobPolicy
+from taskd_core.launcher.node import SPARE_FRESH, _ended, wait_for_agents
+from taskd_core.models import AgentStatus, JobPolicy
 from taskd_core.rpc import recover_pb2 as pb
 from taskd_core.rpc import recover_pb2_grpc
 from taskd_core.values import parse_address
+from tests.conftest import RawAgent
 
 POLICY = JobPolicy(max_cycles=7)
 
@@ -62,6 +65,23 @@ def test_node_zero_embeds_a_controller_with_the_policy() -> None:
         recover_pb2_grpc.RecoverStub(channel).QueryStatus(pb.StatusQuery(), timeout=2)
 
 
+def test_node_zero_also_waits_for_a_node_the_job_grew_by(make_agent: Callable[..., RawAgent]) -> None:
+    """The first round had two nodes; node 2 joined later (growth): it still runs, so node 0 waits for it."""
+    policy = JobPolicy(max_cycles=7, expected_agents=2, min_nodes=2, max_nodes=3)
+    with controller_address(
+        None, node_rank=0, master_addr="127.0.0.1", controller_port=0, policy=policy
+    ) as ep:
+        nodes = [
+            make_agent(ep.address, "grown", agent_id=f"node-{n}", node_rank=n, rank_ids=(n,)).join()
+            for n in range(3)
+        ]
+        for node in nodes[:2]:
+            assert node.exited(0).code == 0
+        assert wait_for_agents(ep.address, "grown", agents=2, timeout=0.5) is False
+        assert nodes[2].exited(0).code == 0
+        assert wait_for_agents(ep.address, "grown", agents=2, timeout=60.0) is True
+
+
 class Board:
     """A notice board in memory, as a rendezvous store would be."""
 
@@ -91,7 +111,9 @@ def test_with_a_board_node_zero_publishes_its_free_port_and_the_others_read_it()
 
 
 def test_with_an_empty_board_the_other_nodes_fail_clearly() -> None:
-    endpoint = controller_address(None, node_rank=1, master_addr="x", controller_port=0, policy=POLICY, board=Board())
+    endpoint = controller_address(
+        None, node_rank=1, master_addr="x", controller_port=0, policy=POLICY, board=Board()
+    )
     with pytest.raises(ControllerUnavailableError, match="the board unreachable for"), endpoint:
         pass
 
@@ -104,3 +126,16 @@ def test_bad_addresses(address: str) -> None:
 
 def test_ipv6_address() -> None:
     assert parse_address("[::1]:8899") == ("::1", 8899)
+
+
+def test_node_0_stops_waiting_for_a_node_that_is_gone_once_the_job_is_over() -> None:
+    """A lost node never reports its end: no signal stream, silent for SPARE_FRESH seconds, the job over."""
+    now = time.time()
+    done = AgentStatus("node-0", "", subscribed=False, node_rank=0, exit_code=0, last_seen=now)
+    lost = AgentStatus("node-1", "", subscribed=False, node_rank=1, exit_code=None, last_seen=now - SPARE_FRESH - 1)
+    finishing = AgentStatus("node-1", "", subscribed=True, node_rank=1, exit_code=None, last_seen=now - 60)
+    quiet = AgentStatus("node-1", "", subscribed=False, node_rank=1, exit_code=None, last_seen=now)
+    assert _ended([done, lost], 2, over=True) == 2
+    assert _ended([done, lost], 2, over=False) == 1  # the job still runs: the node may come back
+    assert _ended([done, finishing], 2, over=True) == 1  # still holds its stream: it is finishing
+    assert _ended([done, quiet], 2, over=True) == 1  # its stream just ended: its report may be on the way

@@ -24,6 +24,7 @@ from test_node_loss import WAIT, Job, kill_tree, no_leftovers, signal_tree, star
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from taskd_core.testing import descendants, process_running, wait_until
+from tests.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.slow
 
@@ -229,4 +230,33 @@ def test_a_node_lost_during_the_hand_over_is_replaced_by_the_spare_and_the_hand_
     resumed = {(e["rank"], e["step"]) for e in events(job.progress) if e["event"] == "resumed"}
     assert {(2, held), (3, held)} <= resumed, resumed
     assert "takes the place of lost node 1" in job.log(2)
+    no_leftovers(job, tree)
+
+
+def test_on_etcd_v2_a_lost_node_is_replaced_live_by_the_spare(
+    launch: Launcher, etcd_v2: EtcdServer, tmp_path: Path, fault_free: dict[str, Any]
+) -> None:
+    """torchrun's etcd-v2 command line (every node runs a controller replica in that etcd): the node
+    of ranks 2 and 3 SIGKILLed, its ranks resume on the spare with the committed state, 0 steps lost."""
+    job = Job(launch, tmp_path / "onetcd", script="train_live.py", env=TOKEN, steps=STEPS, hold_at=STEPS // 2)
+    job.argv = [a for a in job.argv if not a.startswith(("--rdzv-backend=", "--rdzv-endpoint="))]
+    job.argv[:0] = ["--rdzv-backend=etcd-v2", f"--rdzv-endpoint={etcd_v2.endpoint}"]
+    nodes = [job.start(), job.start()]
+    wait_until(lambda: "job onetcd node 0: 2 workers" in job.log(0) + job.log(1), "the first round", WAIT)
+    spare = job.start()
+    wait_until(lambda: "standing by as spare" in job.log(2), "the third launcher to stand by", WAIT)
+    held = holding(job)
+    before = starts(job)
+    # Group rank 0's node hosts the workers' store (live recovery needs it): the other node is lost.
+    victim = next(n for n in (0, 1) if before[2] in descendants(nodes[n].pid))
+    tree = kill_tree(nodes[victim].pid)
+    job.release()
+    assert nodes[1 - victim].wait(timeout=WAIT) == 0, job.log(1 - victim)[-3000:]
+    assert spare.wait(timeout=WAIT) == 0, job.log(2)[-3000:]
+    final = json.loads(job.result.read_text())
+    assert final["steps"] == STEPS and final["sha256"] == fault_free["sha256"]
+    after = starts(job)
+    assert {r: after[r] for r in (0, 1)} == {r: before[r] for r in (0, 1)}
+    resumed = sorted((e["rank"], e["step"]) for e in events(job.progress) if e["event"] == "resumed")
+    assert resumed == [(2, held), (3, held)], resumed
     no_leftovers(job, tree)

@@ -43,7 +43,10 @@ def test_help_shows_torchrun_options_and_taskd_options() -> None:
             "argument --taskd-stop-timeout: 'soon' is not a finite number of seconds >= 0",
         ),
         (["--taskd-strategies", "retry,bogus"], "unknown strategy 'bogus'"),
-        (["--taskd-slow-rank", "evict"], "argument --taskd-slow-rank: slow-rank: expected one of 'warn', 'replace'"),
+        (
+            ["--taskd-slow-rank", "evict"],
+            "argument --taskd-slow-rank: slow-rank: expected one of 'warn', 'replace'",
+        ),
         (["--taskd-flush-seconds", "-1"], "'-1' is not a finite number of seconds >= 0"),
         (["--taskd-controller", "nowhere"], "'nowhere' is not HOST:PORT"),
         (["--taskd-controller-port", "70000"], "controller port: 70000 is not a TCP port"),
@@ -272,6 +275,22 @@ def test_nnodes_min_max_with_one_node_trains_on_the_nodes_that_came_by_the_last_
         ("0", "2", "0"),
         ("1", "2", "0"),
     ]
+
+
+@pytest.mark.slow
+def test_nnodes_min_max_with_no_restarts_ends_with_exit_1_when_a_worker_fails(
+    launch, out_dir: Path, tmp_path: Path
+) -> None:
+    """torch's ``test_launch_elastic_worker_raise_exception``: ``--max-restarts=0``, a worker fails, the
+    launcher exits 1 (torchrun's ChildFailedError) and says why, with no worker left behind."""
+    conf = "--rdzv-conf=join_timeout=5,last_call_timeout=1,timeout=5"
+    worker = [IDLE, str(out_dir), "--after", "0", "--exit-code", "3"]
+    node = launch(*c10d("fails", nnodes="1:2"), conf, "--max-restarts=0", *worker, log="fails")
+
+    assert node.wait(timeout=120) == 1
+    log = (tmp_path / "fails.0.log").read_text()
+    assert "failed with exit code 3" in log and "the controller gave the job up" in log
+    assert not [r["pid"] for r in records(out_dir) if process_running(r["pid"])]
 
 
 @pytest.mark.slow

@@ -202,7 +202,7 @@ class EventView(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., time: _Optional[float] = ..., cycle: _Optional[int] = ..., kind: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class JobView(_message.Message):
-    __slots__ = ("jobId", "state", "cycle", "strategy", "faultRanks", "cyclesUsed", "maxCycles", "strategies", "agents", "events", "outcome", "legacy", "slowRanks")
+    __slots__ = ("jobId", "state", "cycle", "strategy", "faultRanks", "cyclesUsed", "maxCycles", "strategies", "agents", "events", "outcome", "legacy", "slowRanks", "slowRankBound", "slowRankBoundLearned")
     JOBID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CYCLE_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,8 @@ class JobView(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     LEGACY_FIELD_NUMBER: _ClassVar[int]
     SLOWRANKS_FIELD_NUMBER: _ClassVar[int]
+    SLOWRANKBOUND_FIELD_NUMBER: _ClassVar[int]
+    SLOWRANKBOUNDLEARNED_FIELD_NUMBER: _ClassVar[int]
     jobId: str
     state: str
     cycle: int
@@ -229,7 +231,9 @@ class JobView(_message.Message):
     outcome: str
     legacy: bool
     slowRanks: _containers.RepeatedCompositeFieldContainer[SlowRankView]
-    def __init__(self, jobId: _Optional[str] = ..., state: _Optional[str] = ..., cycle: _Optional[int] = ..., strategy: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., cyclesUsed: _Optional[int] = ..., maxCycles: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[EventView, _Mapping]]] = ..., outcome: _Optional[str] = ..., legacy: _Optional[bool] = ..., slowRanks: _Optional[_Iterable[_Union[SlowRankView, _Mapping]]] = ...) -> None: ...
+    slowRankBound: float
+    slowRankBoundLearned: bool
+    def __init__(self, jobId: _Optional[str] = ..., state: _Optional[str] = ..., cycle: _Optional[int] = ..., strategy: _Optional[str] = ..., faultRanks: _Optional[_Iterable[_Union[FaultRank, _Mapping]]] = ..., cyclesUsed: _Optional[int] = ..., maxCycles: _Optional[int] = ..., strategies: _Optional[_Iterable[str]] = ..., agents: _Optional[_Iterable[_Union[AgentView, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[EventView, _Mapping]]] = ..., outcome: _Optional[str] = ..., legacy: _Optional[bool] = ..., slowRanks: _Optional[_Iterable[_Union[SlowRankView, _Mapping]]] = ..., slowRankBound: _Optional[float] = ..., slowRankBoundLearned: _Optional[bool] = ...) -> None: ...
 
 class SlowRankView(_message.Message):
     __slots__ = ("rank", "pid", "ratio", "workSeconds", "peerWorkSeconds", "sinceStep", "since")
