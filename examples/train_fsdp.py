@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from train_ddp import Progress, build_parser, inject_fault, spin_forever, step_pause
 
 from taskd_core import worker
-from taskd_pytorch.snapshot import SnapshotReader, SnapshotWriter, Source, disk_reader
+from taskd_pytorch.snapshot import SnapshotPlanner, SnapshotReader, SnapshotWriter, Source, disk_reader
 
 BATCH = 8
 LEARNING_RATE = 1e-3
@@ -257,6 +257,7 @@ def main() -> int:
     loss_fn = nn.MSELoss()
     pending: Future[Any] | None = None
     pending_step = 0
+    planner = SnapshotPlanner()
     waited = [0.0]  # seconds the loop waited for snapshots
 
     def settle() -> None:
@@ -297,8 +298,11 @@ def main() -> int:
             progress.log("step", done)
             if args.snapshot_every and done % args.snapshot_every == 0:
                 if args.snapshot_to == "memory":
-                    # Each rank's snapshot is complete on its own: no DCP collectives (no_dist).
-                    pending = dcp.async_save(job.state(done), storage_writer=SnapshotWriter(done), no_dist=True)
+                    # Each rank's snapshot is complete on its own: no DCP collectives (no_dist);
+                    # one planner for the loop: the plan is reused while the state keeps its structure.
+                    pending = dcp.async_save(
+                        job.state(done), storage_writer=SnapshotWriter(done), planner=planner, no_dist=True
+                    )
                 else:
                     writer = dcp.FileSystemWriter(async_disk.root / f"step-{done}")
                     pending = dcp.async_save(job.state(done), storage_writer=writer, process_group=ckpt_group)

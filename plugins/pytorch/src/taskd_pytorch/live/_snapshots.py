@@ -6,8 +6,10 @@ replica that could hand a lost rank's shard over, so a
 keeps it in TaskD's memory tier instead (:mod:`taskd_pytorch.snapshot`,
 its public API only): after every K-th committed step it waits for the
 previous snapshot, then starts ``dcp.async_save(state, SnapshotWriter(step))``
-on a process group of its own, so the copy overlaps the next step's compute
-and at most one snapshot is in flight. A restore is ``dcp.load`` through a
+with ``no_dist=True`` (each rank's snapshot is complete on its own: no
+collectives) and one :class:`~taskd_pytorch.snapshot.SnapshotPlanner` (the
+plan is reused while the state keeps its structure), so the copy overlaps the
+next step's compute and at most one snapshot is in flight. A restore is ``dcp.load`` through a
 ``SnapshotReader``: the newest step every rank can get (own node memory, a
 peer's copy), else the script's disk checkpoint, else nothing.
 """
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, asy
 from torch.distributed.checkpoint.storage import StorageReader
 
 from taskd_core.errors import SnapshotError
-from taskd_pytorch.snapshot import SnapshotReader, SnapshotWriter, Source
+from taskd_pytorch.snapshot import SnapshotPlanner, SnapshotReader, SnapshotWriter, Source
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class SnapshotLoop:
         self._group: dist.ProcessGroup | None = None
         self._pending: Future[Any] | AsyncSaveResponse | None = None
         self._pending_step = 0
+        self._planner = SnapshotPlanner()
         #: where the last restore took the state from.
         self.source = Source.NONE
         #: seconds the training loop waited for snapshots to complete.
@@ -75,7 +78,7 @@ class SnapshotLoop:
     ) -> int:
         """Load the newest state every rank can get (collective); returns its step (``step``: none found)."""
         sharded = self._sharded = ShardedState(state_of, load, fallback)
-        # async_save's collectives run in a thread beside training's: they need a group of their own.
+        # The restore's collectives never meet training's: a group of their own.
         self._group = dist.new_group(backend="gloo")
         state = sharded.state(step)
         disk = sharded.fallback() if sharded.fallback is not None else None
@@ -104,10 +107,10 @@ class SnapshotLoop:
         self.settle()
         if self._sharded is None or not self._every or step % self._every:
             return
-        writer = SnapshotWriter(step)
-        self._pending = async_save(
-            self._sharded.state(step), storage_writer=writer, process_group=self._group
-        )
+        # Each rank's snapshot is complete on its own: no DCP collectives (no_dist), and the
+        # plan of the previous one is reused while the state keeps its structure.
+        state, writer = self._sharded.state(step), SnapshotWriter(step)
+        self._pending = async_save(state, storage_writer=writer, planner=self._planner, no_dist=True)
         self._pending_step = step
 
     def settle(self) -> None:

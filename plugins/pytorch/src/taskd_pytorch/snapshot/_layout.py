@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.tensor import DTensor
 
 from taskd_core.errors import SnapshotError
+from taskd_pytorch.snapshot._plan import SnapshotPlanner
 
 #: The meta blob's first line: change the number whenever :class:`Layout` or :class:`Span` changes.
 VERSION = 2
@@ -61,7 +62,9 @@ def resolve(planner: SavePlanner, item: WriteItem) -> Any:
 
     (What ``resolve_data`` would give, without its ``to_local()``'s autograd node per tensor and save.)
     """
-    if type(planner) is DefaultSavePlanner and item.type is not WriteItemType.BYTE_IO:
+    # Only where resolve_data is DCP's default one (another subclass may transform the data).
+    default = type(planner) in (DefaultSavePlanner, SnapshotPlanner)
+    if isinstance(planner, DefaultSavePlanner) and default and item.type is not WriteItemType.BYTE_IO:
         found = planner.state_dict.get(item.index.fqn)
         if isinstance(found, DTensor):
             return found._local_tensor
@@ -99,7 +102,10 @@ def index(
         spans[item.index] = Span(
             at, tensor.numel() * tensor.element_size(), tensor.dtype, tuple(tensor.shape)
         )
-    _, metadata = create_default_global_save_plan([plan], rewrite_index_hints=False)
+    own = planner.own_metadata(plan) if isinstance(planner, SnapshotPlanner) else None
+    if own is None:
+        _, own = create_default_global_save_plan([plan], rewrite_index_hints=False)
+    metadata = own
     mappings = getattr(planner, "mappings", None)
     if mappings is not None:
         metadata = dataclasses.replace(metadata, planner_data=mappings)
