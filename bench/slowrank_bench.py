@@ -65,7 +65,7 @@ from _common import (
 )
 
 from taskd_core.client.query import QueryClient
-from taskd_core.controller.slowrank import SlowRankConfig, SlowRankDetector
+from taskd_core.controller.slowrank import DEFAULT_BOUND, SlowRankConfig, SlowRankDetector
 from taskd_core.models import RankWork
 from taskd_core.worker import ProgressReporter
 
@@ -90,14 +90,15 @@ OVERHEAD_TARGET = 0.01
 Pace = Callable[[int, int], float]
 
 
-def feed(pace: Pace, steps: int) -> list[tuple[int, int]]:
-    """(rank, step) of every slow rank the default detector names over ``steps`` steps of ``pace``."""
+def feed(pace: Pace, steps: int) -> tuple[list[tuple[int, int]], float | None]:
+    """(rank, step) of every slow rank the default detector names over ``steps`` steps of ``pace``,
+    and the bound it learned (None: not learned by then)."""
     detector = SlowRankDetector()
     found = []
     for step in range(1, steps + 1):
         samples = [RankWork(r, 100 + r, step, 1, pace(r, step)) for r in range(RANKS)]
         found += [(f.rank, f.step) for f in detector.feed(samples, float(step))]
-    return found
+    return found, round(detector.bound, 3) if detector.bound_learned else None
 
 
 def own_jitter(rng: random.Random, spread: float) -> Pace:
@@ -107,16 +108,20 @@ def own_jitter(rng: random.Random, spread: float) -> Pace:
 
 def bench_detector(trials: int, healthy_steps: int) -> dict[str, Any]:
     latency: dict[str, list[int | None]] = {}
+    #: the bound each straggler run learned over its healthy steps before the slowdown.
+    learned: dict[str, list[float | None]] = {}
     #: healthy ranks named in the straggler runs (their first 100 steps, and 3 of 4 ranks after, are healthy).
     beside: dict[str, int] = {}
     for spread in (1.2, 5.0):
         named: list[int | None] = []
+        bounds: list[float | None] = []
         beside[f"{spread:g}x"] = 0
         for seed in range(trials):
             noise = own_jitter(random.Random(seed), spread)
-            found = feed(
+            found, bound = feed(
                 lambda r, s, n=noise: n(r, s) * (2.0 if r == 2 and s >= SLOW_AT else 1.0), SLOW_AT + 200
             )
+            bounds.append(bound)
             first = next((step for rank, step in found if rank == 2 and step >= SLOW_AT), None)
             named.append(None if first is None else first - SLOW_AT)
             wrong = [(rank, step) for rank, step in found if rank != 2 or step < SLOW_AT]
@@ -124,22 +129,25 @@ def bench_detector(trials: int, healthy_steps: int) -> dict[str, Any]:
                 logger.warning("seed %s, %gx: named while healthy (rank, step): %s", seed, spread, wrong)
             beside[f"{spread:g}x"] += len(wrong)
         latency[f"{spread:g}x"] = named
+        learned[f"{spread:g}x"] = bounds
     half = healthy_steps // 2
     false: dict[str, int] = {"own_5x": 0, "common_5x": 0, "job_wide_2x": 0}
     for seed in range(trials):
-        false["own_5x"] += len(feed(own_jitter(random.Random(seed), 5.0), healthy_steps))
+        false["own_5x"] += len(feed(own_jitter(random.Random(seed), 5.0), healthy_steps)[0])
         rng = random.Random(seed)
         common = {s: rng.uniform(1.0, 5.0) for s in range(1, healthy_steps + 1)}
-        false["common_5x"] += len(feed(lambda r, s, c=common: 0.1 * c[s], healthy_steps))
+        false["common_5x"] += len(feed(lambda r, s, c=common: 0.1 * c[s], healthy_steps)[0])
         noise = own_jitter(random.Random(seed), 1.2)
         false["job_wide_2x"] += len(
-            feed(lambda r, s, n=noise: n(r, s) * (2.0 if s > half else 1.0), healthy_steps)
+            feed(lambda r, s, n=noise: n(r, s) * (2.0 if s > half else 1.0), healthy_steps)[0]
         )
     config = SlowRankConfig()
     return {
         "trials": trials,
         "healthy_steps": healthy_steps,
-        "bound": config.bound,
+        # The policy gives none: learned per run (``learned``), this until then.
+        "bound": DEFAULT_BOUND,
+        "learned": learned,
         "window": config.window,
         "hold": config.steps_held,
         "latency": latency,
@@ -201,6 +209,8 @@ def bench_jobs(trials: int, steps: int, root: Path) -> dict[str, Any]:
             "named": [d["ranks"] for d in found],
             "steps_to_name": None if first is None else first["step"] - SLOW_FROM,
             "ratio": None if first is None else first["evidence"][0]["ratio"],
+            "bound": None if first is None else first["bound"],
+            "bound_learned": None if first is None else first.get("bound_learned", False),
         })  # fmt: skip
         times += step_wall[: SLOW_FROM - 1]
     code, found, _ = run_job(
@@ -361,14 +371,18 @@ def report(data: dict[str, Any]) -> str:
             f"detector, 1 of 4 ranks at 2x, each rank's steps varying by up to {noise}",
             f"{fmt(p50, 0)} (max {max(named) if named else 'N/A'})",
             f"{len(values) - len(named)} of {len(values)}",
+            bounds_seen(d.get("learned", {}).get(noise, [])),
         ])  # fmt: skip
     real = [t["steps_to_name"] for t in jobs["trials"] if t["steps_to_name"] is not None]
     rows.append([
         f"real job: train_live.py, 4 ranks, rank 2 sleeping {SLOW_SLEEP:g}x the {STEP_TIME * 1000:.0f} ms step from step {SLOW_FROM}",
         f"{fmt(statistics.median(real) if real else None, 0)} (max {max(real) if real else 'N/A'})",
         f"{len(jobs['trials']) - len(real)} of {len(jobs['trials'])}",
+        bounds_seen([t.get("bound") if t.get("bound_learned") else None for t in jobs["trials"]]),
     ])  # fmt: skip
-    latency = markdown_table(["straggler", "steps until named: p50 (max)", "never named"], rows)
+    latency = markdown_table(
+        ["straggler", "steps until named: p50 (max)", "never named", "bound learned: min / p50 / max"], rows
+    )
     fp = d["false_positives"]
     n, steps = d["trials"], d["healthy_steps"]
     healthy = markdown_table(
@@ -410,6 +424,14 @@ def report(data: dict[str, Any]) -> str:
         rows,
     )  # fmt: skip
     return "\n\n".join([latency, healthy, overhead, replaced])
+
+
+def bounds_seen(bounds: list[float | None]) -> str:
+    """The learned bounds of runs (None: named before it was learned, on the default) in a cell."""
+    known = [b for b in bounds if b is not None]
+    spread = " / ".join(f"{b:.2f}" for b in (min(known), statistics.median(known), max(known))) if known else "none"
+    unlearned = len(bounds) - len(known)
+    return f"{spread}{f' ({unlearned} of {len(bounds)} on {DEFAULT_BOUND:g}, not learned yet)' if unlearned else ''}"
 
 
 def by_script(trials: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

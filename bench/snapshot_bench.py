@@ -4,7 +4,7 @@ Three parts, each run side by side in one invocation:
 
 1. **Step time, fault-free.** The same FSDP2 job three ways: no every-step
    snapshot (``--snapshot-every 0``), a memory snapshot every step
-   (``dcp.async_save(storage_writer=SnapshotWriter(step))``) and
+   (``dcp.async_save(storage_writer=SnapshotWriter(step), no_dist=True)``) and
    ``dcp.async_save`` to local disk every step (``--snapshot-to disk``, the
    user's alternative), on two sizes: the example (4 ranks, a small model) and
    a model whose state (parameter shard and AdamW's two moments) is about
@@ -12,13 +12,19 @@ Three parts, each run side by side in one invocation:
    between rank 0's ``step`` events after the first ``--warmup`` steps; the
    memory cost is the largest size of the nodes' snapshot directories
    (``/dev/shm``) seen while the job ran, and the workers' largest summed RSS.
-2. **Steps lost.** The example again, a rank SIGKILLed as step ``--kill-at``
-   begins, each way: the steps done before the kill minus the step training
-   resumed from (disk checkpoints every ``--ckpt-every`` steps in all three).
+2. **Steps lost, recovery time.** The example again, a rank SIGKILLed as step
+   ``--kill-at`` begins, each way under taskdrun, and under torchrun (one
+   restart: a cold restart of every worker;
+   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, without which its restarted
+   workers often hang on a stale store) with ``dcp.async_save`` to disk
+   every step: the steps done before the kill minus the step training resumed
+   from (disk checkpoints every ``--ckpt-every`` steps in all), and the seconds
+   from the killed rank's last step to every rank's first step after it.
 3. **Copy bandwidth.** In this process, ``--mib`` MiB: a plain ``memcpy``
-   (``Tensor.copy_`` into a buffer already allocated), the snapshot store's
-   write (file on ``/dev/shm`` and CRC-32, the worker's path) and a peer copy
-   through a keeper over loopback (encrypted and authenticated), in GB/s.
+   (``Tensor.copy_`` into a buffer already allocated), the worker's snapshot
+   write (one copy into its reused data file on ``/dev/shm``, mapped), its
+   CRC-32, and a peer copy through a keeper over loopback (encrypted and
+   authenticated), in GB/s.
 
     python bench/snapshot_bench.py --repeats 3 --mib 256 [--json out.json]
 """
@@ -42,6 +48,11 @@ from taskd_core.testing import descendants
 logger = logging.getLogger(__name__)
 
 TASKDRUN = str(Path(PYTHON).with_name("taskdrun"))
+#: torchrun, one restart: its cold restart of the same job is what recovery is compared with.
+TORCHRUN = (PYTHON, "-m", "torch.distributed.run", "--max-restarts=1")
+#: As shipped, torchrun's restarted workers often meet a stale rendezvous store and hang (SPEC §9,
+#: bench/recovery_bench.py's torchrun-noshare): the comparison is with the variant that restarts.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 SCRIPT = REPO / "examples" / "train_fsdp.py"
 #: The ways a job snapshots every step, and their train_fsdp.py options.
 MODES = {
@@ -109,12 +120,14 @@ def _events(progress: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in progress.read_text().splitlines() if line.endswith("}")]
 
 
-def run_job(work: Path, ranks: int, extra: tuple[str, ...], timeout: float) -> dict[str, Any]:
-    """One taskdrun job of train_fsdp.py; its events, largest snapshot bytes and worker RSS."""
+def run_job(
+    work: Path, ranks: int, extra: tuple[str, ...], timeout: float, launcher: tuple[str, ...] = (TASKDRUN,)
+) -> dict[str, Any]:
+    """One job of train_fsdp.py (taskdrun, or ``launcher``); its events, largest snapshot bytes and worker RSS."""
     work.mkdir(parents=True)
     progress = work / "progress.jsonl"
     cmd = [
-        TASKDRUN,
+        *launcher,
         "--standalone",
         f"--nproc-per-node={ranks}",
         str(SCRIPT),
@@ -128,7 +141,8 @@ def run_job(work: Path, ranks: int, extra: tuple[str, ...], timeout: float) -> d
     ]
     shm = rss = 0
     with Children(grace=30.0) as children:
-        proc = children.start(cmd, log=work / "taskdrun.log", cwd=REPO)
+        env = TORCHRUN_ENV if launcher == TORCHRUN else None
+        proc = children.start(cmd, log=work / "launcher.log", cwd=REPO, env=env)
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
             events = _events(progress)
@@ -138,7 +152,7 @@ def run_job(work: Path, ranks: int, extra: tuple[str, ...], timeout: float) -> d
             time.sleep(0.2)
         code = proc.wait(max(1.0, deadline - time.monotonic()))
     if code != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {code}; see {work / 'taskdrun.log'}")
+        raise RuntimeError(f"{' '.join(cmd)} exited {code}; see {work / 'launcher.log'}")
     return {
         "events": _events(progress),
         "shm_bytes": shm,
@@ -189,10 +203,37 @@ def steps_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def recovery_s(events: list[dict[str, Any]], rank: int) -> float | None:
+    """Killed rank's last step of its first life → every rank's first step after it, seconds.
+
+    The rank kills itself as the step after its last ``step`` event begins, so this
+    is the recovery from the kill, give or take the start of that step.
+    """
+    last = [e["time"] for e in events if e["event"] == "step" and e["rank"] == rank and e["restart"] == 0]
+    ranks = {e["rank"] for e in events}
+    firsts = []
+    for each in ranks:
+        after = [e["time"] for e in events if e["event"] == "step" and e["rank"] == each and e["restart"] > 0]
+        if not after:
+            return None
+        firsts.append(min(after))
+    return max(firsts) - max(last) if last and firsts else None
+
+
+#: The steps-lost runs: (label, launcher, train_fsdp.py flags).
+LOST_WAYS = {
+    "none": (TASKDRUN,),
+    "memory": (TASKDRUN,),
+    "disk": (TASKDRUN,),
+    "torchrun-disk": TORCHRUN,
+}
+
+
 def lost_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for mode, flags in MODES.items():
-        logger.info("steps lost: %s", mode)
+    for way, launcher in LOST_WAYS.items():
+        flags = MODES[way.removeprefix("torchrun-")]
+        logger.info("steps lost: %s", way)
         extra = (
             "--steps",
             str(args.steps),
@@ -206,7 +247,7 @@ def lost_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             "kill",
             *flags,
         )
-        job = run_job(root / f"lost-{mode}", 4, extra, args.timeout)
+        job = run_job(root / f"lost-{way}", 4, extra, args.timeout, launcher)
         resumed = [e for e in job["events"] if e["event"] == "resumed" and e["restart"] > 0]
         source = {
             e["event"].removeprefix("restored-from-")
@@ -214,11 +255,12 @@ def lost_part(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             if e["event"].startswith("restored-from-") and e["restart"] > 0
         }
         step = min(e["step"] for e in resumed)
-        out[mode] = {
+        out[way] = {
             "killed_after": args.kill_at,
             "resumed": step,
             "lost": args.kill_at - step,
             "source": ",".join(sorted(source)),
+            "recovery_s": recovery_s(job["events"], 1),
             "sha256": job["result"]["sha256"],
         }
     return out
@@ -230,13 +272,13 @@ def bandwidth_part(args: argparse.Namespace) -> dict[str, Any]:
     from taskd_core.snapshots.keeper import Keeper
     from taskd_core.snapshots.peer import PeerClient
     from taskd_core.snapshots.settings import SnapshotSettings
-    from taskd_core.snapshots.store import SnapshotStore, crc32
+    from taskd_core.snapshots.store import Seal, SnapshotStore, crc32
+    from taskd_pytorch.snapshot._slot import Slot
 
     size = int(args.mib * 2**20)
     src = torch.randn(size // 4)
     dst = torch.empty_like(src)
-    view = memoryview(src.numpy()).cast("B")
-    rates: dict[str, list[float]] = {"memcpy": [], "crc32": [], "store": [], "peer": []}
+    rates: dict[str, list[float]] = {"memcpy": [], "slot": [], "crc32": [], "peer": []}
     with (
         tempfile.TemporaryDirectory(dir="/dev/shm", prefix="taskd-bench-") as tmp,
         Keeper(
@@ -250,20 +292,27 @@ def bandwidth_part(args: argparse.Namespace) -> dict[str, Any]:
         store = SnapshotStore(Path(tmp) / "own")
         client = PeerClient("bench", "bench")
         address = keeper.address()
-        for trial in range(args.repeats):
+        # The first two trials make the files the later ones reuse (the newest complete one is kept).
+        for trial in range(args.repeats + 2):
             t0 = time.perf_counter()
             dst.copy_(src)
             t1 = time.perf_counter()
-            crc32([view])
+            slot = Slot(store, 0, trial, size)  # the worker's path: its reused data file, mapped
+            slot.put(src)
             t2 = time.perf_counter()
-            seal = store.write(0, trial, b"meta", [view])
+            crc = crc32([slot.view()])
             t3 = time.perf_counter()
-            client.put(address, seal, b"meta", [view])
+            seal = Seal(0, trial, 4, size, crc32([b"meta"]), crc)
+            store.commit(seal, b"meta")
+            client.put(address, seal, b"meta", [slot.view()])
             t4 = time.perf_counter()
+            del slot
+            if trial < 2:
+                continue
             for key, seconds in (
                 ("memcpy", t1 - t0),
-                ("crc32", t2 - t1),
-                ("store", t3 - t2),
+                ("slot", t2 - t1),
+                ("crc32", t3 - t2),
                 ("peer", t4 - t3),
             ):
                 rates[key].append(size / seconds / 1e9)
@@ -297,20 +346,42 @@ def report(data: dict[str, Any]) -> str:
         ],
         rows,
     )
+    lost_rows = []
+    torchrun = data["lost"].get("torchrun-disk", {}).get("recovery_s")
+    for way, r in data["lost"].items():
+        label = f"torchrun, {LABELS['disk']}" if way == "torchrun-disk" else f"taskdrun, {LABELS[way]}"
+        seconds = r.get("recovery_s")
+        ratio = fmt(seconds / torchrun, 2) if seconds is not None and torchrun else "n/a"
+        lost_rows.append(
+            [
+                label,
+                str(r["killed_after"]),
+                str(r["resumed"]),
+                str(r["lost"]),
+                r["source"],
+                fmt(seconds, 2) if seconds is not None else "n/a",
+                ratio,
+            ]
+        )
     lost = markdown_table(
-        ["every step", "steps done at the kill", "resumed from", "steps lost", "restored from"],
         [
-            [LABELS[m], str(r["killed_after"]), str(r["resumed"]), str(r["lost"]), r["source"]]
-            for m, r in data["lost"].items()
+            "launcher, every step",
+            "steps done at the kill",
+            "resumed from",
+            "steps lost",
+            "restored from",
+            "kill → every rank stepping (s)",
+            "vs torchrun",
         ],
+        lost_rows,
     )
     bw = data["bandwidth"]["median_gb_s"]
     copy = markdown_table(
         ["copy", "GB/s"],
         [
             ["plain memcpy (Tensor.copy_)", fmt(bw["memcpy"])],
-            ["CRC-32 alone", fmt(bw["crc32"])],
-            ["snapshot store write (/dev/shm + CRC-32)", fmt(bw["store"])],
+            ["snapshot write: one copy into its mapped /dev/shm file (the training thread)", fmt(bw["slot"])],
+            ["CRC-32 of it (the background thread)", fmt(bw["crc32"])],
             ["peer copy to a keeper over loopback (AES-GCM)", fmt(bw["peer"])],
         ],
     )

@@ -131,10 +131,13 @@ class Sharded:
         return {"model": model_sd, "optim": optim_sd, "extra": {"step": done}}
 
     def prime(self) -> None:
-        """Create the optimizer's state (zeros, step 0) so that a load has tensors to fill in place."""
-        if not self.zero:
-            return
-        inner = self.optimizer.optim
+        """Create the optimizer's state as AdamW's first step would (zeros, step 0).
+
+        A load then has tensors to fill in place, and ``get_state_dict`` finds the state made: on an
+        optimizer without state it makes it by an optimizer step with zero gradients, the largest
+        part of a restarted worker's restore (a DTensor op per parameter and moment).
+        """
+        inner = self.optimizer.optim if self.zero else self.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
                 inner.state[p] = {

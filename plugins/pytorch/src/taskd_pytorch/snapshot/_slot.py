@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -48,6 +48,11 @@ def _walk(value: Any, leaf: Callable[[Any], Any]) -> Any:
         return kind((k, _walk(v, leaf)) for k, v in value.items())
     if kind is list or kind is tuple:
         return kind(_walk(v, leaf) for v in value)
+    # DCP walks into every mapping and list (its tensors must be staged ones); a tuple it pickles whole.
+    if isinstance(value, Mapping):
+        return {k: _walk(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_walk(v, leaf) for v in value]
     return leaf(value)
 
 

@@ -138,9 +138,13 @@ class SnapshotWriter(StorageWriter, AsyncStager):
                 return
             for item, tensor in zip(items, found, strict=True):
                 placed[item.index] = slot.offset(slot.put(tensor)) or 0
-        meta = index(
-            plan, planner, self.step, lambda item, tensor: placed.get(item.index, slot.offset(tensor))
-        )
+        try:
+            meta = index(
+                plan, planner, self.step, lambda item, tensor: placed.get(item.index, slot.offset(tensor))
+            )
+        except SnapshotError as exc:
+            warnings.warn(SnapshotTooLarge(f"rank {place.rank}: {exc}: not kept"), stacklevel=1)
+            return
         seal = Seal(place.rank, self.step, len(meta), slot.size, zlib.crc32(meta), slot.crc())
         try:
             place.store.commit(seal, meta)
