@@ -76,6 +76,9 @@ def render(status: ControllerStatus) -> str:
         lines.append(f"  outcome    {_safe(job.outcome) or '-'}")
         for slow in job.slow_ranks:
             lines.append(f"  slow rank  {slow.describe()}")
+        if job.slow_ranks:
+            how = "learned from the job" if job.slow_rank_bound_learned else "the policy's or the default"
+            lines.append(f"  slow bound {job.slow_rank_bound:g} x the peers' median ({how})")
         lines.append(f"  {'AGENT':<20} {'ROLE':<16} {'NODE':>4}  {'STREAM':<6}  {'EXIT':<10} LAST SEEN")
         for a in job.agents:
             node = "-" if a.node_rank is None else str(a.node_rank)

@@ -21,8 +21,9 @@ active rank has completed compares each rank with its peers:
   of three windows of evaluated steps it is ``LEARN_MARGIN`` x the
   ``LEARN_QUANTILE`` of the ratios seen below :data:`DEFAULT_BOUND`, within
   ``LEARN_FLOOR``..``LEARN_CAP``; :data:`DEFAULT_BOUND` until then. Ratios at
-  or above it are not learned from, so a rank slow from its first step is not
-  taken for the job's noise (and is found on the default bound meanwhile); the
+  or above it are not learned from, nor any ratio of a rank found slow during
+  the warm-up, so a rank slow from its first step (or getting slow in the
+  warm-up) is not taken for the job's noise (and is found on the default bound meanwhile); the
   cap keeps a rank at twice its peers' work found however noisy the others are;
 * the ranks of one node (the agent that reports them) are found together: when
   one of them is found, those of its node-mates whose ratio is at or above the
@@ -222,9 +223,10 @@ class SlowRankDetector:
         #: the bound now: the policy's, the default while learning, or the learned one.
         self.bound = self.config.bound or DEFAULT_BOUND
         self.bound_learned = False
-        #: the warm-up's ratios below the bound, while it is being learned.
-        self._learning: list[float] = []
+        #: the warm-up's ratios below the bound, by rank, while it is being learned.
+        self._learning: dict[int, list[float]] = {}
         self._warm_steps = 0
+        self._slow_in_warm_up: set[int] = set()
 
     def feed(self, samples: Iterable[RankWork], now: float, node: str = "") -> list[SlowRankFound]:
         """Take figures ``node`` reported; the ranks found slow by them (at most once per streak)."""
@@ -313,22 +315,30 @@ class SlowRankDetector:
                     window, now, self.bound_learned,
                 )  # fmt: skip
                 found.append(series.found)
-        self._learn([active[r].ratio for r in levels if active[r].found is None])
+        self._learn({r: active[r].ratio for r in levels})
         return found
 
-    def _learn(self, ratios: list[float]) -> None:
-        """Take one evaluated step's ratios (of ranks not found slow) into the bound being learned."""
+    def _learn(self, ratios: Mapping[int, float]) -> None:
+        """Take one evaluated step's ratios, by rank, into the bound being learned."""
         if self.config.bound or self.bound_learned:
             return
-        self._learning += [r for r in ratios if r < self.bound]
+        for rank, ratio in ratios.items():
+            if ratio < self.bound:
+                self._learning.setdefault(rank, []).append(ratio)
+        # A rank found slow in the warm-up is left out of it whole: its ratios on the way up to the
+        # bound were its slowness, not the job's noise.
+        self._slow_in_warm_up |= {r for r, s in self._ranks.items() if s.found is not None}
         self._warm_steps += 1
-        if self._warm_steps < self.config.warm_up or not self._learning:
+        if self._warm_steps < self.config.warm_up:
             return
-        ordered = sorted(self._learning)
+        kept = [x for r, values in self._learning.items() if r not in self._slow_in_warm_up for x in values]
+        if not kept:
+            return
+        ordered = sorted(kept)
         high = ordered[min(len(ordered) - 1, int(LEARN_QUANTILE * len(ordered)))]
         self.bound = min(LEARN_CAP, max(LEARN_FLOOR, LEARN_MARGIN * high))
         self.bound_learned = True
-        self._learning = []
+        self._learning = {}
 
 
 def _level(values: list[float]) -> float:

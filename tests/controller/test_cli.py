@@ -13,7 +13,7 @@ from tests.conftest import TEST_POLICY, RawAgent, token_file
 #: What `taskd status --json` prints per job and per agent (docs/events.md).
 JOB_FIELDS = {
     "job", "state", "cycle", "strategy", "faults", "strategies", "cycles_used", "max_cycles", "agents", "events",
-    "outcome", "legacy", "slow_ranks",
+    "outcome", "legacy", "slow_ranks", "slow_rank_bound", "slow_rank_bound_learned",
 }
 AGENT_FIELDS = {"agent", "role", "subscribed", "node_rank", "exit_code", "last_seen", "hang_timeouts"}
 

@@ -62,7 +62,10 @@ def test_a_rank_slower_than_its_peers_on_another_node_is_journalled_counted_and_
     assert len(evidence["figures"]) == 20 and set(evidence["figures"]) == {0.1, 0.2}
     (slow_rank,) = job.slow_ranks
     assert (slow_rank.rank, slow_rank.pid, slow_rank.since_step) == (3, 1003, evidence["since_step"])
-    assert "slow rank  rank 3 (pid 1003) slow since step" in render(query_status(metered))
+    shown = render(query_status(metered))
+    assert "slow rank  rank 3 (pid 1003) slow since step" in shown
+    # By step 100 the job has learned its bound: the floor, as rank 3's ratios rising to 2 are left out.
+    assert "slow bound 1.6 x the peers' median (learned from the job)" in shown
     m = scrape(metered.metrics_port)
     assert m["taskd_slow_ranks_found_total{action=warn}"] == 1 and m["taskd_slow_ranks{}"] == 1
 

@@ -237,3 +237,11 @@ def test_a_bound_the_policy_gives_is_not_learned() -> None:
     detector = SlowRankDetector(SlowRankConfig(bound=1.7))
     assert run(jittery(0, 1.2), steps=300, detector=detector) == []
     assert (detector.bound, detector.bound_learned) == (1.7, False)
+
+
+def test_a_rank_getting_slow_during_the_warm_up_does_not_raise_the_bound() -> None:
+    # Rank 1 works 2x from step 40: its ratio climbs through 1.0-1.6 as its window fills, then it is found.
+    detector = SlowRankDetector()
+    found = run(lambda r, s: BASE * (2.0 if r == 1 and s > 40 else 1.0), steps=200, detector=detector)
+    assert [(f.rank, f.bound_learned) for f in found] == [(1, False)]
+    assert detector.bound_learned and detector.bound == LEARN_FLOOR

@@ -41,7 +41,7 @@ def nodes(request: pytest.FixtureRequest) -> Iterator[Nodes]:
         endpoint = request.getfixturevalue("etcd_v2").endpoint
     made: list[RendezvousHandler] = []
 
-    def make(n: int, min_nodes: int, max_nodes: int) -> list[RendezvousHandler]:
+    def make(n: int, min_nodes: int, max_nodes: int, last_call: float = 1) -> list[RendezvousHandler]:
         params = RendezvousParameters(
             backend=backend,
             endpoint=endpoint,
@@ -49,7 +49,7 @@ def nodes(request: pytest.FixtureRequest) -> Iterator[Nodes]:
             min_nodes=min_nodes,
             max_nodes=max_nodes,
             is_host=False,
-            last_call_timeout=1,
+            last_call_timeout=last_call,
             # torch's default join timeout (600 s) outlasts the test's own ceiling: a round that never forms
             # fails here with torch's message instead of as a pytest timeout.
             join_timeout=120,
@@ -110,7 +110,9 @@ def test_a_node_waiting_to_join_makes_the_restart_a_new_round_that_admits_it(
     # With the shared agent store, torch 2.13 does not publish the new round's MASTER_ADDR when its rank 0
     # was rank 0 of the last round too, so the newcomer would wait for it: not what is tested here.
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    first, newcomer = nodes(2, 1, 2)
+    # The newcomer must join the new round within its last call: under load it missed a 1 s one and was left
+    # waiting for a round that never came (the first round, of the first node alone, waits it out once).
+    first, newcomer = nodes(2, 1, 2, last_call=5)
     (info,) = rendezvous([first])
     agent = RoundReuse(first)
     with ThreadPoolExecutor(1) as pool:
