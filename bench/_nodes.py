@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -91,6 +92,15 @@ def launcher_command(
         "--step-time",
         str(trial.step_time),
     ]
+
+
+def c10d_rendezvous(name: str, port: int) -> tuple[str, ...]:
+    """torchrun's c10d rendezvous on loopback ``port``, with a run id of its own for ``name``'s trial."""
+    return (
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={name}-{uuid.uuid4().hex[:8]}",
+    )
 
 
 def listening(port: int) -> bool | None:

@@ -44,7 +44,6 @@ import signal
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -72,11 +71,7 @@ def run_trial(name: str, fault: str, trial: _nodes.Trial, work: Path) -> dict[st
     work.mkdir(parents=True)
     progress = work / "progress.jsonl"
     port = free_port()
-    rendezvous = (
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id={name}-{uuid.uuid4().hex[:8]}",
-    )
+    rendezvous = _nodes.c10d_rendezvous(name, port)
     command = _nodes.launcher_command(name, rendezvous, trial, work)
     victim_tree: set[int] = set()
     with Children(grace=5.0) as children:

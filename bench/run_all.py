@@ -1031,10 +1031,10 @@ def slowrank_fields(data: dict[str, Any]) -> Rendered:
     return fields, slowrank_bench.verdicts(data)
 
 
-def nodeloss_fields(data: dict[str, Any]) -> Rendered:
-    trial, results = data["trial"], data["results"]
-    repeats = max(len(ts) for by in data["trials"].values() for ts in by.values())
-    fields: dict[str, Value] = {
+def _node_trial_fields(data: dict[str, Any], repeats: int) -> dict[str, Value]:
+    """What every node-loss bench's report says of its trials (bench/_nodes.py): the job, its pace, the run."""
+    trial = data["trial"]
+    return {
         "nproc": str(_nodes.NPROC),
         "kill_step": str(trial["kill_step"]),
         "step_ms": f"{trial['step_time'] * 1000:.0f}",
@@ -1043,6 +1043,14 @@ def nodeloss_fields(data: dict[str, Any]) -> Rendered:
         "repeats": str(repeats),
         "load_start": _loads(data["load_before"]),
         "load_end": _loads(data["load_after"]),
+    }
+
+
+def nodeloss_fields(data: dict[str, Any]) -> Rendered:
+    trial, results = data["trial"], data["results"]
+    repeats = max(len(ts) for by in data["trials"].values() for ts in by.values())
+    fields: dict[str, Value] = {
+        **_node_trial_fields(data, repeats),
         "table": nodeloss_bench.report(results, trial["recovery_deadline"]),
     }
     rows = []
@@ -1082,14 +1090,7 @@ def nodeloss_fields(data: dict[str, Any]) -> Rendered:
 def shrink_fields(data: dict[str, Any]) -> Rendered:
     trial, results = data["trial"], data["results"]
     fields: dict[str, Value] = {
-        "nproc": str(_nodes.NPROC),
-        "kill_step": str(trial["kill_step"]),
-        "step_ms": f"{trial['step_time'] * 1000:.0f}",
-        "ckpt_every": str(trial["ckpt_every"]),
-        "deadline": f"{trial['recovery_deadline']:g}",
-        "repeats": str(max(len(ts) for ts in data["trials"].values())),
-        "load_start": _loads(data["load_before"]),
-        "load_end": _loads(data["load_after"]),
+        **_node_trial_fields(data, max(len(ts) for ts in data["trials"].values())),
         "table": shrink_bench.report(results, trial["recovery_deadline"]),
     }
     rows = []
@@ -1115,16 +1116,9 @@ def rank0_fields(data: dict[str, Any]) -> Rendered:
         "follower": "the node whose controller replica does not lead (torchrun: rank 0's node)",
     }
     fields: dict[str, Value] = {
-        "nproc": str(_nodes.NPROC),
+        **_node_trial_fields(data, max((len(ts) for ts in data["trials"].values()), default=0)),
         "spare_settle": f"{trial['spare_settle']:g}",
-        "kill_step": str(trial["kill_step"]),
-        "step_ms": f"{trial['step_time'] * 1000:.0f}",
-        "ckpt_every": str(trial["ckpt_every"]),
         "victim": victims.get(trial["victim"], "rank 0's node"),
-        "deadline": f"{trial['recovery_deadline']:g}",
-        "repeats": str(max((len(ts) for ts in data["trials"].values()), default=0)),
-        "load_start": _loads(data["load_before"]),
-        "load_end": _loads(data["load_after"]),
         "table": rank0_bench.report(results),
         # Only a run with both cases says what the leading replica's loss costs.
         "split": bool(led and other),

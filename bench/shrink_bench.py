@@ -37,7 +37,6 @@ import signal
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +57,7 @@ def run_trial(name: str, trial: _nodes.Trial, work: Path) -> dict[str, Any]:
     work.mkdir(parents=True)
     progress = work / "progress.jsonl"
     port = free_port()
-    rendezvous = (
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id={name}-{uuid.uuid4().hex[:8]}",
-    )
+    rendezvous = _nodes.c10d_rendezvous(name, port)
     command = _nodes.launcher_command(name, rendezvous, trial, work, nnodes=NNODES)
     victim_tree: set[int] = set()
     seen: set[int] = set()

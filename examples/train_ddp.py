@@ -396,6 +396,17 @@ def main() -> int:
     return 0
 
 
+def stand_in_step(args: argparse.Namespace, step: int, rank: int, first_life: bool) -> None:
+    """The step's injected fault or hang when they are this rank's (first life only), then its pause."""
+    if step == args.fail_at_step and rank == args.fail_rank and first_life:
+        inject_fault(args.fail_mode, step)
+    if step == args.hang_at_step and rank == args.hang_rank and first_life:
+        spin_forever()
+    pause = step_pause(args, step, rank, first_life)
+    if pause:
+        time.sleep(pause)  # stands for compute
+
+
 def inject_fault(mode: str, step: int) -> None:
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from train_ddp import Progress, build_parser, inject_fault, spin_forever, step_pause
+from train_ddp import Progress, build_parser, stand_in_step
 
 from taskd_core import worker
 from taskd_pytorch.snapshot import SnapshotPlanner, SnapshotReader, SnapshotWriter, Source, disk_reader
@@ -281,13 +281,7 @@ def main() -> int:
 
     try:
         for step in range(done, args.steps):
-            if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
-                inject_fault(args.fail_mode, step)
-            if step == args.hang_at_step and rank == args.hang_rank and restart == 0:
-                spin_forever()
-            pause = step_pause(args, step, rank, restart == 0)
-            if pause:
-                time.sleep(pause)  # stands for compute
+            stand_in_step(args, step, rank, restart == 0)
             job.train_step(step, rank, args.width, loss_fn)
             # The previous snapshot had this step's compute to finish in: once it is complete
             # everywhere, a step reported done is at most one step ahead of a restorable one.

@@ -23,13 +23,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.storage import StorageReader
-from train_ddp import Progress, inject_fault, spin_forever, step_pause
+from train_ddp import Progress, stand_in_step
 from train_fsdp import DiskCheckpoints, Sharded, parse_args
 
 from taskd_pytorch.live import LiveSession
@@ -69,13 +68,7 @@ def main() -> int:
     for live_step in session.steps(args.steps):
         with live_step:  # commits at its end: then the session snapshots the state
             step = live_step.number
-            if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
-                inject_fault(args.fail_mode, step)
-            if step == args.hang_at_step and rank == args.hang_rank and restart == 0:
-                spin_forever()
-            pause = step_pause(args, step, rank, restart == 0)
-            if pause:
-                time.sleep(pause)  # stands for compute
+            stand_in_step(args, step, rank, restart == 0)
             job.train_step(step, rank, args.width, loss_fn)
         done = session.step
         progress.log("step", done)

@@ -105,23 +105,27 @@ def last_step(progress: Path) -> int:
     return max((e["step"] for e in events(progress) if e["event"] == "step" and e["restart"] == 0), default=0)
 
 
+def example(script: str, work: Path) -> tuple[list[str], Path, Path]:
+    """``examples/<script>`` writing its checkpoints, progress log and result in ``work`` (made here).
+
+    :returns: the script's command line (its own options follow), the progress log and the result file.
+    """
+    work.mkdir()
+    progress, result = work / "progress.jsonl", work / "result.json"
+    argv = [str(EXAMPLES / script), "--ckpt-dir", str(work / "ckpt"), "--progress", str(progress), "--result", str(result)]
+    return argv, progress, result
+
+
 def one_node_job(
     launch: Launcher, work: Path, script: str, *args: str, taskd: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
     """Start ``examples/<script>`` on one ``taskdrun`` node of 4 workers in ``work``: launcher, progress, result."""
-    work.mkdir()
-    progress, result = work / "progress.jsonl", work / "result.json"
+    example_argv, progress, result = example(script, work)
     node = launch(
         "--standalone",
         "--nproc-per-node=4",
         *taskd,
-        str(EXAMPLES / script),
-        "--ckpt-dir",
-        str(work / "ckpt"),
-        "--progress",
-        str(progress),
-        "--result",
-        str(result),
+        *example_argv,
         *args,
         log=work.name,
     )
@@ -158,8 +162,7 @@ def run_job(
 
     :returns: the two launchers, the progress log and the result file.
     """
-    work.mkdir()
-    progress, result = work / "progress.jsonl", work / "result.json"
+    example_argv, progress, result = example(script, work)
     port = free_port()
     common = ["--nnodes=2", "--nproc-per-node=2", *taskd]
     if max_cycles is not None:
@@ -172,13 +175,7 @@ def run_job(
         common += ["--master-addr=127.0.0.1", f"--master-port={port}"]
         per_node = [[f"--node-rank={n}"] for n in (0, 1)]
     job = [
-        str(EXAMPLES / script),
-        "--ckpt-dir",
-        str(work / "ckpt"),
-        "--progress",
-        str(progress),
-        "--result",
-        str(result),
+        *example_argv,
         *TRAIN_ARGS,
         *extra,
     ]

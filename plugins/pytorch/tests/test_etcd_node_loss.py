@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pt_support import EXAMPLES, STEPS, TRAIN_ARGS, Launcher, events
+from pt_support import STEPS, TRAIN_ARGS, Launcher, events, example
 
 from taskd_core.testing import descendants, process_running, wait_until
 from tests.etcd_server import EtcdServer
@@ -51,8 +51,7 @@ class EtcdJob:
 def start_job(launch: Launcher, etcd: EtcdServer, tmp_path: Path, name: str) -> EtcdJob:
     """The two nodes, then the spare once the first round formed; returns when every rank trains."""
     work = tmp_path / name
-    work.mkdir()
-    progress, result = work / "progress.jsonl", work / "result.json"
+    example_argv, progress, result = example("train_ddp.py", work)
     argv = [
         "--nnodes=2",
         "--nproc-per-node=2",
@@ -61,13 +60,7 @@ def start_job(launch: Launcher, etcd: EtcdServer, tmp_path: Path, name: str) -> 
         f"--rdzv-id={name}",
         "--taskd-node-lost-timeout",
         "3",
-        str(EXAMPLES / "train_ddp.py"),
-        "--ckpt-dir",
-        str(work / "ckpt"),
-        "--progress",
-        str(progress),
-        "--result",
-        str(result),
+        *example_argv,
         *TRAIN_ARGS,
         *STEP_TIME,
     ]

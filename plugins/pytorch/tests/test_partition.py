@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pt_support import EXAMPLES, STEPS, TRAIN_ARGS, Launcher, events
+from pt_support import STEPS, TRAIN_ARGS, Launcher, events, example
 
 from taskd_core.testing import descendants, free_port, process_running, wait_until
 from tests.etcd_server import etcd_binary
@@ -145,8 +145,7 @@ def test_a_node_cut_off_by_a_partition_is_replaced_and_fenced_when_the_link_come
     launch: Launcher, network: Network, hub_etcd: str, tmp_path: Path, fault_free: dict[str, Any]
 ) -> None:
     work = tmp_path / "partition"
-    work.mkdir()
-    progress, result = work / "progress.jsonl", work / "result.json"
+    example_argv, progress, result = example("train_ddp.py", work)
     argv = [
         "--nnodes=2",
         "--nproc-per-node=2",
@@ -156,13 +155,7 @@ def test_a_node_cut_off_by_a_partition_is_replaced_and_fenced_when_the_link_come
         "--taskd-node-lost-timeout",
         LOST_TIMEOUT,
         "--taskd-insecure",  # plaintext replicas on the veth addresses (TLS is docs/security.md's, not this test's)
-        str(EXAMPLES / "train_ddp.py"),
-        "--ckpt-dir",
-        str(work / "ckpt"),
-        "--progress",
-        str(progress),
-        "--result",
-        str(result),
+        *example_argv,
         *TRAIN_ARGS,
         "--step-time",
         "1.0",  # the same math as the fault-free run's, slower: the spare stands by before the job ends

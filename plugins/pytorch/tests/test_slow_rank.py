@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pt_support import EXAMPLES, Launcher, events, finish, run_job
+from pt_support import Launcher, events, example, finish, run_job
 from test_node_loss import Job, no_leftovers, start_nodes
 
 from taskd_core.client.query import QueryClient
@@ -90,21 +90,14 @@ def train(
     steps: int = STEPS,
 ) -> tuple[list[JournalEvent], list[dict]]:
     """Run the job to its end; its journal and its progress events."""
-    work.mkdir()
-    progress, result = work / "progress.jsonl", work / "result.json"
+    example_argv, progress, result = example(script, work)
     node = launch(
         "--nproc-per-node=4",
         "--taskd-controller",
         controller.address,
         "--taskd-job-id",
         work.name,
-        str(EXAMPLES / script),
-        "--ckpt-dir",
-        str(work / "ckpt"),
-        "--progress",
-        str(progress),
-        "--result",
-        str(result),
+        *example_argv,
         "--steps",
         str(steps),
         "--ckpt-every",

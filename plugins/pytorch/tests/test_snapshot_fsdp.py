@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pt_support import EXAMPLES, Launcher, events, last_step, one_node_job, restores, workers
+from pt_support import Launcher, events, example, last_step, one_node_job, restores, workers
 from pt_support import finish_one as finish
 
 from taskd_core.testing import descendants, free_port, wait_until
@@ -162,8 +162,7 @@ def test_on_two_nodes_a_damaged_local_copy_is_replaced_by_the_peer_copy_on_the_o
 ) -> None:
     """2 taskdrun nodes x 2 ranks: every snapshot also goes to the same local rank on the other node."""
     work = tmp_path / "peer"
-    work.mkdir()
-    progress, result = work / "progress.jsonl", work / "result.json"
+    example_argv, progress, result = example("train_fsdp.py", work)
     rdzv = [
         "--nnodes=2",
         "--nproc-per-node=2",
@@ -173,13 +172,7 @@ def test_on_two_nodes_a_damaged_local_copy_is_replaced_by_the_peer_copy_on_the_o
         "--taskd-no-hang-detection",
     ]
     job = [
-        str(EXAMPLES / "train_fsdp.py"),
-        "--ckpt-dir",
-        str(work / "ckpt"),
-        "--progress",
-        str(progress),
-        "--result",
-        str(result),
+        *example_argv,
         *ARGS,
     ]
     nodes = [launch(*rdzv, *job, log=f"peer{n}", env={"TASKD_JOB_TOKEN": "s3cret"}) for n in (0, 1)]
@@ -216,21 +209,14 @@ def test_a_lost_node_is_replaced_by_a_spare_whose_ranks_restore_from_the_peer_co
 ) -> None:
     """2 taskdrun nodes x 2 ranks and a hot spare; the node without the controller loses its whole tree."""
     work = tmp_path / "spare"
-    work.mkdir()
-    progress, result = work / "progress.jsonl", work / "result.json"
+    example_argv, progress, result = example("train_fsdp.py", work)
     argv = [
         "--nnodes=2",
         "--nproc-per-node=2",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{free_port()}",
         "--rdzv-id=spare",
-        str(EXAMPLES / "train_fsdp.py"),
-        "--ckpt-dir",
-        str(work / "ckpt"),
-        "--progress",
-        str(progress),
-        "--result",
-        str(result),
+        *example_argv,
         *ARGS,
         "--step-time",
         "1.5",
